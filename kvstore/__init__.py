@@ -1,0 +1,39 @@
+"""kvstrata: a tiered KV-cache store for LLM inference."""
+
+from kvstore.config import HashAlgo, KVLayout, StoreConfig
+from kvstore.errors import (
+    ConfigError,
+    CorruptRecordError,
+    DiskFullError,
+    InvalidInputError,
+    InvalidTokensError,
+    KVStoreError,
+    LayoutMismatchError,
+    StoreClosedError,
+)
+from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
+from kvstore.store import KVCacheStore, RetrieveResult, StoreStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockHash",
+    "ConfigError",
+    "CorruptRecordError",
+    "DiskFullError",
+    "ExtraKeys",
+    "HashAlgo",
+    "InvalidInputError",
+    "InvalidTokensError",
+    "KVCacheStore",
+    "KVLayout",
+    "KVStoreError",
+    "LayoutMismatchError",
+    "MultiModalInput",
+    "RetrieveResult",
+    "StoreClosedError",
+    "StoreConfig",
+    "StoreStats",
+    "block_hashes",
+    "namespace_seed",
+]

@@ -1,0 +1,188 @@
+"""Frozen, validated configuration: the KV layout and the store's settings."""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from kvstore.errors import ConfigError
+
+# dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical short name of a supported torch dtype ('bfloat16', ...)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+class HashAlgo(str, enum.Enum):
+    """Hash function of the block-hash chain."""
+
+    XXH3_128 = "xxh3_128"  # fast, 128-bit, non-cryptographic (default)
+    SHA256 = "sha256"  # collision-resistant, for multi-tenant deployments
+
+    @property
+    def digest_bytes(self) -> int:
+        return 16 if self is HashAlgo.XXH3_128 else 32
+
+
+def parse_hash_algo(value: HashAlgo | str) -> HashAlgo:
+    try:
+        return HashAlgo(value)
+    except ValueError:
+        raise ConfigError(
+            f"hash_algo must be one of {[a.value for a in HashAlgo]}, got {value!r}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one token's KV: `num_layers` x (K, V) x `num_kv_heads` x `head_dim`.
+
+    A block of `block_size` tokens is the tensor `[num_layers, 2, block_size, num_kv_heads,
+    head_dim]`; `dtype` may be given as a torch dtype or its name.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        dtype = self.dtype
+        if isinstance(dtype, str):
+            if dtype.removeprefix("torch.") not in _DTYPES:
+                raise ConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
+            object.__setattr__(self, "dtype", _DTYPES[dtype.removeprefix("torch.")])
+        elif isinstance(dtype, torch.dtype):
+            dtype_name(dtype)
+        else:
+            raise ConfigError(f"KVLayout.dtype must be a torch.dtype or name, got {dtype!r}")
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV per token, K and V of every layer together."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_bytes
+
+    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.token_bytes * block_size
+
+    def identity(self) -> list[object]:
+        """Canonical, hashable description that enters every block key."""
+        return [self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_name]
+
+
+def _positive_int(owner: str, name: str, value: object, *, allow_zero: bool = False) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{owner}.{name} must be an int {bound}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Settings of a `KVCacheStore`, validated at construction.
+
+    Attributes:
+        layout: the KV layout every stored tensor must match.
+        block_size: tokens per block; only full blocks are cached.
+        namespace: model identity (name, revision, ...). It enters every block key together
+            with the layout, dtype, block size and hash algorithm, so two configurations
+            never share an entry.
+        cpu_bytes: capacity of the CPU tier (0 disables it). Pinned when CUDA is present.
+        disk_path: directory of the LMDB tier; None disables it.
+        disk_bytes: capacity of the LMDB tier, payload pages included.
+        hash_algo: `HashAlgo` or its name.
+        verify_tokens: keep each block's token ids beside it and treat a hit whose tokens
+            differ as a miss (a guard against hash collisions).
+        disk_sync: fsync each LMDB commit (durable across power loss; a killed process
+            never loses a committed block either way).
+        write_through: write stored blocks to the disk tier at once as well as to the CPU
+            tier (they survive a killed process; CPU eviction costs no write). Otherwise
+            blocks reach disk when the CPU tier evicts them, or on `close()`.
+        persist_on_close: on `close()`, copy CPU-tier blocks not yet on disk down to it, so
+            a reopened store finds everything.
+    """
+
+    layout: KVLayout
+    block_size: int = 16
+    namespace: str = "default"
+    cpu_bytes: int = 1 << 30
+    disk_path: str | os.PathLike[str] | None = None
+    disk_bytes: int = 8 << 30
+    hash_algo: HashAlgo = HashAlgo.XXH3_128
+    verify_tokens: bool = True
+    disk_sync: bool = True
+    write_through: bool = False
+    persist_on_close: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError(f"StoreConfig.layout must be a KVLayout, got {self.layout!r}")
+        _positive_int("StoreConfig", "block_size", self.block_size)
+        _positive_int("StoreConfig", "cpu_bytes", self.cpu_bytes, allow_zero=True)
+        _positive_int("StoreConfig", "disk_bytes", self.disk_bytes)
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
+        object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        if self.disk_path is not None:
+            object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+        if 0 < self.cpu_bytes < self.block_bytes:
+            raise ConfigError(
+                f"StoreConfig.cpu_bytes={self.cpu_bytes} holds no block of {self.block_bytes} "
+                "bytes; use 0 to disable the CPU tier"
+            )
+        if self.disk_path is not None and self.disk_bytes < 2 * self.block_bytes:
+            raise ConfigError(
+                f"StoreConfig.disk_bytes={self.disk_bytes} is below two blocks "
+                f"({2 * self.block_bytes} bytes)"
+            )
+        if self.cpu_bytes == 0 and self.disk_path is None:
+            raise ConfigError("StoreConfig enables no tier: set cpu_bytes or disk_path")
+
+    @cached_property
+    def block_bytes(self) -> int:
+        return self.layout.block_bytes(self.block_size)
+
+    @cached_property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return self.layout.block_shape(self.block_size)
+
+    @cached_property
+    def cpu_blocks(self) -> int:
+        return self.cpu_bytes // self.block_bytes
+
+    def identity(self) -> list[object]:
+        """What makes two stores' keys comparable: namespace, layout, block size, algorithm."""
+        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value]

@@ -1,0 +1,224 @@
+"""Pure, deterministic chained block hashing.
+
+h_0 = H(seed(namespace) || tokens_0 || extras_0) and h_i = H(h_{i-1} || tokens_i || extras_i),
+over full blocks only. Tokens are encoded as little-endian uint32 whatever they arrive as;
+extras are canonical msgpack, appended only when a block has any (the token part has a
+fixed length, so the encoding is unambiguous). Nothing depends on Python's `hash()`,
+`PYTHONHASHSEED`, the platform's integer width or the process: golden vectors in
+`tests/test_hashing.py` pin the digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NewType
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.config import HashAlgo, parse_hash_algo
+from kvstore.errors import InvalidInputError, InvalidTokensError
+
+BlockHash = NewType("BlockHash", bytes)
+"""Digest identifying one full block together with its whole prefix and namespace."""
+
+HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
+_TOKEN_MAX = 2**32
+
+
+@dataclass(frozen=True)
+class MultiModalInput:
+    """A multimodal input occupying `num_tokens` placeholder tokens from `token_offset`.
+
+    Its `content_hash` enters the key of every block the span overlaps.
+    """
+
+    content_hash: str | bytes
+    token_offset: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.content_hash, (str, bytes)) or not self.content_hash:
+            raise InvalidInputError(
+                f"MultiModalInput.content_hash must be non-empty str or bytes, got {self.content_hash!r}"
+            )
+        for name in ("token_offset", "num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"MultiModalInput.{name} must be an int >= 0, got {value!r}")
+        if self.num_tokens == 0:
+            raise InvalidInputError("MultiModalInput.num_tokens must be > 0")
+
+
+@dataclass(frozen=True)
+class ExtraKeys:
+    """Values besides the tokens that make a block's KV distinct.
+
+    Attributes:
+        cache_salt: isolates tenants; mixed into the first block, hence into every key.
+        lora_id: the adapter the KV was computed with; mixed into every block.
+        mm_inputs: multimodal inputs as `MultiModalInput` or `(content_hash, token_offset,
+            num_tokens)` tuples; each enters every block it overlaps.
+    """
+
+    cache_salt: str | bytes | None = None
+    lora_id: int | str | None = None
+    mm_inputs: tuple[MultiModalInput, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.cache_salt is not None and not isinstance(self.cache_salt, (str, bytes)):
+            raise InvalidInputError(f"ExtraKeys.cache_salt must be str or bytes, got {self.cache_salt!r}")
+        if self.lora_id is not None and (
+            isinstance(self.lora_id, bool) or not isinstance(self.lora_id, (int, str))
+        ):
+            raise InvalidInputError(f"ExtraKeys.lora_id must be int or str, got {self.lora_id!r}")
+        if isinstance(self.lora_id, int) and not -(2**63) <= self.lora_id < 2**64:
+            raise InvalidInputError(f"ExtraKeys.lora_id {self.lora_id} does not fit 64 bits")
+        if isinstance(self.mm_inputs, (str, bytes)) or not isinstance(self.mm_inputs, Sequence):
+            raise InvalidInputError(f"ExtraKeys.mm_inputs must be a sequence, got {self.mm_inputs!r}")
+        items = []
+        for item in self.mm_inputs:
+            if isinstance(item, MultiModalInput):
+                items.append(item)
+            elif isinstance(item, Sequence) and len(item) == 3:
+                items.append(MultiModalInput(*item))
+            else:
+                raise InvalidInputError(
+                    f"ExtraKeys.mm_inputs items must be MultiModalInput or "
+                    f"(content_hash, token_offset, num_tokens), got {item!r}"
+                )
+        items.sort(key=lambda m: (m.token_offset, m.num_tokens))
+        object.__setattr__(self, "mm_inputs", tuple(items))
+
+    def is_empty(self) -> bool:
+        return self.cache_salt is None and self.lora_id is None and not self.mm_inputs
+
+    def block_extras(self, block_index: int, block_size: int) -> bytes:
+        """Canonical encoding of this block's extras; b"" when it has none."""
+        start, end = block_index * block_size, (block_index + 1) * block_size
+        items: list[list[object]] = []
+        if block_index == 0 and self.cache_salt is not None:
+            items.append(["salt", self.cache_salt])
+        if self.lora_id is not None:
+            items.append(["lora", self.lora_id])
+        for mm in self.mm_inputs:
+            if mm.token_offset < end and mm.token_offset + mm.num_tokens > start:
+                items.append(["mm", mm.content_hash, mm.token_offset])
+        return msgpack.packb(items, use_bin_type=True) if items else b""
+
+
+def as_token_array(tokens: object) -> np.ndarray:
+    """Validate `tokens` and return them as a contiguous little-endian uint32 array.
+
+    Accepts a Python sequence of ints, a NumPy integer array, or an integer torch tensor on
+    any device. Raises `InvalidTokensError` for anything else: non-integers, more than one
+    dimension, or values outside [0, 2**32).
+    """
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise InvalidTokensError(f"tokens must be integers, got a tensor of {tokens.dtype}")
+        arr = tokens.detach().to("cpu").numpy()
+    elif isinstance(tokens, np.ndarray):
+        arr = tokens
+    elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
+        raise InvalidTokensError(
+            f"tokens must be a sequence of ints, a NumPy array or a torch tensor, got {type(tokens).__name__}"
+        )
+    else:
+        if any(isinstance(t, bool) for t in tokens):
+            raise InvalidTokensError("tokens must be integers, got a bool")
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, OverflowError, TypeError) as exc:
+            raise InvalidTokensError(f"tokens must be integers in [0, 2**32): {exc}") from None
+        if arr.size == 0:
+            arr = arr.astype(np.uint32)
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidTokensError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_MAX):
+        raise InvalidTokensError(
+            f"tokens must lie in [0, 2**32), got values in [{int(arr.min())}, {int(arr.max())}]"
+        )
+    return np.ascontiguousarray(arr, dtype="<u4")
+
+
+def _digest_fn(algo: HashAlgo):  # type: ignore[no-untyped-def]
+    if algo is HashAlgo.XXH3_128:
+        return xxhash.xxh3_128_digest
+    return lambda data: hashlib.sha256(data).digest()
+
+
+def _canonical_namespace(namespace: object) -> bytes:
+    if isinstance(namespace, bytes):
+        return namespace
+    if isinstance(namespace, str):
+        return namespace.encode()
+    if isinstance(namespace, (list, tuple)):
+        return msgpack.packb(list(namespace), use_bin_type=True)
+    raise InvalidInputError(f"namespace must be str, bytes or a list of them, got {namespace!r}")
+
+
+@lru_cache(maxsize=256)
+def _seed(canonical: bytes, algo: HashAlgo) -> BlockHash:
+    return BlockHash(_digest_fn(algo)(HASH_FORMAT_VERSION + canonical))
+
+
+def namespace_seed(namespace: str | bytes | Sequence[object], algo: HashAlgo | str = "xxh3_128") -> BlockHash:
+    """The chain's root: a digest of the namespace (model, layout, dtype, block size, ...)."""
+    algo = parse_hash_algo(algo)
+    return _seed(_canonical_namespace(namespace), algo)
+
+
+def block_hashes(
+    tokens: object,
+    block_size: int,
+    *,
+    namespace: str | bytes | Sequence[object],
+    extra_keys: ExtraKeys | None = None,
+    algo: HashAlgo | str = "xxh3_128",
+) -> list[BlockHash]:
+    """Chained hashes of every full block of `tokens` (a trailing partial block is ignored).
+
+    Raises:
+        InvalidTokensError: tokens are malformed (see `as_token_array`).
+        InvalidInputError: block_size is not a positive int or extra_keys is malformed.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+        raise InvalidInputError(f"block_size must be a positive int, got {block_size!r}")
+    if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+        raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
+    arr = as_token_array(tokens)
+    return chain_hashes(arr, block_size, namespace_seed(namespace, algo), extra_keys, parse_hash_algo(algo))
+
+
+def chain_hashes(
+    arr: np.ndarray,
+    block_size: int,
+    seed: BlockHash,
+    extra_keys: ExtraKeys | None,
+    algo: HashAlgo,
+) -> list[BlockHash]:
+    """`block_hashes` for an already validated uint32 array and a precomputed seed."""
+    digest = _digest_fn(algo)
+    step = block_size * 4
+    buf = arr.tobytes()
+    num_blocks = len(arr) // block_size
+    out: list[BlockHash] = []
+    prev: bytes = seed
+    if extra_keys is None or extra_keys.is_empty():
+        for i in range(num_blocks):
+            prev = digest(prev + buf[i * step : (i + 1) * step])
+            out.append(BlockHash(prev))
+    else:
+        for i in range(num_blocks):
+            extras = extra_keys.block_extras(i, block_size)
+            prev = digest(prev + buf[i * step : (i + 1) * step] + extras)
+            out.append(BlockHash(prev))
+    return out

@@ -1,0 +1,284 @@
+"""`KVCacheStore`: prefix-matching store/retrieve of KV tensors over a stack of tiers."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError, DiskFullError, LayoutMismatchError, StoreClosedError
+from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.errors import InvalidInputError
+from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.cpu import CPUTier
+from tiers.lmdb import LMDBTier
+
+
+class RetrieveResult(NamedTuple):
+    """What `retrieve` found.
+
+    Attributes:
+        num_tokens: length of the longest cached prefix, a multiple of `block_size`.
+        kv: `[num_layers, 2, num_tokens, num_kv_heads, head_dim]`, or None when num_tokens == 0.
+        blocks_per_tier: how many of the returned blocks each tier served.
+    """
+
+    num_tokens: int
+    kv: torch.Tensor | None
+    blocks_per_tier: dict[TierKind, int]
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store was opened, and a snapshot of every tier."""
+
+    num_store_calls: int
+    num_retrieve_calls: int
+    num_lookup_calls: int
+    num_blocks_stored: int
+    num_tokens_requested: int
+    num_tokens_hit: int
+    num_promotion_failures: int
+    tiers: tuple[TierStats, ...]
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.num_tokens_hit / self.num_tokens_requested if self.num_tokens_requested else 0.0
+
+
+class KVCacheStore:
+    """A prefix-matching KV cache over the CPU tier and the LMDB disk tier, fastest first.
+
+    `store` writes new full blocks into the top tier; tiers demote their least recently used
+    blocks downwards. `retrieve` walks the chained block hashes through the tiers in order,
+    stops at the first miss, and promotes lower-tier hits into the top tier. All calls are
+    thread-safe (one lock per store); several processes may share one `disk_path`.
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        if not isinstance(config, StoreConfig):
+            raise ConfigError(f"KVCacheStore needs a StoreConfig, got {type(config).__name__}")
+        self.config = config
+        shape, dtype = config.block_shape, config.layout.dtype
+        disk = None
+        if config.disk_path is not None:
+            disk = LMDBTier(
+                str(config.disk_path), config.disk_bytes, shape, dtype,
+                verify_tokens=config.verify_tokens, sync=config.disk_sync,
+            )
+        cpu = None
+        if config.cpu_bytes:
+            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens)
+        self._tiers: list[Tier] = [t for t in (cpu, disk) if t is not None]
+        self._seed = namespace_seed(config.identity(), config.hash_algo)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
+        self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
+        self._num_promotion_failures = 0
+
+    # -- context manager -------------------------------------------------------------------
+    def __enter__(self) -> KVCacheStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(self._tiers)
+
+    # -- hashing ---------------------------------------------------------------------------
+    def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None) -> list[BlockHash]:
+        """The chained keys of `tokens`' full blocks in this store's namespace."""
+        return self._hash(tokens, extra_keys)[1]
+
+    def _hash(self, tokens: object, extra_keys: ExtraKeys | None) -> tuple[np.ndarray, list[BlockHash]]:
+        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+            raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
+        arr = as_token_array(tokens)
+        cfg = self.config
+        return arr, chain_hashes(arr, cfg.block_size, self._seed, extra_keys, cfg.hash_algo)
+
+    def _keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
+        if not self.config.verify_tokens:
+            return [BlockKey(h) for h in hashes]
+        b = self.config.block_size
+        buf = arr.tobytes()
+        return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
+
+    def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
+        layout = self.config.layout
+        expected = f"[num_layers={layout.num_layers}, 2, num_tokens={num_tokens}, num_kv_heads={layout.num_kv_heads}, head_dim={layout.head_dim}]"
+        if not isinstance(kv, torch.Tensor):
+            raise LayoutMismatchError(f"kv must be a torch.Tensor {expected}, got {type(kv).__name__}")
+        if kv.dim() != 5:
+            raise LayoutMismatchError(f"kv has shape {tuple(kv.shape)}; the layout expects {expected}")
+        num_layers, two, n, heads, dim = kv.shape
+        if (num_layers, two, heads, dim) != (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim):
+            raise LayoutMismatchError(f"kv has shape {tuple(kv.shape)}; the layout expects {expected}")
+        if n != num_tokens:
+            raise LayoutMismatchError(f"kv holds {n} tokens but {num_tokens} tokens were given")
+        if kv.dtype != layout.dtype:
+            raise LayoutMismatchError(f"kv dtype is {kv.dtype}; the layout expects {layout.dtype}")
+        return kv
+
+    # -- the API ---------------------------------------------------------------------------
+    def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
+        """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
+
+        `kv` is `[num_layers, 2, len(tokens), num_kv_heads, head_dim]` of the layout's dtype on
+        any device. Invalid input raises an `InvalidInputError` subclass and stores nothing;
+        `DiskFullError` means the tiers could not make room (reads keep working).
+        """
+        self._check_open()
+        arr, hashes = self._hash(tokens, extra_keys)
+        kv = self._check_kv(kv, len(arr))
+        b = self.config.block_size
+        keys = self._keys(arr, hashes)
+        srcs = [kv[:, :, i * b : (i + 1) * b] for i in range(len(hashes))]
+        with self._lock:
+            self._check_open()
+            self._num_store_calls += 1
+            if hashes:
+                self._num_blocks_stored += self._tiers[0].put(keys[::-1], srcs[::-1])
+                if self.config.write_through and len(self._tiers) > 1:
+                    self._tiers[-1].put(keys[::-1], srcs[::-1])
+            return len(self._walk(hashes)) * b
+
+    def retrieve(
+        self,
+        tokens: object,
+        *,
+        extra_keys: ExtraKeys | None = None,
+        device: torch.device | str | None = None,
+    ) -> RetrieveResult:
+        """Return the KV of the longest cached prefix of `tokens` (on `device`, default CPU).
+
+        Blocks come from the fastest tier holding them; lower-tier hits are promoted to the
+        top tier. A block that fails validation ends the prefix there and is deleted.
+        """
+        self._check_open()
+        arr, hashes = self._hash(tokens, extra_keys)
+        keys = self._keys(arr, hashes)
+        cfg = self.config
+        b = cfg.block_size
+        with self._lock:
+            self._check_open()
+            self._num_retrieve_calls += 1
+            self._num_tokens_requested += len(arr)
+            plan = self._walk(hashes)
+            counts: dict[TierKind, int] = {}
+            if not plan:
+                return RetrieveResult(0, None, counts)
+            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device or "cpu")
+            dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
+            num_ok = 0
+            while num_ok < len(plan):
+                tier_index = plan[num_ok]
+                end = num_ok
+                while end < len(plan) and plan[end] == tier_index:
+                    end += 1
+                tier = self._tiers[tier_index]
+                got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+                if got:
+                    counts[tier.kind] = counts.get(tier.kind, 0) + got
+                num_ok += got
+                if num_ok < end:
+                    break
+            self._promote(keys, dsts, plan, num_ok)
+            self._num_tokens_hit += num_ok * b
+            if num_ok == 0:
+                return RetrieveResult(0, None, {})
+            kv = out if num_ok == len(plan) else out[:, :, : num_ok * b].clone()
+            return RetrieveResult(num_ok * b, kv, counts)
+
+    def _promote(self, keys: list[BlockKey], dsts: list[torch.Tensor], plan: list[int], num_ok: int) -> None:
+        top = self._tiers[0]
+        lower = [i for i in range(num_ok) if plan[i] != 0]
+        try:
+            if lower:
+                top.put([keys[i] for i in reversed(lower)], [dsts[i] for i in reversed(lower)])
+        except DiskFullError:
+            self._num_promotion_failures += 1
+        top.touch([k.block_hash for k in reversed(keys[:num_ok])])
+
+    def lookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
+        """The `num_tokens` that `retrieve` would return now; moves no KV data, changes nothing.
+
+        A record found damaged by a later `retrieve` can make that call return less.
+        """
+        self._check_open()
+        _, hashes = self._hash(tokens, extra_keys)
+        with self._lock:
+            self._check_open()
+            self._num_lookup_calls += 1
+            return len(self._walk(hashes)) * self.config.block_size
+
+    def _walk(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Index of the fastest tier holding each block of the longest cached prefix."""
+        plan: list[int] = []
+        pos = 0
+        while pos < len(hashes):
+            for index, tier in enumerate(self._tiers):
+                k = tier.match_prefix(hashes[pos:])
+                if k:
+                    plan.extend([index] * k)
+                    pos += k
+                    break
+            else:
+                break
+        return plan
+
+    # -- housekeeping ----------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """Counters and per-tier snapshots; changes nothing."""
+        with self._lock:
+            self._check_open()
+            return StoreStats(
+                num_store_calls=self._num_store_calls,
+                num_retrieve_calls=self._num_retrieve_calls,
+                num_lookup_calls=self._num_lookup_calls,
+                num_blocks_stored=self._num_blocks_stored,
+                num_tokens_requested=self._num_tokens_requested,
+                num_tokens_hit=self._num_tokens_hit,
+                num_promotion_failures=self._num_promotion_failures,
+                tiers=tuple(t.stats() for t in self._tiers),
+            )
+
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""
+        with self._lock:
+            self._check_open()
+            for tier in self._tiers:
+                tier.check_integrity()
+
+    def clear(self) -> None:
+        """Delete every block from every tier (the disk tier too)."""
+        with self._lock:
+            self._check_open()
+            for tier in self._tiers:
+                tier.clear()
+
+    def close(self) -> None:
+        """Flush and release every tier. Idempotent; other calls then raise `StoreClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                top = self._tiers[0]
+                if self.config.persist_on_close and isinstance(top, CPUTier):
+                    top.spill()
+            finally:
+                for tier in self._tiers:
+                    tier.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("KVCacheStore is closed")

@@ -1,0 +1,116 @@
+"""The one narrow protocol every tier implements (pool, CPU, disk).
+
+A tier holds whole blocks, each a tensor `[num_layers, 2, block_size, num_kv_heads, head_dim]`
+of the layout's dtype, keyed by `BlockHash`. Sequences of blocks passed to `put` and `touch`
+are in *eviction order*: the first entry is the first to be evicted. Callers storing a
+sequence pass it tail first, so a sequence's tail leaves a tier before its prefix (a block
+is useless once its parent is gone). `get_into` takes keys in prefix order.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kvstore.hashing import BlockHash
+
+
+class TierKind(str, enum.Enum):
+    """Which tier served a block; ordered from fastest to slowest."""
+
+    POOL = "pool"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+class BlockKey(NamedTuple):
+    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes)."""
+
+    block_hash: BlockHash
+    tokens: bytes = b""
+
+
+@dataclass(frozen=True)
+class TierStats:
+    """A snapshot of one tier's occupancy and counters."""
+
+    kind: TierKind
+    num_blocks: int
+    capacity_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+    num_hits: int
+    num_puts: int
+    num_evictions: int
+    num_corrupt: int
+
+
+class Tier(abc.ABC):
+    """A store of fixed-size KV blocks with LRU eviction.
+
+    Invariant: every held block is bit-exact with what was put under its hash; a block
+    that fails validation is deleted and reported as absent, never returned.
+    """
+
+    kind: TierKind
+
+    @property
+    @abc.abstractmethod
+    def capacity_blocks(self) -> int:
+        """Upper bound on the number of blocks held (an estimate for byte-bounded tiers)."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of blocks held now."""
+
+    @abc.abstractmethod
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Count the leading `block_hashes` this tier holds. Changes nothing; 0 for []."""
+
+    @abc.abstractmethod
+    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        """Copy the blocks of `keys` (prefix order) into `dsts`; return how many were copied.
+
+        Stops at the first block that is absent or fails validation (the latter is deleted).
+        `dsts` are block-shaped tensors of the layout's dtype on any device, possibly
+        strided. Copied blocks become most recently used, prefix last. 0 for [].
+        """
+
+    @abc.abstractmethod
+    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        """Store blocks not already held; return how many were written.
+
+        `keys`/`srcs` are in eviction order. Blocks already held are only touched. Room is
+        made by evicting least recently used blocks (demoted to the next tier down where
+        there is one). Raises `DiskFullError` if the write cannot be made; then nothing
+        of this call was stored.
+        """
+
+    @abc.abstractmethod
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Mark held blocks (eviction order) most recently used; absent ones are ignored."""
+
+    @abc.abstractmethod
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Delete the given blocks if held (no demotion); return how many were deleted."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Delete every block."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release memory and files. Idempotent; later calls raise `StoreClosedError`."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` (a bug) if an internal invariant does not hold."""
+
+    @abc.abstractmethod
+    def stats(self) -> TierStats:
+        """Occupancy and counters; changes nothing."""

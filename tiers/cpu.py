@@ -1,0 +1,244 @@
+"""CPU tier: a preallocated slab of block slots in host memory (pinned when CUDA is present)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.errors import StoreClosedError
+from kvstore.hashing import BlockHash
+from tiers.base import BlockKey, Tier, TierKind, TierStats
+
+
+class CPUTier(Tier):
+    """Fixed slots of `block_bytes` each, an index from hash to slot, LRU over unpinned blocks.
+
+    Invariant: every slot is either free or holds exactly one indexed block; an indexed block
+    is either pinned (ref count > 0, not evictable) or in the LRU order. Evicted blocks are
+    demoted to `lower` (if any) before their slot is reused.
+    """
+
+    kind = TierKind.CPU
+
+    def __init__(
+        self,
+        num_slots: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        lower: Tier | None = None,
+        verify_tokens: bool = True,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"CPUTier needs at least one slot, got {num_slots}")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
+        self._num_slots = num_slots
+        self._block_bytes = self._slab[0].numel() * self._slab.element_size()
+        self._lower = lower
+        self._verify_tokens = verify_tokens
+        self._index: dict[BlockHash, int] = {}
+        self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # first = least recent
+        self._refs: dict[BlockHash, int] = {}
+        self._slot_tokens: list[bytes] = [b""] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._closed = False
+        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self._num_slots
+
+    @property
+    def is_pinned_memory(self) -> bool:
+        return self._slab.is_pinned()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        n = 0
+        for h in block_hashes:
+            if h not in self._index:
+                break
+            n += 1
+        return n
+
+    def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
+        """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""
+        slot = self._index.get(block_hash)
+        return None if slot is None else self._slab[slot]
+
+    # -- data movement ---------------------------------------------------------------------
+    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        n = 0
+        for key, dst in zip(keys, dsts):
+            slot = self._index.get(key.block_hash)
+            if slot is None:
+                break
+            if self._verify_tokens and key.tokens and self._slot_tokens[slot] != key.tokens:
+                self._num_corrupt += 1
+                self._drop(key.block_hash)
+                break
+            dst.copy_(self._slab[slot])
+            n += 1
+        self._num_hits += n
+        self.touch([k.block_hash for k in reversed(keys[:n])])
+        return n
+
+    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        if len(keys) != len(srcs):
+            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+        self.touch([k.block_hash for k in keys])
+        new = [i for i, k in enumerate(keys) if k.block_hash not in self._index]
+        # Duplicates inside one call: keep the last (least evictable) occurrence.
+        seen: set[BlockHash] = set()
+        unique = []
+        for i in reversed(new):
+            if keys[i].block_hash not in seen:
+                seen.add(keys[i].block_hash)
+                unique.append(i)
+        new = unique[::-1]
+        evictable = len(self._free) + len(self._lru)
+        overflow, new = new[: max(0, len(new) - evictable)], new[max(0, len(new) - evictable) :]
+        if overflow and self._lower is not None:
+            # More new blocks than this tier can ever hold: the most evictable skip it.
+            self._lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
+        self._make_room(len(new) - len(self._free))
+        for i in new:
+            slot = self._free.pop()
+            self._slab[slot].copy_(srcs[i])
+            self._slot_tokens[slot] = keys[i].tokens if self._verify_tokens else b""
+            self._index[keys[i].block_hash] = slot
+            self._lru[keys[i].block_hash] = None
+        self._num_puts += len(new)
+        return len(new)
+
+    def _make_room(self, num_needed: int) -> None:
+        if num_needed <= 0:
+            return
+        victims = []
+        for h in self._lru:
+            if len(victims) == num_needed:
+                break
+            victims.append(h)
+        if self._lower is not None:
+            slots = [self._index[h] for h in victims]
+            toks = [self._slot_tokens[s] for s in slots]
+            # Raises DiskFullError before anything here changed: the victims stay.
+            self._lower.put(
+                [BlockKey(h, t) for h, t in zip(victims, toks)], [self._slab[s] for s in slots]
+            )
+        for h in victims:
+            self._drop(h)
+        self._num_evictions += len(victims)
+
+    def spill(self) -> int:
+        """Copy every block not yet in `lower` down to it (LRU order); keep them here too.
+
+        Returns how many blocks `lower` wrote. Used to persist the tier on shutdown.
+        """
+        self._check_open()
+        if self._lower is None or not self._index:
+            return 0
+        order = [*self._lru, *self._refs]
+        slots = [self._index[h] for h in order]
+        keys = [BlockKey(h, self._slot_tokens[s]) for h, s in zip(order, slots)]
+        return self._lower.put(keys, [self._slab[s] for s in slots])
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        for h in block_hashes:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Protect the leading held blocks from eviction; return how many were pinned."""
+        self._check_open()
+        n = 0
+        for h in block_hashes:
+            if h not in self._index:
+                break
+            self._lru.pop(h, None)
+            self._refs[h] = self._refs.get(h, 0) + 1
+            n += 1
+        return n
+
+    def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo `pin` (eviction order); a block whose count reaches 0 becomes most recent."""
+        for h in block_hashes:
+            count = self._refs.get(h)
+            if count is None:
+                raise RuntimeError(f"unpin of block {h.hex()} that is not pinned (a bug)")
+            if count == 1:
+                del self._refs[h]
+                self._lru[h] = None
+            else:
+                self._refs[h] = count - 1
+
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        n = 0
+        for h in block_hashes:
+            if h in self._index and h not in self._refs:
+                self._drop(h)
+                n += 1
+        return n
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        slot = self._index.pop(block_hash)
+        self._lru.pop(block_hash, None)
+        self._refs.pop(block_hash, None)
+        self._slot_tokens[slot] = b""
+        self._free.append(slot)
+
+    def clear(self) -> None:
+        self._check_open()
+        for h in list(self._index):
+            self._drop(h)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._index.clear()
+            self._lru.clear()
+            self._refs.clear()
+            self._slab = torch.empty(0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("CPU tier is closed")
+
+    def check_integrity(self) -> None:
+        slots = list(self._index.values())
+        if len(set(slots)) != len(slots):
+            raise RuntimeError("CPU tier: two blocks share a slot (a bug)")
+        if set(slots) & set(self._free) or len(slots) + len(self._free) != self._num_slots:
+            raise RuntimeError(
+                f"CPU tier: {len(slots)} used + {len(self._free)} free != {self._num_slots} slots (a bug)"
+            )
+        if set(self._lru) & set(self._refs) or set(self._lru) | set(self._refs) != set(self._index):
+            raise RuntimeError("CPU tier: LRU and pinned sets do not partition the index (a bug)")
+        if any(c <= 0 for c in self._refs.values()):
+            raise RuntimeError("CPU tier: non-positive pin count (a bug)")
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            kind=self.kind,
+            num_blocks=len(self._index),
+            capacity_blocks=self._num_slots,
+            used_bytes=len(self._index) * self._block_bytes,
+            capacity_bytes=self._num_slots * self._block_bytes,
+            num_hits=self._num_hits,
+            num_puts=self._num_puts,
+            num_evictions=self._num_evictions,
+            num_corrupt=self._num_corrupt,
+        )

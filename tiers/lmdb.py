@@ -1,0 +1,414 @@
+"""Disk tier: LMDB under `disk_path`, checksummed records, byte-bounded LRU eviction.
+
+Record = b"KVS1" | u32 header length | msgpack header | raw block bytes. The header names
+the format version, the key, the layout (dtype, shape), the payload length, the block's
+token ids and an xxh3-64 checksum over key, tokens and payload. Any mismatch on read is a
+miss and the record is deleted. The LRU order lives in LMDB itself (sub-databases `atime`
+hash->tick and `lru` tick->hash), so a reopened store finds everything committed and
+evicts in the same order. Reads never take LMDB's writer lock: their recency updates are
+buffered and applied in the next write transaction.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections.abc import Sequence
+
+import lmdb
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from kvstore.config import dtype_name
+from kvstore.errors import CorruptRecordError, DiskFullError, StoreClosedError
+from kvstore.hashing import BlockHash
+from tiers.base import BlockKey, Tier, TierKind, TierStats
+
+FORMAT_VERSION = 1
+_MAGIC = b"KVS1"
+_PREFIX = struct.Struct("<4sI")
+_U64 = struct.Struct("<Q")
+_TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+_PAGE = 4096
+_ENTRY_OVERHEAD = 128  # atime + lru entries and B-tree slack per block
+_MAX_PENDING_TOUCHES = 4096
+_DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
+
+
+def record_bytes_on_disk(value_len: int) -> int:
+    """Bytes a record of `value_len` occupies in LMDB: overflow pages plus index entries."""
+    return -(-(value_len + 16) // _PAGE) * _PAGE + _ENTRY_OVERHEAD
+
+
+# -- one Environment per file per process (LMDB forbids opening a file twice in a process) --
+_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, pid]
+_ENVS_LOCK = threading.Lock()
+
+
+def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environment]:
+    os.makedirs(path, exist_ok=True)
+    real = os.path.realpath(path)
+    with _ENVS_LOCK:
+        entry = _ENVS.get(real)
+        if entry is not None and entry[2] == os.getpid():
+            entry[1] += 1
+            if entry[0].info()["map_size"] < map_size:
+                entry[0].set_mapsize(map_size)
+            return real, entry[0]
+        env = lmdb.open(
+            real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
+            sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
+        )
+        _ENVS[real] = [env, 1, os.getpid()]
+        return real, env
+
+
+def _release_env(real: str) -> None:
+    with _ENVS_LOCK:
+        entry = _ENVS.get(real)
+        if entry is None or entry[2] != os.getpid():
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _ENVS[real]
+            entry[0].close()
+
+
+def _is_enospc(exc: BaseException) -> bool:
+    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+
+
+class LMDBTier(Tier):
+    """Blocks in an LMDB environment, bounded by `capacity_bytes` of disk (pages counted)."""
+
+    kind = TierKind.DISK
+
+    def __init__(
+        self,
+        path: str,
+        capacity_bytes: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        verify_tokens: bool = True,
+        sync: bool = True,
+    ) -> None:
+        self._shape = list(block_shape)
+        self._dtype = dtype
+        self._dtype_name = dtype_name(dtype)
+        self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
+        self._capacity_bytes = capacity_bytes
+        self._verify_tokens = verify_tokens
+        self._path, self._env = _acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
+        self._dbs = {name: self._env.open_db(name) for name in _DB_NAMES}
+        self._blocks, self._atime, self._lru, self._meta = (self._dbs[n] for n in _DB_NAMES)
+        self._pending: list[BlockHash] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+
+    # -- encoding --------------------------------------------------------------------------
+    def _header(self, key: BlockKey, checksum: bytes) -> bytes:
+        return msgpack.packb(
+            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "dtype": self._dtype_name,
+             "shape": self._shape, "n": self._block_bytes,
+             "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
+            use_bin_type=True,
+        )
+
+    @staticmethod
+    def _checksum(block_hash: bytes, tokens: bytes, payload: memoryview | bytes) -> bytes:
+        h = xxhash.xxh3_64()
+        h.update(block_hash)
+        h.update(tokens)
+        h.update(payload)
+        return h.digest()
+
+    def encode(self, key: BlockKey, src: torch.Tensor) -> bytearray:
+        """Build the record for one block (one copy of the KV bytes)."""
+        hlen = len(self._header(key, bytes(8)))
+        off = _PREFIX.size + hlen
+        buf = bytearray(off + self._block_bytes)
+        payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
+        payload.view(self._dtype).view(self._shape).copy_(src)
+        tokens = key.tokens if self._verify_tokens else b""
+        header = self._header(key, self._checksum(key.block_hash, tokens, memoryview(buf)[off:]))
+        buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
+        buf[_PREFIX.size : off] = header
+        return buf
+
+    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
+        """Validate a record and return its payload; raise `CorruptRecordError` if damaged."""
+        mv = memoryview(value)
+        if len(mv) < _PREFIX.size:
+            raise CorruptRecordError("record shorter than its prefix")
+        magic, hlen = _PREFIX.unpack(mv[: _PREFIX.size])
+        if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
+            raise CorruptRecordError("bad magic or header length")
+        try:
+            hdr = msgpack.unpackb(mv[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+        except Exception as exc:  # msgpack raises many types on garbage
+            raise CorruptRecordError(f"undecodable header: {exc}") from None
+        payload = mv[_PREFIX.size + hlen :]
+        if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
+            raise CorruptRecordError("unknown record format")
+        if hdr.get("key") != bytes(key.block_hash):
+            raise CorruptRecordError("record stored under another key")
+        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape:
+            raise CorruptRecordError("record layout differs from this tier's")
+        if hdr.get("n") != self._block_bytes or len(payload) != self._block_bytes:
+            raise CorruptRecordError("payload length mismatch")
+        tokens = hdr.get("tok")
+        if not isinstance(tokens, bytes):
+            raise CorruptRecordError("bad token field")
+        if self._verify_tokens and key.tokens and tokens != key.tokens:
+            raise CorruptRecordError("token ids differ (hash collision or damage)")
+        if self._checksum(key.block_hash, tokens, payload) != hdr.get("xxh"):
+            raise CorruptRecordError("checksum mismatch")
+        return payload
+
+    def _copy_out(self, payload: memoryview, dst: torch.Tensor) -> None:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)
+        try:
+            view = target.view(torch.uint8).numpy()
+        except RuntimeError:  # strides that a byte view cannot express
+            target = torch.empty(self._shape, dtype=self._dtype)
+            view = target.view(torch.uint8).numpy()
+        np.copyto(view, src.reshape(view.shape))
+        if target is not dst:
+            dst.copy_(target)
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity_bytes // record_bytes_on_disk(self._block_bytes + 256)
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    def __len__(self) -> int:
+        self._check_open()
+        with self._env.begin() as txn:
+            return txn.stat(self._blocks)["entries"]
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        n = 0
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            for h in block_hashes:
+                if txn.get(h) is None:
+                    break
+                n += 1
+        return n
+
+    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        n = 0
+        corrupt: list[BlockHash] = []
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            for key, dst in zip(keys, dsts):
+                value = txn.get(key.block_hash)
+                if value is None:
+                    break
+                try:
+                    payload = self.decode(value, key)
+                except CorruptRecordError:
+                    corrupt.append(key.block_hash)
+                    break
+                self._copy_out(payload, dst)
+                n += 1
+        if corrupt:
+            self._num_corrupt += len(corrupt)
+            self.discard(corrupt)
+        self._num_hits += n
+        self.touch([k.block_hash for k in reversed(keys[:n])])
+        return n
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        if len(keys) != len(srcs):
+            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
+        records: dict[BlockHash, bytearray] = {}
+        for i in missing:  # encode outside the write transaction; last duplicate wins
+            records.pop(keys[i].block_hash, None)
+            records[keys[i].block_hash] = self.encode(keys[i], srcs[i])
+        for attempt in range(4):
+            try:
+                written = self._write(records, [k.block_hash for k in keys], extra=attempt)
+                break
+            except lmdb.MapFullError:
+                continue
+            except lmdb.Error as exc:
+                if _is_enospc(exc):
+                    raise DiskFullError(f"disk tier at {self._path}: file system full ({exc})") from exc
+                raise
+        else:
+            raise DiskFullError(
+                f"disk tier at {self._path}: LMDB map full after evicting; nothing was written"
+            )
+        self._num_puts += written
+        return written
+
+    def _write(self, records: dict[BlockHash, bytearray], touched: list[BlockHash], extra: int) -> int:
+        """One write transaction: apply buffered touches, evict, insert. Aborts as a whole."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        try:
+            with self._env.begin(write=True) as txn:
+                tick, used = self._read_meta(txn)
+                tick = self._touch_in(txn, pending + touched, tick)
+                fresh = [(h, v) for h, v in records.items() if txn.get(h, db=self._blocks) is None]
+                sizes = [record_bytes_on_disk(len(v)) for _, v in fresh]
+                budget = self._capacity_bytes * (1.0 - 0.15 * extra)
+                total, skip = sum(sizes), 0
+                while skip < len(fresh) and total > budget:  # the most evictable never enter
+                    total -= sizes[skip]
+                    skip += 1
+                fresh, sizes = fresh[skip:], sizes[skip:]
+                used = self._evict_in(txn, used, used + total - budget)
+                for (h, v), size in zip(fresh, sizes):
+                    txn.put(h, v, db=self._blocks)
+                    txn.put(h, _TICK.pack(tick), db=self._atime)
+                    txn.put(_TICK.pack(tick), h, db=self._lru)
+                    tick += 1
+                    used += size
+                self._write_meta(txn, tick, used)
+        except BaseException:
+            with self._lock:
+                self._pending[:0] = pending
+            raise
+        return len(fresh)
+
+    def _evict_in(self, txn: lmdb.Transaction, used: int, num_bytes: float) -> int:
+        if num_bytes <= 0:
+            return used
+        freed = 0
+        cursor = txn.cursor(db=self._lru)
+        victims = []
+        for tick_key, h in cursor.iternext():
+            if freed >= num_bytes:
+                break
+            value = txn.get(h, db=self._blocks)
+            victims.append((bytes(tick_key), bytes(h)))
+            freed += record_bytes_on_disk(len(value)) if value is not None else 0
+        for tick_key, h in victims:
+            txn.delete(tick_key, db=self._lru)
+            txn.delete(h, db=self._atime)
+            txn.delete(h, db=self._blocks)
+        self._num_evictions += len(victims)
+        return max(0, used - freed)
+
+    def _touch_in(self, txn: lmdb.Transaction, hashes: Sequence[BlockHash], tick: int) -> int:
+        for h in hashes:
+            old = txn.get(h, db=self._atime)
+            if old is None:
+                continue
+            txn.delete(bytes(old), db=self._lru)
+            txn.put(h, _TICK.pack(tick), db=self._atime)
+            txn.put(_TICK.pack(tick), h, db=self._lru)
+            tick += 1
+        return tick
+
+    def _read_meta(self, txn: lmdb.Transaction) -> tuple[int, int]:
+        tick = txn.get(b"tick", db=self._meta)
+        used = txn.get(b"bytes", db=self._meta)
+        return (_U64.unpack(tick)[0] if tick else 0), (_U64.unpack(used)[0] if used else 0)
+
+    def _write_meta(self, txn: lmdb.Transaction, tick: int, used: int) -> None:
+        txn.put(b"tick", _U64.pack(tick), db=self._meta)
+        txn.put(b"bytes", _U64.pack(used), db=self._meta)
+
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        self._check_open()
+        with self._lock:
+            self._pending.extend(block_hashes)
+            flush = len(self._pending) > _MAX_PENDING_TOUCHES
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """Apply buffered recency updates now (one write transaction)."""
+        self._write({}, [], extra=0)
+
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        n = 0
+        with self._env.begin(write=True) as txn:
+            tick, used = self._read_meta(txn)
+            for h in block_hashes:
+                value = txn.get(h, db=self._blocks)
+                if value is None:
+                    continue
+                used -= record_bytes_on_disk(len(value))
+                old = txn.get(h, db=self._atime)
+                if old is not None:
+                    txn.delete(bytes(old), db=self._lru)
+                txn.delete(h, db=self._atime)
+                txn.delete(h, db=self._blocks)
+                n += 1
+            self._write_meta(txn, tick, max(0, used))
+        return n
+
+    def clear(self) -> None:
+        self._check_open()
+        with self._env.begin(write=True) as txn:
+            for db in (self._blocks, self._atime, self._lru, self._meta):
+                txn.drop(db, delete=False)
+        with self._lock:
+            self._pending.clear()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._pending:
+                self.flush()
+        finally:
+            self._closed = True
+            _release_env(self._path)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"disk tier at {self._path} is closed")
+
+    def check_integrity(self) -> None:
+        self._check_open()
+        with self._env.begin(buffers=False) as txn:
+            _, used = self._read_meta(txn)
+            total = 0
+            n_blocks = 0
+            for h, value in txn.cursor(db=self._blocks):
+                n_blocks += 1
+                total += record_bytes_on_disk(len(value))
+                tick = txn.get(h, db=self._atime)
+                if tick is None or txn.get(tick, db=self._lru) != h:
+                    raise RuntimeError(f"disk tier: block {h.hex()} missing from the LRU index (a bug)")
+            n_lru = txn.stat(self._lru)["entries"]
+            n_atime = txn.stat(self._atime)["entries"]
+            if not n_blocks == n_lru == n_atime:
+                raise RuntimeError(
+                    f"disk tier: {n_blocks} blocks, {n_atime} atime, {n_lru} lru entries (a bug)"
+                )
+            if total != used:
+                raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
+
+    def stats(self) -> TierStats:
+        self._check_open()
+        with self._env.begin() as txn:
+            _, used = self._read_meta(txn)
+            num = txn.stat(self._blocks)["entries"]
+        return TierStats(
+            kind=self.kind, num_blocks=num, capacity_blocks=self.capacity_blocks,
+            used_bytes=used, capacity_bytes=self._capacity_bytes, num_hits=self._num_hits,
+            num_puts=self._num_puts, num_evictions=self._num_evictions,
+            num_corrupt=self._num_corrupt,
+        )
