@@ -10,6 +10,7 @@ fixed length, so the encoding is unambiguous). Nothing depends on Python's `hash
 
 from __future__ import annotations
 
+import array
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
 _TOKEN_MAX = 2**32
+_U32_TYPECODE = "I" if array.array("I").itemsize == 4 else "L"
 
 
 @dataclass(frozen=True)
@@ -115,9 +117,9 @@ class ExtraKeys:
 def as_token_array(tokens: object) -> np.ndarray:
     """Validate `tokens` and return them as a contiguous little-endian uint32 array.
 
-    Accepts a Python sequence of ints, a NumPy integer array, or an integer torch tensor on
-    any device. Raises `InvalidTokensError` for anything else: non-integers, more than one
-    dimension, or values outside [0, 2**32).
+    Accepts a Python sequence of ints (bools count as ints, as in Python), a NumPy integer
+    array, or an integer torch tensor on any device. Raises `InvalidTokensError` for anything
+    else: non-integers, more than one dimension, or values outside [0, 2**32).
     """
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -127,11 +129,14 @@ def as_token_array(tokens: object) -> np.ndarray:
         arr = tokens
     elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
         raise InvalidTokensError(
-            f"tokens must be a sequence of ints, a NumPy array or a torch tensor, got {type(tokens).__name__}"
+            "tokens must be a sequence of ints, a NumPy array or a torch tensor, "
+            f"got {type(tokens).__name__}"
         )
     else:
-        if any(isinstance(t, bool) for t in tokens):
-            raise InvalidTokensError("tokens must be integers, got a bool")
+        try:  # fast path: C-level conversion that rejects floats and out-of-range ints
+            return np.frombuffer(array.array(_U32_TYPECODE, tokens), dtype=np.uint32).astype("<u4", copy=False)
+        except (TypeError, OverflowError, ValueError):
+            pass  # fall through for a precise error message
         try:
             arr = np.asarray(tokens)
         except (ValueError, OverflowError, TypeError) as exc:
@@ -140,6 +145,8 @@ def as_token_array(tokens: object) -> np.ndarray:
             arr = arr.astype(np.uint32)
     if arr.ndim != 1:
         raise InvalidTokensError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype == object and all(isinstance(t, int) for t in arr.tolist()):
+        raise InvalidTokensError("tokens must lie in [0, 2**32), got an integer beyond 64 bits")
     if arr.dtype.kind not in "iu":
         raise InvalidTokensError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_MAX):

@@ -11,9 +11,14 @@ import numpy as np
 import torch
 
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, DiskFullError, LayoutMismatchError, StoreClosedError
+from kvstore.errors import (
+    ConfigError,
+    DiskFullError,
+    InvalidInputError,
+    LayoutMismatchError,
+    StoreClosedError,
+)
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
-from kvstore.errors import InvalidInputError
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.cpu import CPUTier
 from tiers.lmdb import LMDBTier
@@ -114,7 +119,10 @@ class KVCacheStore:
 
     def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
         layout = self.config.layout
-        expected = f"[num_layers={layout.num_layers}, 2, num_tokens={num_tokens}, num_kv_heads={layout.num_kv_heads}, head_dim={layout.head_dim}]"
+        expected = (
+            f"[num_layers={layout.num_layers}, 2, num_tokens={num_tokens}, "
+            f"num_kv_heads={layout.num_kv_heads}, head_dim={layout.head_dim}]"
+        )
         if not isinstance(kv, torch.Tensor):
             raise LayoutMismatchError(f"kv must be a torch.Tensor {expected}, got {type(kv).__name__}")
         if kv.dim() != 5:
@@ -199,8 +207,11 @@ class KVCacheStore:
             return RetrieveResult(num_ok * b, kv, counts)
 
     def _promote(self, keys: list[BlockKey], dsts: list[torch.Tensor], plan: list[int], num_ok: int) -> None:
+        """Copy lower-tier hits into the top tier, prefix first, without evicting this
+        request's own top-tier blocks; then make the whole prefix most recently used."""
         top = self._tiers[0]
-        lower = [i for i in range(num_ok) if plan[i] != 0]
+        budget = top.capacity_blocks - sum(1 for i in range(num_ok) if plan[i] == 0)
+        lower = [i for i in range(num_ok) if plan[i] != 0][: max(0, budget)]
         try:
             if lower:
                 top.put([keys[i] for i in reversed(lower)], [dsts[i] for i in reversed(lower)])
@@ -221,15 +232,21 @@ class KVCacheStore:
             return len(self._walk(hashes)) * self.config.block_size
 
     def _walk(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Index of the fastest tier holding each block of the longest cached prefix."""
+        """Index of the fastest tier holding each block of the longest cached prefix.
+
+        Each tier is asked once per run of consecutive blocks it holds (one LMDB read
+        transaction per disk run), and only where no faster tier holds the block.
+        """
         plan: list[int] = []
-        pos = 0
-        while pos < len(hashes):
+        run_end = [0] * len(self._tiers)
+        pos, n = 0, len(hashes)
+        while pos < n:
             for index, tier in enumerate(self._tiers):
-                k = tier.match_prefix(hashes[pos:])
-                if k:
-                    plan.extend([index] * k)
-                    pos += k
+                if run_end[index] <= pos:
+                    run_end[index] = pos + tier.match_prefix(hashes, pos)
+                if run_end[index] > pos:
+                    plan.append(index)
+                    pos += 1
                     break
             else:
                 break

@@ -69,8 +69,8 @@ class Tier(abc.ABC):
         """Number of blocks held now."""
 
     @abc.abstractmethod
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Count the leading `block_hashes` this tier holds. Changes nothing; 0 for []."""
+    def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
+        """Count the consecutive `block_hashes[start:]` this tier holds. Changes nothing."""
 
     @abc.abstractmethod
     def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:

@@ -37,6 +37,7 @@ class CPUTier(Tier):
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
         self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
+        self._slab.view(torch.uint8).zero_()  # fault every page in now, not on the hot path
         self._num_slots = num_slots
         self._block_bytes = self._slab[0].numel() * self._slab.element_size()
         self._lower = lower
@@ -61,14 +62,12 @@ class CPUTier(Tier):
     def __len__(self) -> int:
         return len(self._index)
 
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+    def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        n = 0
-        for h in block_hashes:
-            if h not in self._index:
-                break
+        index, n, end = self._index, start, len(block_hashes)
+        while n < end and block_hashes[n] in index:
             n += 1
-        return n
+        return n - start
 
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""

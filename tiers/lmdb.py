@@ -197,15 +197,13 @@ class LMDBTier(Tier):
         with self._env.begin() as txn:
             return txn.stat(self._blocks)["entries"]
 
-    def match_prefix(self, block_hashes: Sequence[BlockHash]) -> int:
+    def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        n = 0
+        n, end = start, len(block_hashes)
         with self._env.begin(db=self._blocks, buffers=True) as txn:
-            for h in block_hashes:
-                if txn.get(h) is None:
-                    break
+            while n < end and txn.get(block_hashes[n]) is not None:
                 n += 1
-        return n
+        return n - start
 
     def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         self._check_open()

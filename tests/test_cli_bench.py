@@ -1,0 +1,56 @@
+"""The `kvstrata` command, the store demo and the first benchmarks, run at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import common, hashing, tiers
+from kvstore import cli
+
+
+@pytest.fixture(autouse=True)
+def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    return tmp_path / "results"
+
+
+def test_demo_store_runs_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["demo-store", "--tokens", "1024", "--layers", "1", "--cpu-mib", "1",
+                   "--disk-path", str(tmp_path / "demo")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "retrieve after reopen" in out and " NO" not in out
+    assert out.count("yes") == 3
+
+
+def test_bench_hashing_writes_results(results_dir: Path) -> None:
+    cli.main(["bench", "hashing", "--tokens", "2048", "--repeat", "1"])
+    data = json.loads((results_dir / "hashing.json").read_text())
+    rows = data["rows"]
+    assert {r["algo"] for r in rows} == {"xxh3_128", "sha256"}
+    assert all(r["ns_per_token"] > 0 and r["speedup_vs_vllm"] > 0 for r in rows)
+
+
+def test_vllm_reference_chain_matches_its_definition() -> None:
+    import hashlib
+    import pickle
+
+    toks = list(range(32))
+    chain = hashing.vllm_reference_chain(toks, 16)
+    h0 = hashlib.sha256(pickle.dumps((hashlib.sha256(b"vllm-none-hash").digest(), tuple(range(16)), None),
+                                     protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    assert chain[0] == h0 and len(chain) == 2
+
+
+def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
+    cli.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path)])
+    data = json.loads((results_dir / "tiers.json").read_text())
+    r = data["sizes"]["16K"]
+    for k in ("memcpy_gbps", "cpu_store_gbps", "cpu_retrieve_gbps", "disk_store_gbps",
+              "disk_retrieve_cold_gbps", "raw_write_gbps"):
+        assert r[k] > 0, k
+    with pytest.raises(SystemExit):
+        tiers.parse_sizes("3K")

@@ -1,0 +1,227 @@
+"""One contract suite, run against every tier implementation."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.errors import StoreClosedError
+from kvstore.hashing import BlockHash
+from tests.conftest import BLOCK, LAYOUT
+from tiers.base import BlockKey, Tier
+from tiers.cpu import CPUTier
+from tiers.lmdb import LMDBTier, record_bytes_on_disk
+
+SHAPE = LAYOUT.block_shape(BLOCK)
+BLOCK_BYTES = LAYOUT.block_bytes(BLOCK)
+
+
+def key(i: int) -> BlockKey:
+    return BlockKey(BlockHash(i.to_bytes(16, "little")), i.to_bytes(4, "little") * BLOCK)
+
+
+def block(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(SHAPE, generator=g).to(LAYOUT.dtype)
+
+
+def make_cpu(tmp: Path, capacity: int) -> Tier:
+    return CPUTier(capacity, SHAPE, LAYOUT.dtype)
+
+
+def make_lmdb(tmp: Path, capacity: int) -> Tier:
+    capacity_bytes = capacity * record_bytes_on_disk(BLOCK_BYTES + 256)
+    return LMDBTier(str(tmp / "db"), capacity_bytes, SHAPE, LAYOUT.dtype, sync=False)
+
+
+@pytest.fixture(params=[make_cpu, make_lmdb], ids=["cpu", "lmdb"])
+def tier_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[int], Tier]]:
+    made: list[Tier] = []
+
+    def factory(capacity: int) -> Tier:
+        t = request.param(tmp_path, capacity)
+        made.append(t)
+        return t
+
+    yield factory
+    for t in made:
+        t.close()
+
+
+def put(tier: Tier, ids: list[int]) -> int:
+    return tier.put([key(i) for i in ids], [block(i) for i in ids])
+
+
+def get(tier: Tier, ids: list[int]) -> tuple[int, list[torch.Tensor]]:
+    dsts = [torch.empty(SHAPE, dtype=LAYOUT.dtype) for _ in ids]
+    return tier.get_into([key(i) for i in ids], dsts), dsts
+
+
+def test_put_get_round_trip_is_bit_exact(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    assert put(tier, [3, 2, 1]) == 3
+    tier.check_integrity()
+    n, dsts = get(tier, [1, 2, 3])
+    assert n == 3
+    for i, d in zip([1, 2, 3], dsts):
+        assert torch.equal(d.view(torch.int16), block(i).view(torch.int16))
+    assert len(tier) == 3
+
+
+def test_get_into_strided_destination(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(4)
+    put(tier, [1, 0])
+    out = torch.zeros(LAYOUT.block_shape(2 * BLOCK), dtype=LAYOUT.dtype)
+    views = [out[:, :, :BLOCK], out[:, :, BLOCK:]]
+    assert tier.get_into([key(0), key(1)], views) == 2
+    assert torch.equal(out[:, :, BLOCK:], block(1))
+
+
+def test_match_prefix_stops_at_first_miss(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    put(tier, [0, 1, 3])
+    hashes = [key(i).block_hash for i in range(4)]
+    assert tier.match_prefix(hashes) == 2
+    assert tier.match_prefix([]) == 0
+    assert tier.match_prefix(hashes[2:]) == 0
+
+
+def test_get_stops_at_first_missing_block(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    put(tier, [0, 2])
+    n, _ = get(tier, [0, 1, 2])
+    assert n == 1
+    assert get(tier, [])[0] == 0
+
+
+def test_put_of_held_block_writes_nothing(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    assert put(tier, [0, 1]) == 2
+    assert put(tier, [1, 2]) == 1
+    assert len(tier) == 3
+    tier.check_integrity()
+
+
+def test_lru_eviction_order_and_touch(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(3)
+    put(tier, [0, 1, 2])  # eviction order: 0 first
+    tier.touch([key(0).block_hash])  # now 1 is least recent
+    put(tier, [3])
+    tier.check_integrity()
+    held = {i for i in range(4) if tier.match_prefix([key(i).block_hash])}
+    assert 1 not in held and {0, 3} <= held
+
+
+def test_put_eviction_order_keeps_prefix(tier_factory: Callable[[int], Tier]) -> None:
+    """A sequence stored tail first loses its tail first."""
+    tier = tier_factory(3)
+    put(tier, [4, 3, 2, 1, 0])  # tail (4) first: most evictable
+    held = sorted(i for i in range(5) if tier.match_prefix([key(i).block_hash]))
+    assert held == [0, 1, 2]
+    tier.check_integrity()
+
+
+def test_token_mismatch_is_a_miss_and_deletes(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(4)
+    put(tier, [0])
+    wrong = BlockKey(key(0).block_hash, b"\x09" * (4 * BLOCK))
+    dst = torch.empty(SHAPE, dtype=LAYOUT.dtype)
+    assert tier.get_into([wrong], [dst]) == 0
+    assert tier.match_prefix([key(0).block_hash]) == 0
+    assert tier.stats().num_corrupt == 1
+    tier.check_integrity()
+
+
+def test_discard_and_clear(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    put(tier, [0, 1, 2])
+    assert tier.discard([key(1).block_hash, key(7).block_hash]) == 1
+    assert tier.match_prefix([key(1).block_hash]) == 0
+    tier.check_integrity()
+    tier.clear()
+    assert len(tier) == 0
+    tier.check_integrity()
+    assert put(tier, [5]) == 1
+
+
+def test_stats_count_blocks_and_bytes(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(8)
+    put(tier, [0, 1])
+    get(tier, [0, 1])
+    s = tier.stats()
+    assert s.num_blocks == 2 and s.num_puts == 2 and s.num_hits == 2
+    assert s.used_bytes >= 2 * BLOCK_BYTES
+    assert s.capacity_blocks >= 8
+
+
+def test_closed_tier_raises(tier_factory: Callable[[int], Tier]) -> None:
+    tier = tier_factory(2)
+    tier.close()
+    tier.close()  # idempotent
+    with pytest.raises(StoreClosedError):
+        put(tier, [0])
+    with pytest.raises(StoreClosedError):
+        tier.match_prefix([key(0).block_hash])
+
+
+def test_cpu_demotes_to_lower_tier(tmp_path: Path) -> None:
+    disk = LMDBTier(str(tmp_path / "db"), 1 << 20, SHAPE, LAYOUT.dtype, sync=False)
+    cpu = CPUTier(2, SHAPE, LAYOUT.dtype, lower=disk)
+    try:
+        put(cpu, [2, 1, 0])  # 2 is most evictable and overflows straight to disk
+        assert disk.match_prefix([key(2).block_hash]) == 1
+        put(cpu, [3])  # evicts 1 (least recent) down to disk
+        assert cpu.match_prefix([key(1).block_hash]) == 0
+        assert disk.match_prefix([key(1).block_hash]) == 1
+        n, dsts = get(disk, [1])
+        assert n == 1 and torch.equal(dsts[0], block(1))
+        cpu.check_integrity()
+        disk.check_integrity()
+    finally:
+        cpu.close()
+        disk.close()
+
+
+def test_cpu_pinned_blocks_are_not_evicted() -> None:
+    cpu = CPUTier(2, SHAPE, LAYOUT.dtype)
+    put(cpu, [0, 1])
+    assert cpu.pin([key(0).block_hash]) == 1
+    put(cpu, [2, 3])  # only one evictable slot (block 1) plus none free
+    cpu.check_integrity()
+    assert cpu.match_prefix([key(0).block_hash]) == 1
+    cpu.unpin([key(0).block_hash])
+    cpu.check_integrity()
+    with pytest.raises(RuntimeError, match="not pinned"):
+        cpu.unpin([key(0).block_hash])
+
+
+def test_lmdb_survives_reopen_with_lru_order(tmp_path: Path) -> None:
+    t = make_lmdb(tmp_path, 3)
+    put(t, [0, 1, 2])
+    t.touch([key(0).block_hash])
+    t.close()
+    t = make_lmdb(tmp_path, 3)
+    try:
+        assert t.match_prefix([key(i).block_hash for i in range(3)]) == 3
+        put(t, [9])  # evicts block 1: block 0's touch was persisted on close
+        assert t.match_prefix([key(1).block_hash]) == 0
+        assert t.match_prefix([key(0).block_hash]) == 1
+        t.check_integrity()
+    finally:
+        t.close()
+
+
+def test_lmdb_capacity_is_respected(tmp_path: Path) -> None:
+    t = make_lmdb(tmp_path, 5)
+    try:
+        for i in range(20):
+            put(t, [i])
+            t.check_integrity()
+        s = t.stats()
+        assert s.used_bytes <= s.capacity_bytes
+        assert len(t) <= 5 and s.num_evictions >= 15
+    finally:
+        t.close()
