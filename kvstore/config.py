@@ -133,6 +133,10 @@ class StoreConfig:
             blocks reach disk when the CPU tier evicts them, or on `close()`.
         persist_on_close: on `close()`, copy CPU-tier blocks not yet on disk down to it, so
             a reopened store finds everything.
+        pool_blocks: blocks in the GPU block pool, tier 0 (0: no pool).
+        pool_device: device of the pool's KV tensor (default: CUDA when present, else CPU).
+        pool_demotion: "on_evict" (copy a block down when it is reused) or "write_through"
+            (copy it down when it is cached).
     """
 
     layout: KVLayout
@@ -146,6 +150,9 @@ class StoreConfig:
     disk_sync: bool = True
     write_through: bool = False
     persist_on_close: bool = True
+    pool_blocks: int = 0
+    pool_device: str | None = None
+    pool_demotion: str = "on_evict"
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -153,6 +160,11 @@ class StoreConfig:
         _positive_int("StoreConfig", "block_size", self.block_size)
         _positive_int("StoreConfig", "cpu_bytes", self.cpu_bytes, allow_zero=True)
         _positive_int("StoreConfig", "disk_bytes", self.disk_bytes)
+        _positive_int("StoreConfig", "pool_blocks", self.pool_blocks, allow_zero=True)
+        if self.pool_demotion not in ("on_evict", "write_through"):
+            raise ConfigError(
+                f"StoreConfig.pool_demotion must be 'on_evict' or 'write_through', got {self.pool_demotion!r}"
+            )
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
@@ -168,8 +180,8 @@ class StoreConfig:
                 f"StoreConfig.disk_bytes={self.disk_bytes} is below two blocks "
                 f"({2 * self.block_bytes} bytes)"
             )
-        if self.cpu_bytes == 0 and self.disk_path is None:
-            raise ConfigError("StoreConfig enables no tier: set cpu_bytes or disk_path")
+        if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None:
+            raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes or disk_path")
 
     @cached_property
     def block_bytes(self) -> int:

@@ -208,24 +208,30 @@ def block_hashes(
 def chain_hashes(
     arr: np.ndarray,
     block_size: int,
-    seed: BlockHash,
+    parent: BlockHash,
     extra_keys: ExtraKeys | None,
     algo: HashAlgo,
+    first_block: int = 0,
 ) -> list[BlockHash]:
-    """`block_hashes` for an already validated uint32 array and a precomputed seed."""
+    """`block_hashes` for an already validated uint32 array.
+
+    `parent` is the namespace seed when `first_block == 0`, else the hash of block
+    `first_block - 1`; `arr` then holds the tokens from block `first_block` on, so a
+    growing sequence is hashed incrementally.
+    """
     digest = _digest_fn(algo)
     step = block_size * 4
     buf = arr.tobytes()
     num_blocks = len(arr) // block_size
     out: list[BlockHash] = []
-    prev: bytes = seed
+    prev: bytes = parent
     if extra_keys is None or extra_keys.is_empty():
         for i in range(num_blocks):
             prev = digest(prev + buf[i * step : (i + 1) * step])
             out.append(BlockHash(prev))
     else:
         for i in range(num_blocks):
-            extras = extra_keys.block_extras(i, block_size)
+            extras = extra_keys.block_extras(first_block + i, block_size)
             prev = digest(prev + buf[i * step : (i + 1) * step] + extras)
             out.append(BlockHash(prev))
     return out

@@ -21,6 +21,7 @@ from kvstore.errors import (
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.cpu import CPUTier
+from tiers.gpu_pool import BlockPool, DemotionPolicy
 from tiers.lmdb import LMDBTier
 
 
@@ -57,7 +58,7 @@ class StoreStats:
 
 
 class KVCacheStore:
-    """A prefix-matching KV cache over the CPU tier and the LMDB disk tier, fastest first.
+    """A prefix-matching KV cache over the block pool, CPU and LMDB disk tiers, fastest first.
 
     `store` writes new full blocks into the top tier; tiers demote their least recently used
     blocks downwards. `retrieve` walks the chained block hashes through the tiers in order,
@@ -79,7 +80,13 @@ class KVCacheStore:
         cpu = None
         if config.cpu_bytes:
             cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens)
-        self._tiers: list[Tier] = [t for t in (cpu, disk) if t is not None]
+        self.pool: BlockPool | None = None
+        if config.pool_blocks:
+            self.pool = BlockPool(
+                config.pool_blocks, shape, dtype, device=config.pool_device, lower=cpu if cpu is not None else disk,
+                verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion),
+            )
+        self._tiers: list[Tier] = [t for t in (self.pool, cpu, disk) if t is not None]
         self._seed = namespace_seed(config.identity(), config.hash_algo)
         self._lock = threading.RLock()
         self._closed = False
@@ -98,6 +105,16 @@ class KVCacheStore:
     def tiers(self) -> tuple[Tier, ...]:
         return tuple(self._tiers)
 
+    @property
+    def seed(self) -> BlockHash:
+        """Root of this store's hash chains (a digest of `config.identity()`)."""
+        return self._seed
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The lock every store call holds; hold it to mutate tiers from outside."""
+        return self._lock
+
     # -- hashing ---------------------------------------------------------------------------
     def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None) -> list[BlockHash]:
         """The chained keys of `tokens`' full blocks in this store's namespace."""
@@ -110,7 +127,8 @@ class KVCacheStore:
         cfg = self.config
         return arr, chain_hashes(arr, cfg.block_size, self._seed, extra_keys, cfg.hash_algo)
 
-    def _keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
+    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
+        """`BlockKey`s of `hashes` with the token bytes of `arr` when tokens are verified."""
         if not self.config.verify_tokens:
             return [BlockKey(h) for h in hashes]
         b = self.config.block_size
@@ -148,7 +166,7 @@ class KVCacheStore:
         arr, hashes = self._hash(tokens, extra_keys)
         kv = self._check_kv(kv, len(arr))
         b = self.config.block_size
-        keys = self._keys(arr, hashes)
+        keys = self.block_keys(arr, hashes)
         srcs = [kv[:, :, i * b : (i + 1) * b] for i in range(len(hashes))]
         with self._lock:
             self._check_open()
@@ -157,7 +175,7 @@ class KVCacheStore:
                 self._num_blocks_stored += self._tiers[0].put(keys[::-1], srcs[::-1])
                 if self.config.write_through and len(self._tiers) > 1:
                     self._tiers[-1].put(keys[::-1], srcs[::-1])
-            return len(self._walk(hashes)) * b
+            return len(self.locate(hashes)) * b
 
     def retrieve(
         self,
@@ -173,14 +191,14 @@ class KVCacheStore:
         """
         self._check_open()
         arr, hashes = self._hash(tokens, extra_keys)
-        keys = self._keys(arr, hashes)
+        keys = self.block_keys(arr, hashes)
         cfg = self.config
         b = cfg.block_size
         with self._lock:
             self._check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(arr)
-            plan = self._walk(hashes)
+            plan = self.locate(hashes)
             counts: dict[TierKind, int] = {}
             if not plan:
                 return RetrieveResult(0, None, counts)
@@ -229,9 +247,9 @@ class KVCacheStore:
         with self._lock:
             self._check_open()
             self._num_lookup_calls += 1
-            return len(self._walk(hashes)) * self.config.block_size
+            return len(self.locate(hashes)) * self.config.block_size
 
-    def _walk(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Index of the fastest tier holding each block of the longest cached prefix.
 
         Each tier is asked once per run of consecutive blocks it holds (one LMDB read
@@ -289,9 +307,9 @@ class KVCacheStore:
                 return
             self._closed = True
             try:
-                top = self._tiers[0]
-                if self.config.persist_on_close and isinstance(top, CPUTier):
-                    top.spill()
+                if self.config.persist_on_close:
+                    for tier in self._tiers:  # fastest first: the pool spills into CPU, CPU to disk
+                        tier.spill()
             finally:
                 for tier in self._tiers:
                     tier.close()

@@ -99,6 +99,13 @@ class Tier(abc.ABC):
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         """Delete the given blocks if held (no demotion); return how many were deleted."""
 
+    def spill(self) -> int:
+        """Copy held blocks down to the next tier (kept here too); return how many it wrote.
+
+        0 for a tier with nothing below it. Used to persist on shutdown.
+        """
+        return 0
+
     @abc.abstractmethod
     def clear(self) -> None:
         """Delete every block."""

@@ -1,0 +1,232 @@
+"""`KVCacheManager`: per-request block tables over the store's block pool.
+
+The layer a model runner talks to. For each request it finds the longest cached prefix
+through every tier (pool hits are shared by reference; CPU and disk hits are loaded into
+fresh pool blocks), allocates blocks for the tokens to compute, registers full blocks once
+their KV is written (`commit`), and frees the request's blocks when it finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from kvstore.errors import ConfigError, InvalidInputError
+from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes
+from kvstore.store import KVCacheStore
+from tiers.base import TierKind
+from tiers.gpu_pool import BlockPool, NoFreeBlocksError, PoolBlock
+
+
+class ComputedBlocks(NamedTuple):
+    """The cached prefix of a request, as `get_computed_blocks` found it (nothing moved yet).
+
+    Attributes:
+        num_tokens: tokens whose KV is cached somewhere, a multiple of block_size.
+        pool_blocks: leading blocks cached in the pool (shared by reference).
+        lower_plan: tier index (into `store.tiers`) of each following block to load.
+    """
+
+    num_tokens: int
+    pool_blocks: list[PoolBlock]
+    lower_plan: list[int]
+
+
+class Allocation(NamedTuple):
+    """What `allocate_slots` did.
+
+    Attributes:
+        num_computed_tokens: tokens whose KV is in the request's blocks now; the runner
+            computes from here (a lower-tier block that failed validation shortens it).
+        new_blocks: blocks appended to the request's block table.
+        blocks_per_tier: cached blocks reused, by the tier that served them.
+    """
+
+    num_computed_tokens: int
+    new_blocks: list[PoolBlock]
+    blocks_per_tier: dict[TierKind, int]
+
+
+@dataclass
+class _Request:
+    token_ids: list[int]
+    extra_keys: ExtraKeys | None
+    hashes: list[BlockHash] = field(default_factory=list)
+    blocks: list[PoolBlock] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks registered in the pool's cache
+    num_computed_tokens: int = 0
+
+
+class KVCacheManager:
+    """Block tables for running requests; all pool mutation goes through the store's lock."""
+
+    def __init__(self, store: KVCacheStore) -> None:
+        if store.pool is None:
+            raise ConfigError("KVCacheManager needs a store with a block pool (StoreConfig.pool_blocks > 0)")
+        self.store = store
+        self.pool: BlockPool = store.pool
+        self.block_size = store.config.block_size
+        self._requests: dict[str, _Request] = {}
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def add_request(self, request_id: str, token_ids: object, extra_keys: ExtraKeys | None = None) -> None:
+        """Register a request's prompt. Raises `InvalidInputError` for a duplicate id."""
+        if request_id in self._requests:
+            raise InvalidInputError(f"request {request_id!r} already exists")
+        arr = as_token_array(token_ids)
+        req = _Request(arr.tolist(), extra_keys)
+        self._requests[request_id] = req
+        self._extend_hashes(req)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Append generated tokens (their KV is not computed yet)."""
+        req = self._req(request_id)
+        req.token_ids.extend(as_token_array(list(token_ids)).tolist())
+        self._extend_hashes(req)
+
+    def _extend_hashes(self, req: _Request) -> None:
+        b = self.block_size
+        done = len(req.hashes)
+        tail = as_token_array(req.token_ids[done * b :])
+        if len(tail) < b:
+            return
+        parent = req.hashes[-1] if req.hashes else self.store.seed
+        cfg = self.store.config
+        req.hashes.extend(chain_hashes(tail, b, parent, req.extra_keys, cfg.hash_algo, first_block=done))
+
+    def _req(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise InvalidInputError(f"unknown request {request_id!r}") from None
+
+    # -- ask / act ---------------------------------------------------------------------------
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
+        """Longest cached prefix (pool first, then lower tiers). Changes nothing.
+
+        At least the last prompt token is always left to compute (its logits are needed).
+        """
+        req = self._req(request_id)
+        limit = (len(req.token_ids) - 1) // self.block_size
+        hashes = req.hashes[:limit]
+        with self.store.lock:
+            pool_blocks = self.pool.get_cached_blocks(hashes)
+            plan = self.store.locate(hashes)
+        return ComputedBlocks(len(plan) * self.block_size, pool_blocks, plan[len(pool_blocks) :])
+
+    def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None) -> int:
+        """Blocks `allocate_slots` would take from the free queue (pool hits excluded)."""
+        req = self._req(request_id)
+        first_call = computed is not None and not req.blocks
+        start = computed.num_tokens if first_call else req.num_computed_tokens  # type: ignore[union-attr]
+        held = len(computed.pool_blocks) if first_call else len(req.blocks)  # type: ignore[union-attr]
+        total = -(-(start + num_new_tokens) // self.block_size)
+        return max(0, total - held)
+
+    def can_allocate(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
+        """Whether `allocate_slots` with these arguments would succeed now."""
+        need = self.num_blocks_needed(request_id, num_new_tokens, computed)
+        first_call = computed is not None and not self._req(request_id).blocks
+        shared_free = sum(1 for b in computed.pool_blocks if b.ref_cnt == 0) if first_call else 0  # type: ignore[union-attr]
+        return need + shared_free <= len(self.pool.free_queue)
+
+    def allocate_slots(
+        self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None = None
+    ) -> Allocation:
+        """Give the request blocks for `num_new_tokens` more tokens.
+
+        With `computed` (the request's first call): take references on its pool hits, and
+        load its lower-tier hits into newly allocated blocks (registered as cached).
+        Raises `NoFreeBlocksError` and changes nothing if the pool is short.
+        """
+        req = self._req(request_id)
+        with self.store.lock:
+            need = self.num_blocks_needed(request_id, num_new_tokens, computed)
+            if not self.can_allocate(request_id, num_new_tokens, computed):
+                raise NoFreeBlocksError(
+                    f"request {request_id!r} needs {need} blocks; {len(self.pool.free_queue)} free"
+                )
+            per_tier: dict[TierKind, int] = {}
+            first_call = computed is not None and not req.blocks
+            if first_call:
+                assert computed is not None
+                self.pool.touch_blocks(computed.pool_blocks)
+                req.blocks.extend(computed.pool_blocks)
+                req.num_cached_blocks = len(computed.pool_blocks)
+                if computed.pool_blocks:
+                    per_tier[TierKind.POOL] = len(computed.pool_blocks)
+                req.num_computed_tokens = len(computed.pool_blocks) * self.block_size
+            new_blocks = self.pool.allocate(need)
+            req.blocks.extend(new_blocks)
+            if first_call and computed is not None and computed.lower_plan:
+                self._load_lower(req, computed, per_tier)
+            return Allocation(req.num_computed_tokens, new_blocks, per_tier)
+
+    def _load_lower(self, req: _Request, computed: ComputedBlocks, per_tier: dict[TierKind, int]) -> None:
+        first = len(computed.pool_blocks)
+        arr = np.asarray(req.token_ids, dtype="<u4")
+        keys = self.store.block_keys(arr, req.hashes[: first + len(computed.lower_plan)])
+        tiers = self.store.tiers
+        pos = first
+        end = first + len(computed.lower_plan)
+        while pos < end:
+            index = computed.lower_plan[pos - first]
+            run_end = pos
+            while run_end < end and computed.lower_plan[run_end - first] == index:
+                run_end += 1
+            views = [self.pool.block_view(b.block_id) for b in req.blocks[pos:run_end]]
+            got = tiers[index].get_into(keys[pos:run_end], views)
+            if got:
+                per_tier[tiers[index].kind] = per_tier.get(tiers[index].kind, 0) + got
+            pos += got
+            if pos < run_end:
+                break
+        self.pool.cache_blocks(req.blocks[first:pos], req.hashes[first:pos], [k.tokens for k in keys[first:pos]])
+        req.num_cached_blocks = pos
+        req.num_computed_tokens = pos * self.block_size
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> int:
+        """Record that KV is written up to `num_computed_tokens`; cache the blocks now full.
+
+        Returns how many blocks were newly registered in the pool's cache.
+        """
+        req = self._req(request_id)
+        limit = min(len(req.token_ids), len(req.blocks) * self.block_size)
+        if not 0 <= num_computed_tokens <= limit:
+            raise InvalidInputError(f"num_computed_tokens={num_computed_tokens} outside [0, {limit}]")
+        req.num_computed_tokens = max(req.num_computed_tokens, num_computed_tokens)
+        full = min(req.num_computed_tokens // self.block_size, len(req.hashes))
+        if full <= req.num_cached_blocks:
+            return 0
+        arr = np.asarray(req.token_ids[: full * self.block_size], dtype="<u4")
+        keys = self.store.block_keys(arr, req.hashes[:full])
+        start = req.num_cached_blocks
+        with self.store.lock:
+            n = self.pool.cache_blocks(req.blocks[start:full], req.hashes[start:full],
+                                       [k.tokens for k in keys[start:full]])
+        req.num_cached_blocks = full
+        return n
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first into the free queue) and forget it."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            raise InvalidInputError(f"unknown request {request_id!r}")
+        with self.store.lock:
+            self.pool.free_blocks(req.blocks)
+
+    # -- views -------------------------------------------------------------------------------
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req(request_id).blocks]
+
+    def num_computed_tokens(self, request_id: str) -> int:
+        return self._req(request_id).num_computed_tokens
+
+    def token_ids(self, request_id: str) -> list[int]:
+        return list(self._req(request_id).token_ids)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests

@@ -1,0 +1,106 @@
+"""The pool's free queue: a doubly linked list threaded through the block objects."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvstore.hashing import BlockHash
+
+
+class PoolBlock:
+    """Metadata of one pool block (the KV lives in the pool's tensor at `block_id`).
+
+    `block_hash` is set while the block is cached (full and registered), else None;
+    `tokens` holds its token ids when token verification is on.
+    """
+
+    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tokens")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.tokens = b""
+        self.prev_free: PoolBlock | None = None
+        self.next_free: PoolBlock | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"PoolBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order: the head is evicted (reused) first.
+
+    Invariant: exactly the blocks with `ref_cnt == 0` are linked, each once, between the
+    sentinels. Every operation is O(1) and allocates nothing: it rewires the blocks' own
+    `prev_free` / `next_free` pointers. Among blocks freed together the caller appends a
+    sequence's tail first, so the tail is evicted before its prefix.
+    """
+
+    def __init__(self, blocks: list[PoolBlock]) -> None:
+        self._head = PoolBlock(-1)  # sentinels
+        self._tail = PoolBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free
+
+    def popleft(self) -> PoolBlock:
+        """Unlink and return the head block. Raises `IndexError` when empty."""
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise IndexError("free queue is empty")
+        self.remove(first)
+        return first
+
+    def remove(self, block: PoolBlock) -> None:
+        """Unlink `block` from anywhere in the queue."""
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise RuntimeError(f"{block} is not in the free queue (a bug)")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def append(self, block: PoolBlock) -> None:
+        """Link `block` at the tail (evicted last)."""
+        if block.prev_free is not None or block.next_free is not None:
+            raise RuntimeError(f"{block} is already in the free queue (a bug)")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free += 1
+
+    def move_to_tail(self, block: PoolBlock) -> None:
+        self.remove(block)
+        self.append(block)
+
+    def move_to_head(self, block: PoolBlock) -> None:
+        """Relink `block` at the head (reused first): for blocks whose content is dropped."""
+        self.remove(block)
+        first = self._head.next_free
+        assert first is not None
+        self._head.next_free = block
+        block.prev_free = self._head
+        block.next_free = first
+        first.prev_free = block
+        self.num_free += 1
+
+    def __iter__(self) -> Iterator[PoolBlock]:
+        block = self._head.next_free
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def ids(self) -> list[int]:
+        """Block ids from head to tail (for tests and debugging)."""
+        return [b.block_id for b in self]

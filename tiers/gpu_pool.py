@@ -1,0 +1,325 @@
+"""GPU block pool: the store's tier 0 and the paged KV memory a model runner attends over.
+
+One preallocated KV tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
+(on CUDA when present, else in host memory), one `PoolBlock` per block, a free queue in
+eviction order and a map from block hash to cached block, with vLLM v1's semantics:
+`get_cached_blocks` (longest cached chain), `touch_blocks` (ref up, out of the free queue),
+`allocate` (pop the head; a cached head is evicted, i.e. demoted to the next tier down
+before reuse), `cache_blocks` (register full blocks), `free_blocks` (ref down; blocks at 0
+join the tail in reverse order, so a sequence's tail is evicted before its prefix).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+
+from kvstore.errors import DiskFullError, KVStoreError, StoreClosedError
+from kvstore.hashing import BlockHash
+from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.free_queue import FreeBlockQueue, PoolBlock
+
+
+class DemotionPolicy(str, enum.Enum):
+    """When a pool block's content is copied to the tier below."""
+
+    ON_EVICT = "on_evict"  # copy when the block is reused for other content (default)
+    WRITE_THROUGH = "write_through"  # copy when the block is cached; eviction is then free
+
+
+class NoFreeBlocksError(KVStoreError, RuntimeError):
+    """The pool has fewer free blocks than an allocation needs; nothing was allocated."""
+
+
+class BlockPool(Tier):
+    """Fixed pool of KV blocks with reference counts and an LRU free queue.
+
+    Invariant: every block is either referenced (ref_cnt > 0, not in the free queue) or
+    free (ref_cnt == 0, in the free queue, cached or not); a cached block's hash maps to it
+    in `cached` and to no other block.
+    """
+
+    kind = TierKind.POOL
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        *,
+        device: torch.device | str | None = None,
+        lower: Tier | None = None,
+        verify_tokens: bool = True,
+        demotion: DemotionPolicy = DemotionPolicy.ON_EVICT,
+    ) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"BlockPool needs at least one block, got {num_blocks}")
+        num_layers, two, block_size, heads, dim = block_shape
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.kv_cache = torch.zeros((num_layers, two, num_blocks, block_size, heads, dim), dtype=dtype,
+                                    device=self.device)
+        self.num_blocks = num_blocks
+        self.blocks = [PoolBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, PoolBlock] = {}
+        self.lower = lower
+        self.demotion = DemotionPolicy(demotion)
+        self._verify_tokens = verify_tokens
+        self._block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._closed = False
+        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self.num_demoted = self.num_demotion_failures = 0
+
+    # -- block handles ---------------------------------------------------------------------
+    def block_view(self, block_id: int) -> torch.Tensor:
+        """`[num_layers, 2, block_size, heads, head_dim]` view of one block (no copy)."""
+        return self.kv_cache[:, :, block_id]
+
+    # -- vLLM v1 operations ----------------------------------------------------------------
+    def get_cached_blocks(self, block_hashes: Sequence[BlockHash], start: int = 0) -> list[PoolBlock]:
+        """The longest chain of cached blocks for `block_hashes[start:]`. Changes nothing."""
+        out = []
+        for h in block_hashes[start:]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def touch_blocks(self, blocks: Sequence[PoolBlock]) -> None:
+        """Take a reference on each block; blocks at ref 0 leave the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_queue)
+
+    def allocate(self, num_blocks: int) -> list[PoolBlock]:
+        """Pop `num_blocks` from the head of the free queue with ref 1, evicting cached ones.
+
+        Evicted blocks are demoted to `lower` in one batch (unless write-through already put
+        them there). Raises `NoFreeBlocksError` (allocating nothing) if too few are free.
+        """
+        self._check_open()
+        if num_blocks > len(self.free_queue):
+            raise NoFreeBlocksError(f"need {num_blocks} blocks, {len(self.free_queue)} free of {self.num_blocks}")
+        popped = [self.free_queue.popleft() for _ in range(num_blocks)]
+        self._evict([b for b in popped if b.block_hash is not None])
+        for block in popped:
+            block.ref_cnt = 1
+        return popped
+
+    def cache_blocks(self, blocks: Sequence[PoolBlock], block_hashes: Sequence[BlockHash],
+                     tokens: Sequence[bytes] = ()) -> int:
+        """Register full blocks (whose KV is written) under their hashes; return how many.
+
+        A hash already cached by another block is left to that block (this one stays
+        uncached and is reused first once free). Write-through demotes the new ones now.
+        """
+        new = []
+        for i, (block, h) in enumerate(zip(blocks, block_hashes)):
+            if block.block_hash is not None or h in self.cached:
+                continue
+            block.block_hash = h
+            block.tokens = tokens[i] if tokens and self._verify_tokens else b""
+            self.cached[h] = block
+            new.append(block)
+        if new and self.demotion is DemotionPolicy.WRITE_THROUGH:
+            self._demote(new[::-1])
+        return len(new)
+
+    def free_blocks(self, blocks: Sequence[PoolBlock]) -> None:
+        """Drop one reference on each of a request's blocks (given in request order).
+
+        Blocks reaching 0 join the free queue's tail in reverse order: the tail of the
+        sequence will be evicted before its prefix.
+        """
+        for block in reversed(blocks):
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"free of {block} with no reference (a bug)")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    # -- demotion --------------------------------------------------------------------------
+    def _key(self, block: PoolBlock) -> BlockKey:
+        assert block.block_hash is not None
+        return BlockKey(block.block_hash, block.tokens)
+
+    def _demote(self, blocks: Sequence[PoolBlock]) -> None:
+        """Copy blocks (eviction order) to `lower`; a full disk loses them, never fails here."""
+        if self.lower is None or not blocks:
+            return
+        keys = [self._key(b) for b in blocks]
+        views = [self.block_view(b.block_id) for b in blocks]
+        try:
+            if self._copy_stream is not None:  # D2H on a side stream; wait only for this copy
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self._copy_stream):
+                    self.lower.put(keys, views)
+                self._copy_stream.synchronize()
+            else:
+                self.lower.put(keys, views)
+            self.num_demoted += len(blocks)
+        except DiskFullError:
+            self.num_demotion_failures += len(blocks)
+
+    def _evict(self, blocks: Sequence[PoolBlock]) -> None:
+        if not blocks:
+            return
+        if self.demotion is DemotionPolicy.WRITE_THROUGH and self.lower is not None:
+            hashes = [b.block_hash for b in blocks]
+            missing = [b for b, h in zip(blocks, hashes) if not self.lower.match_prefix([h])]  # type: ignore[list-item]
+            self._demote(missing)
+        else:
+            self._demote(blocks)
+        for block in blocks:
+            self._uncache(block)
+        self._num_evictions += len(blocks)
+
+    def _uncache(self, block: PoolBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            block.tokens = b""
+
+    # -- the tier protocol -----------------------------------------------------------------
+    @property
+    def capacity_blocks(self) -> int:
+        return self.num_blocks
+
+    def __len__(self) -> int:
+        return len(self.cached)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
+        self._check_open()
+        cached, n, end = self.cached, start, len(block_hashes)
+        while n < end and block_hashes[n] in cached:
+            n += 1
+        return n - start
+
+    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        n = 0
+        for key, dst in zip(keys, dsts):
+            block = self.cached.get(key.block_hash)
+            if block is None:
+                break
+            if self._verify_tokens and key.tokens and block.tokens and block.tokens != key.tokens:
+                self._num_corrupt += 1
+                self.discard([key.block_hash])
+                break
+            dst.copy_(self.block_view(block.block_id))
+            n += 1
+        self._num_hits += n
+        self.touch([k.block_hash for k in reversed(keys[:n])])
+        return n
+
+    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        self._check_open()
+        if len(keys) != len(srcs):
+            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+        self.touch([k.block_hash for k in keys])
+        seen: set[BlockHash] = set()
+        new: list[int] = []
+        for i in range(len(keys) - 1, -1, -1):  # last duplicate wins
+            h = keys[i].block_hash
+            if h not in self.cached and h not in seen:
+                seen.add(h)
+                new.append(i)
+        new.reverse()
+        cut = max(0, len(new) - len(self.free_queue))
+        overflow, new = new[:cut], new[cut:]
+        if overflow and self.lower is not None:  # no free block for them: straight down
+            self.lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
+        blocks = self.allocate(len(new))
+        for block, i in zip(blocks, new):
+            self.block_view(block.block_id).copy_(srcs[i])
+        self.cache_blocks(blocks, [keys[i].block_hash for i in new], [keys[i].tokens for i in new])
+        for block in blocks:  # unreferenced, in eviction order
+            block.ref_cnt = 0
+            self.free_queue.append(block)
+        self._num_puts += len(new)
+        return len(new)
+
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None and block.ref_cnt == 0:
+                self.free_queue.move_to_tail(block)
+
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        n = 0
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None and block.ref_cnt == 0:
+                self._uncache(block)
+                self.free_queue.move_to_head(block)
+                n += 1
+        return n
+
+    def spill(self) -> int:
+        """Copy every cached block down to `lower` (LRU order first); keep them here too."""
+        self._check_open()
+        if self.lower is None:
+            return 0
+        order = [b for b in self.free_queue if b.block_hash is not None]
+        order += [b for b in self.blocks if b.ref_cnt > 0 and b.block_hash is not None]
+        before = self.num_demoted
+        self._demote(order)
+        return self.num_demoted - before
+
+    def clear(self) -> None:
+        self._check_open()
+        for block in list(self.cached.values()):
+            self._uncache(block)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.cached.clear()
+            self.kv_cache = torch.empty(0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("block pool is closed")
+
+    def check_integrity(self) -> None:
+        in_queue = set()
+        for i, block in enumerate(self.free_queue):
+            if i > self.num_blocks:
+                raise RuntimeError("block pool: free queue has a cycle (a bug)")
+            if block.ref_cnt != 0:
+                raise RuntimeError(f"block pool: {block} is in the free queue with references (a bug)")
+            in_queue.add(block.block_id)
+        if len(in_queue) != len(self.free_queue):
+            raise RuntimeError("block pool: free queue length disagrees with its links (a bug)")
+        referenced = [b for b in self.blocks if b.ref_cnt > 0]
+        if any(b.ref_cnt < 0 for b in self.blocks):
+            raise RuntimeError("block pool: negative ref count (a bug)")
+        free = [b for b in self.blocks if b.block_id in in_queue and b.block_hash is None]
+        cached_free = [b for b in self.blocks if b.block_id in in_queue and b.block_hash is not None]
+        if len(free) + len(referenced) + len(cached_free) != self.num_blocks:
+            raise RuntimeError(
+                f"block pool: {len(free)} free + {len(referenced)} referenced + {len(cached_free)} "
+                f"cached-unreferenced != {self.num_blocks} blocks (a bug)"
+            )
+        for h, block in self.cached.items():
+            if block.block_hash != h:
+                raise RuntimeError(f"block pool: hash {h.hex()} maps to {block} holding another (a bug)")
+        if sum(b.block_hash is not None for b in self.blocks) != len(self.cached):
+            raise RuntimeError("block pool: a block holds a hash the cache map lacks (a bug)")
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            kind=self.kind, num_blocks=len(self.cached), capacity_blocks=self.num_blocks,
+            used_bytes=len(self.cached) * self._block_bytes, capacity_bytes=self.num_blocks * self._block_bytes,
+            num_hits=self._num_hits, num_puts=self._num_puts, num_evictions=self._num_evictions,
+            num_corrupt=self._num_corrupt,
+        )
