@@ -9,6 +9,8 @@ import sys
 BENCHMARKS = {
     "hashing": "bench.hashing",
     "tiers": "bench.tiers",
+    "demotion": "bench.demotion",
+    "transfer": "bench.transfer",
 }
 COMMANDS = {
     "demo-store": "kvstore.demo",

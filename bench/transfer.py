@@ -1,0 +1,103 @@
+"""Pool <-> CPU block transfers: demotion and promotion against a plain pinned `copy_`.
+
+Run: `kvstrata bench transfer`. On CUDA the pool lives on the GPU and the CPU tier in pinned
+memory: demotion is GPU->CPU, promotion CPU->GPU, and the baseline is `copy_` between a
+GPU tensor and a pinned host tensor of the same blocks, measured in the same run. Without
+CUDA the pool lives in host memory and both directions are host copies (the baseline is
+then a host `copy_`). Block sizes 16 KiB to 4 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tqdm import tqdm
+
+from bench.common import print_table, write_results
+from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS, parse_sizes
+from kvstore import KVCacheStore, KVLayout, StoreConfig
+from kvstore.manager import KVCacheManager
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _time(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+    import time
+
+    best = float("inf")
+    for _ in range(repeat):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_size(label: str, mib: int, repeat: int) -> dict[str, float]:
+    block_size, layers = SIZES[label]
+    layout = KVLayout(layers, TOKEN_KV_HEADS, TOKEN_HEAD_DIM, torch.bfloat16)
+    block_bytes = layout.block_bytes(block_size)
+    n = max(8, (mib << 20) // block_bytes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = StoreConfig(layout, block_size=block_size, pool_blocks=n + 1, pool_device=device,
+                      cpu_bytes=(n + 1) * block_bytes)
+    store = KVCacheStore(cfg)
+    pool = store.pool
+    assert pool is not None
+    nbytes = n * block_bytes
+    tokens = list(range(n * block_size))
+    kv = torch.randn(layout.block_shape(len(tokens)), device=device).to(layout.dtype)
+    store.store(tokens, kv)  # n cached pool blocks
+
+    t_demote = _time(lambda: pool.spill(), 1)  # GPU->CPU, every block (first copy of each)
+    mgr = KVCacheManager(store)
+
+    def promote() -> None:  # CPU->GPU: drop pool copies, load every block back through the manager
+        pool.clear()
+        mgr.add_request("p", [*tokens, 0])
+        comp = mgr.get_computed_blocks("p")
+        mgr.allocate_slots("p", 1, comp)
+        mgr.free("p")
+
+    t_promote = _time(promote, repeat)
+    # Baseline: plain copy_ of the same blocks between the pool tensor and a pinned host buffer.
+    host = torch.empty((n, *layout.block_shape(block_size)), dtype=layout.dtype, pin_memory=device == "cuda")
+    t_d2h = _time(lambda: [host[i].copy_(pool.block_view(i)) for i in range(n)], repeat)
+    t_h2d = _time(lambda: [pool.block_view(i).copy_(host[i]) for i in range(n)], repeat)
+    store.close()
+    return {"block_bytes": block_bytes, "num_blocks": n, "device": device,
+            "demote_gbps": nbytes / t_demote / 1e9, "promote_gbps": nbytes / t_promote / 1e9,
+            "copy_d2h_gbps": nbytes / t_d2h / 1e9, "copy_h2d_gbps": nbytes / t_h2d / 1e9}
+
+
+def run(mib: int = 64, sizes: list[str] | None = None, repeat: int = 3) -> dict[str, object]:
+    results = {label: bench_size(label, mib, repeat) for label in tqdm(sizes or list(SIZES), desc="block sizes",
+                                                                      disable=None)}
+    rows = []
+    for label, r in results.items():
+        r["demote_ratio"] = r["demote_gbps"] / r["copy_d2h_gbps"]
+        r["promote_ratio"] = r["promote_gbps"] / r["copy_h2d_gbps"]
+        rows.append([label, r["device"], "demote pool->CPU", r["demote_gbps"], r["copy_d2h_gbps"], r["demote_ratio"]])
+        rows.append([label, r["device"], "promote CPU->pool", r["promote_gbps"], r["copy_h2d_gbps"],
+                     r["promote_ratio"]])
+    print_table(f"Pool <-> CPU transfers, ~{mib} MiB per block size (best of {repeat})",
+                ["block", "pool on", "direction", "GB/s", "copy_ GB/s", "ratio"], rows)
+    return {"mib": mib, "sizes": results}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="kvstrata bench transfer", description=__doc__)
+    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--sizes", default=",".join(SIZES))
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args(argv)
+    write_results("transfer", run(args.mib, parse_sizes(args.sizes), args.repeat))
+
+
+if __name__ == "__main__":
+    main()
