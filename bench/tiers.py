@@ -1,8 +1,9 @@
 """Store and retrieve bandwidth of each tier against physical baselines from the same run.
 
 Run: `kvstrata bench tiers [--mib N] [--sizes 16K,64K,...]`. For each block size, a context
-of about N MiB of KV is stored into and retrieved from a CPU-only store and a disk-only
-store (LMDB, fsync on commit). Baselines, measured in the same run on the same bytes:
+of about N MiB of KV is stored into and retrieved from a pool-only store (the pool is in
+host memory without CUDA), a CPU-only store and a disk-only store (LMDB, fsync on commit).
+Baselines, measured in the same run on the same bytes:
 `numpy.copyto` of the whole buffer (memory), and a raw file write + fsync and a read with
 the page cache dropped (`posix_fadvise(DONTNEED)`) and warm (disk). Ratios are tier GB/s
 over baseline GB/s.
@@ -87,6 +88,14 @@ def bench_size(label: str, mib: int, workdir: Path, repeat: int) -> dict[str, fl
     def fresh_tokens() -> list[int]:
         return rng.integers(0, 2**31, size=num_tokens).tolist()
 
+    # Pool tier (host memory here unless CUDA): capacity for everything.
+    cfg = StoreConfig(layout, block_size=block_size, pool_blocks=num_blocks + 1, cpu_bytes=0)
+    with KVCacheStore(cfg) as store:
+        tokens = fresh_tokens()
+        t_store = timeit(lambda: store.store(tokens, kv), repeat=1)
+        t_get = timeit(lambda: store.retrieve(tokens, device=kv.device), repeat=repeat)
+        out["pool_store_gbps"], out["pool_retrieve_gbps"] = _gbps(nbytes, t_store), _gbps(nbytes, t_get)
+
     # CPU tier: capacity for everything.
     cfg = StoreConfig(layout, block_size=block_size, cpu_bytes=(num_blocks + 1) * block_bytes)
     with KVCacheStore(cfg) as store:
@@ -133,6 +142,8 @@ def run(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     pairs = [  # (operation, tier key, baseline name, baseline key)
+        ("pool store", "pool_store_gbps", "memcpy", "memcpy_gbps"),
+        ("pool retrieve", "pool_retrieve_gbps", "memcpy", "memcpy_gbps"),
         ("cpu store", "cpu_store_gbps", "memcpy", "memcpy_gbps"),
         ("cpu retrieve", "cpu_retrieve_gbps", "memcpy", "memcpy_gbps"),
         ("disk store", "disk_store_gbps", "write+fsync", "raw_write_gbps"),

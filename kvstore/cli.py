@@ -11,6 +11,9 @@ BENCHMARKS = {
     "tiers": "bench.tiers",
     "demotion": "bench.demotion",
     "transfer": "bench.transfer",
+    "trace": "bench.trace",
+    "micro": "bench.micro",
+    "scale": "bench.scale",
 }
 COMMANDS = {
     "demo-store": "kvstore.demo",
