@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,30 +70,48 @@ def load_hf_checkpoint(
     if not files:
         raise CheckpointError(f"{root} has no *.safetensors file")
     model = LlamaModel(config, device=device)
+    load_hf_weights(model, _read_safetensors(files, safe_open), source=str(root))
+    return model
+
+
+def _read_safetensors(files: list[Path], safe_open: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]], source: str = "state dict"
+) -> None:
+    """Copy HF-named `(name, tensor)` pairs into `model`, casting to its dtype and device.
+
+    Every parameter must be given exactly once (with tied embeddings a `lm_head.weight`
+    entry is skipped); `source` names the origin in error messages.
+
+    Raises:
+        CheckpointError: an unexpected name, a wrong shape, or a parameter never given;
+            parameters copied before the error keep their new values.
+    """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if hf_name.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    name = hf_to_local_name(hf_name)
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue  # tied: the embedding matrix is the head
-                    if name not in params:
-                        raise CheckpointError(f"{file.name}: unexpected weight {hf_name!r}")
-                    tensor = f.get_tensor(hf_name)
-                    if tuple(tensor.shape) != tuple(params[name].shape):
-                        raise CheckpointError(
-                            f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, expected "
-                            f"{tuple(params[name].shape)}"
-                        )
-                    params[name].copy_(tensor)
-                    loaded.add(name)
+    for hf_name, tensor in tensors:
+        if hf_name.endswith(_IGNORED_SUFFIXES):
+            continue
+        name = hf_to_local_name(hf_name)
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied: the embedding matrix is the head
+        if name not in params:
+            raise CheckpointError(f"{source}: unexpected weight {hf_name!r}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise CheckpointError(
+                f"{source}: {hf_name} has shape {tuple(tensor.shape)}, expected "
+                f"{tuple(params[name].shape)}"
+            )
+        params[name].copy_(tensor)
+        loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise CheckpointError(
-            f"{root}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-        )
-    return model
+        more = " ..." if len(missing) > 5 else ""
+        raise CheckpointError(f"{source}: missing weights {missing[:5]}{more}")
