@@ -11,6 +11,8 @@ from engine_adapter.forward_batch import NO_BLOCK, ForwardBatch, RequestChunk
 from engine_adapter.paged_attention import (
     allocate_kv_cache,
     attend,
+    attend_chunked,
+    attend_sdpa,
     check_kv_cache,
     gather_kv,
     kv_cache_shape,
@@ -35,14 +37,18 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (6, 1)])
-@pytest.mark.parametrize("q_len,ctx_len", [(1, 1), (1, 9), (5, 5), (3, 11)])
+@pytest.mark.parametrize("q_len,ctx_len", [(1, 1), (1, 9), (5, 5), (3, 11), (7, 7)])
 def test_attend_matches_dense(num_heads: int, num_kv_heads: int, q_len: int, ctx_len: int) -> None:
     gen = torch.Generator().manual_seed(q_len * 100 + ctx_len)
     q = torch.randn(q_len, num_heads, 16, generator=gen)
     k = torch.randn(ctx_len, num_kv_heads, 16, generator=gen)
     v = torch.randn(ctx_len, num_kv_heads, 16, generator=gen)
-    out = attend(q, k, v, 16**-0.5)
-    torch.testing.assert_close(out, dense_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    expected = dense_attention(q, k, v)
+    torch.testing.assert_close(attend(q, k, v, 16**-0.5), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend_sdpa(q, k, v, 16**-0.5), expected, atol=1e-5, rtol=1e-5)
+    for max_score_bytes in (1, 4 * num_heads * ctx_len * 2, 1 << 30):  # 1, 2, all rows a chunk
+        out = attend_chunked(q, k, v, 16**-0.5, max_score_bytes)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def make_batch(
