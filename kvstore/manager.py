@@ -188,9 +188,10 @@ class KVCacheManager:
         req.num_cached_blocks = pos
         req.num_computed_tokens = pos * self.block_size
 
-    def commit(self, request_id: str, num_computed_tokens: int) -> int:
+    def commit(self, request_id: str, num_computed_tokens: int, *, cache_blocks: bool = True) -> int:
         """Record that KV is written up to `num_computed_tokens`; cache the blocks now full.
 
+        With `cache_blocks=False` (prefix caching off) only the progress is recorded.
         Returns how many blocks were newly registered in the pool's cache.
         """
         req = self._req(request_id)
@@ -199,7 +200,7 @@ class KVCacheManager:
             raise InvalidInputError(f"num_computed_tokens={num_computed_tokens} outside [0, {limit}]")
         req.num_computed_tokens = max(req.num_computed_tokens, num_computed_tokens)
         full = min(req.num_computed_tokens // self.block_size, len(req.hashes))
-        if full <= req.num_cached_blocks:
+        if not cache_blocks or full <= req.num_cached_blocks:
             return 0
         arr = np.asarray(req.token_ids[: full * self.block_size], dtype="<u4")
         keys = self.store.block_keys(arr, req.hashes[:full])

@@ -1,0 +1,155 @@
+"""`kvstrata offload`: long-document QA, time to first token per tier against recompute.
+
+In the style of LMCache's long_doc_qa: D documents of N tokens, Q questions each (a
+question is `--question-tokens` tokens appended to its document). The model has Llama-3-8B's
+layer shape (hidden 4096, 32 query heads, 8 KV heads x 128, MLP 14336) with `--layers`
+layers and random weights, so KV bytes per token per layer are the real model's; prefill
+compute and KV bytes both scale linearly with the layer count, so the load-vs-recompute
+ratio per layer carries over to the full 32 layers. For each N, each document's first
+question is answered by recomputing (prefix caching off), then its other questions are
+answered with the document's KV placed in exactly one tier: the pool, the CPU tier (pool
+copies spilled down and dropped), the disk tier with the page cache dropped (cold), and the
+disk tier again (warm). The pool and CPU tier are each sized below the working set of D
+documents. Results: a table on stdout, JSON and a PNG plot under results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import RESULTS_DIR, drop_file_cache, print_table, write_results
+from bench.model_speed import llama3_8b_shape
+from engine_adapter.model import LlamaModel
+from engine_adapter.runner import KVStrataLLM
+from engine_adapter.weights import init_random_weights
+from kvstore import KVCacheStore, StoreConfig
+
+BLOCK_SIZE = 16
+PLACEMENTS = ("recompute", "pool", "cpu", "disk_cold", "disk_warm")
+
+
+def _place(store: KVCacheStore, where: str) -> None:
+    """Leave every cached block in exactly the tier `where` names."""
+    pool, cpu, _disk = store.tiers
+    if where in ("cpu", "disk_cold", "disk_warm"):
+        pool.spill()
+        pool.clear()
+    if where in ("disk_cold", "disk_warm"):
+        cpu.spill()
+        cpu.clear()
+    if where == "disk_cold":
+        drop_file_cache(Path(store.config.disk_path) / "data.mdb")  # type: ignore[arg-type]
+
+
+def run(lengths: list[int], layers: int, docs: int, questions: int, question_tokens: int, dtype: str,
+        workdir: str | None = None) -> dict[str, object]:
+    config = llama3_8b_shape(layers, dtype)
+    model = init_random_weights(LlamaModel(config), seed=0)
+    layout = config.kv_layout
+    rng = np.random.default_rng(0)
+    tmp = Path(tempfile.mkdtemp(prefix="kvstrata-offload-", dir=workdir))
+    results: dict[int, dict[str, object]] = {}
+    try:
+        for n in tqdm(lengths, desc="context lengths", disable=None):
+            doc_blocks = -(-(n + question_tokens + 1) // BLOCK_SIZE)
+            cfg = StoreConfig(
+                layout, block_size=BLOCK_SIZE, namespace="offload", pool_blocks=int(doc_blocks * 1.5),
+                pool_device="cpu", cpu_bytes=int(doc_blocks * 1.5) * layout.block_bytes(BLOCK_SIZE),
+                disk_path=str(tmp / f"n{n}"), disk_bytes=(docs + 2) * doc_blocks * (layout.block_bytes(BLOCK_SIZE)
+                                                                                  + 8192),
+                disk_sync=False,
+            )
+            ttft: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
+            served: dict[str, dict[str, int]] = {}
+            same_answer = True
+            with KVCacheStore(cfg) as store:
+                llm = KVStrataLLM(model, store)
+                base = KVStrataLLM(model, store, prefix_caching=False)
+                for _ in range(docs):
+                    doc = rng.integers(0, config.vocab_size, size=n).tolist()
+                    qs = [doc + rng.integers(0, config.vocab_size, size=question_tokens).tolist()
+                          for _ in range(questions)]
+                    llm.generate([qs[0]], 1)  # the first question caches the document
+                    for q in qs[1:]:
+                        ref = base.generate([q], 1)[0]
+                        ttft["recompute"].append(ref.stats.ttft_s)
+                        for where in PLACEMENTS[1:]:
+                            _place(store, where)
+                            res = llm.generate([q], 1)[0]
+                            ttft[where].append(res.stats.ttft_s)
+                            served[where] = res.stats.cached_tokens_per_tier
+                            same_answer &= res.token_ids == ref.token_ids
+            kv_mib = n * layout.token_bytes / 2**20
+            med = {p: statistics.median(v) for p, v in ttft.items()}
+            results[n] = {"ttft_s": med, "speedup": {p: med["recompute"] / med[p] for p in PLACEMENTS},
+                          "prefix_tokens_per_s": {p: n / med[p] for p in PLACEMENTS},
+                          "kv_mib": kv_mib, "served": served, "same_answer_as_recompute": same_answer}
+            shutil.rmtree(tmp / f"n{n}", ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    for n, r in results.items():
+        t, s = r["ttft_s"], r["speedup"]
+        rows.append([n, f"{r['kv_mib']:.0f}", *(f"{t[p] * 1e3:.0f}" for p in PLACEMENTS),
+                     *(f"{s[p]:.1f}x" for p in PLACEMENTS[1:])])
+    print_table(
+        f"Long-document QA, Llama-3-8B layer shape x {layers} layer(s), {dtype}, {docs} docs x {questions} "
+        "questions: TTFT (ms, median) and speedup over recompute",
+        ["tokens", "KV MiB", *(f"{p} ms" for p in PLACEMENTS), *(f"{p} x" for p in PLACEMENTS[1:])], rows)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    png = RESULTS_DIR / "offload_ttft.png"
+    plot(png, results, f"TTFT vs context, Llama-3-8B shape x {layers} layer(s), {dtype}")
+    print(f"plot written to {png}")
+    return {"layers": layers, "dtype": dtype, "docs": docs, "questions": questions,
+            "question_tokens": question_tokens, "kv_bytes_per_token": layout.token_bytes,
+            "results": {str(k): v for k, v in results.items()}, "plot": str(png)}
+
+
+def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = sorted(results)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for p, style in zip(PLACEMENTS, ("k--o", "-o", "-s", "-^", "-v")):
+        ax.plot(xs, [results[x]["ttft_s"][p] * 1e3 for x in xs], style, label=p.replace("_", " "))  # type: ignore[index]
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="kvstrata offload", description=__doc__)
+    p.add_argument("--lengths", default="1024,2048,4096", help="comma list of context lengths (up to 32768)")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--docs", type=int, default=2)
+    p.add_argument("--questions", type=int, default=3)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--workdir", default=None, help="where the disk tier lives (default: system tmp)")
+    args = p.parse_args(argv)
+    if args.questions < 2:
+        raise SystemExit("--questions must be >= 2")
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    write_results("offload", run(lengths, args.layers, args.docs, args.questions, args.question_tokens,
+                                 args.dtype, args.workdir))
+
+
+if __name__ == "__main__":
+    main()
