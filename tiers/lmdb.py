@@ -16,6 +16,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import lmdb
 import msgpack
@@ -80,6 +81,13 @@ def _release_env(real: str) -> None:
 
 def _is_enospc(exc: BaseException) -> bool:
     return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+
+
+class ScrubResult(NamedTuple):
+    """What `LMDBTier.scrub` found: records that validated, and damaged ones it deleted."""
+
+    num_ok: int
+    num_corrupt: int
 
 
 class LMDBTier(Tier):
@@ -400,6 +408,29 @@ class LMDBTier(Tier):
                 )
             if total != used:
                 raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
+
+    def scrub(self) -> ScrubResult:
+        """Validate every record (header, key, layout, checksum); delete the damaged ones.
+
+        Reads in one snapshot, then deletes in one write transaction. Token ids are checked
+        against the record's own header only (the caller's tokens are not known here).
+        """
+        self._check_open()
+        damaged: list[BlockHash] = []
+        num_ok = 0
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            for h, value in txn.cursor():
+                key = BlockKey(BlockHash(bytes(h)))
+                try:
+                    self.decode(value, key)
+                except CorruptRecordError:
+                    damaged.append(key.block_hash)
+                else:
+                    num_ok += 1
+        if damaged:
+            self._num_corrupt += len(damaged)
+            self.discard(damaged)
+        return ScrubResult(num_ok, len(damaged))
 
     def stats(self) -> TierStats:
         self._check_open()
