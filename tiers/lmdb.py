@@ -233,7 +233,7 @@ class LMDBTier(Tier):
                 n += 1
         if corrupt:
             self._num_corrupt += len(corrupt)
-            self.discard(corrupt)
+            self._discard_damaged(corrupt)
         self._num_hits += n
         self.touch([k.block_hash for k in reversed(keys[:n])])
         return n
@@ -366,6 +366,24 @@ class LMDBTier(Tier):
             self._write_meta(txn, tick, max(0, used))
         return n
 
+    def _discard_damaged(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Delete damaged records, then recount the bytes used from the records left.
+
+        A damaged record's length need not be the length it was accounted at (a truncated or
+        overwritten value), so subtracting it would leave the accounting off for good.
+        """
+        with self._env.begin(write=True, buffers=True) as txn:
+            tick, _ = self._read_meta(txn)
+            for h in block_hashes:
+                old = txn.get(h, db=self._atime)
+                if old is not None:
+                    txn.delete(bytes(old), db=self._lru)
+                txn.delete(h, db=self._atime)
+                txn.delete(h, db=self._blocks)
+            cursor = txn.cursor(db=self._blocks)
+            used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
+            self._write_meta(txn, tick, used)
+
     def clear(self) -> None:
         self._check_open()
         with self._env.begin(write=True) as txn:
@@ -429,7 +447,7 @@ class LMDBTier(Tier):
                     num_ok += 1
         if damaged:
             self._num_corrupt += len(damaged)
-            self.discard(damaged)
+            self._discard_damaged(damaged)
         return ScrubResult(num_ok, len(damaged))
 
     def stats(self) -> TierStats:
