@@ -133,6 +133,9 @@ class StoreConfig:
             blocks reach disk when the CPU tier evicts them, or on `close()`.
         persist_on_close: on `close()`, copy CPU-tier blocks not yet on disk down to it, so
             a reopened store finds everything.
+        cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
+            read or demoted; a block damaged in memory is then a miss (costs one hash per
+            block written and per block read).
     """
 
     layout: KVLayout
@@ -146,6 +149,7 @@ class StoreConfig:
     disk_sync: bool = True
     write_through: bool = False
     persist_on_close: bool = True
+    cpu_checksums: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):

@@ -73,7 +73,8 @@ class KVCacheStore:
             )
         cpu = None
         if config.cpu_bytes:
-            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens)
+            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens,
+                          checksum=config.cpu_checksums)
         self._tiers: list[Tier] = [t for t in (cpu, disk) if t is not None]
         self._seed = namespace_seed(config.identity(), config.hash_algo)
         self._lock = threading.RLock()
