@@ -21,6 +21,7 @@ import torch
 
 from kvstore import KVCacheStore, KVLayout
 from tiers.base import BlockKey
+from tiers.cpu import CPUTier
 from tiers.lmdb import LMDBTier
 
 from .budget import BUDGET
@@ -237,5 +238,59 @@ def test_damage_under_a_running_store(tmp_path: Path, figures: Figures) -> None:
         store.check_integrity()
         figures.set("injected", len(damaged))
         figures.set("detected", disk.stats().num_corrupt)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("damage", ["bit-flip", "slots-swapped"])
+def test_damaged_cpu_slots_are_a_miss(tmp_path: Path, damage: str, figures: Figures) -> None:
+    """CPU slots damaged in memory (a flipped bit, or two slots' contents exchanged as a stale
+    index would see them): with `cpu_checksums` each is a miss, dropped, and never demoted to
+    the disk tier, which keeps serving its own good copy."""
+    rng = np.random.default_rng([BUDGET.seed, 23, len(damage)])
+    store = open_store(str(tmp_path), cpu_bytes=64 * LAYOUT.block_bytes(BLOCK), cpu_checksums=True)
+    try:
+        cpu = store.tiers[0]
+        assert isinstance(cpu, CPUTier)
+        prompts = [rng.integers(0, 2**32, size=3 * BLOCK, dtype=np.uint32) for _ in range(12)]
+        for tokens in prompts:
+            store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        damaged: dict[int, int] = {}
+        for i in range(0, len(prompts), 2):
+            index = int(rng.integers(3))
+            view = cpu.block_view(store.block_hashes(prompts[i])[index])
+            assert view is not None
+            raw = view.view(torch.uint8).view(-1)
+            if damage == "bit-flip":
+                raw[int(rng.integers(raw.numel()))] ^= 1 << int(rng.integers(8))
+            else:  # this prompt's block now holds the next prompt's block 0, and vice versa
+                other = cpu.block_view(store.block_hashes(prompts[i + 1])[0])
+                assert other is not None
+                tmp = view.clone()
+                view.copy_(other)
+                other.copy_(tmp)
+                damaged[i + 1] = 0
+            damaged[i] = min(index, damaged.get(i, index))
+        for i, tokens in enumerate(prompts):
+            res = store.retrieve(tokens)
+            assert res.num_tokens == damaged.get(i, 3) * BLOCK, (i, res.num_tokens)
+            check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert cpu.stats().num_corrupt == len(damaged)
+        store.check_integrity()
+        # Blocks dropped from memory are not on disk either (no write-through): still misses.
+        for i, tokens in enumerate(prompts):
+            assert store.lookup(tokens) == damaged.get(i, 3) * BLOCK
+        figures.set("injected", len(damaged))
+        figures.set("detected", cpu.stats().num_corrupt)
+    finally:
+        store.close()
+    # close() spilled the good blocks to disk, and none of the damaged ones.
+    store = open_store(str(tmp_path))
+    try:
+        for i, tokens in enumerate(prompts):
+            res = store.retrieve(tokens)
+            assert res.num_tokens == damaged.get(i, 3) * BLOCK
+            check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert _disk(store).scrub().num_corrupt == 0
     finally:
         store.close()
