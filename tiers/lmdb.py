@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import struct
 import threading
 from collections.abc import Sequence
@@ -79,8 +80,35 @@ def _release_env(real: str) -> None:
             entry[0].close()
 
 
-def _is_enospc(exc: BaseException) -> bool:
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXTS = ("No space left", "quota exceeded", "File too large")
+
+
+def _disk_full_reason(exc: BaseException, path: str, num_bytes: int) -> str | None:
+    """Why a failed LMDB write was for want of room, or None if it was not.
+
+    LMDB reports a short write as EIO ("Input/output error"): that is what a file system
+    that fills, or a file-size limit, does mid-commit. EIO counts as full only when the free
+    space or the RLIMIT_FSIZE headroom is below `num_bytes` (plus slack) right after.
+    """
+    text = str(exc)
+    if getattr(exc, "errno", None) in _FULL_ERRNOS or any(t in text for t in _FULL_TEXTS):
+        return "file system full"
+    if "Input/output error" not in text:
+        return None
+    need = num_bytes + (4 << 20)
+    try:
+        st = os.statvfs(path)
+        if st.f_bavail * st.f_frsize < need:
+            return "file system full (LMDB saw a short write)"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            size = os.path.getsize(os.path.join(path, "data.mdb"))
+            if size + need > limit:
+                return f"file size limit of {limit} bytes reached (LMDB saw a short write)"
+    except OSError:
+        return None
+    return None
 
 
 class ScrubResult(NamedTuple):
@@ -256,8 +284,11 @@ class LMDBTier(Tier):
             except lmdb.MapFullError:
                 continue
             except lmdb.Error as exc:
-                if _is_enospc(exc):
-                    raise DiskFullError(f"disk tier at {self._path}: file system full ({exc})") from exc
+                reason = _disk_full_reason(exc, self._path, sum(map(len, records.values())))
+                if reason is not None:
+                    raise DiskFullError(
+                        f"disk tier at {self._path}: {reason}; nothing was written ({exc})"
+                    ) from exc
                 raise
         else:
             raise DiskFullError(
