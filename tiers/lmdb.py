@@ -65,6 +65,7 @@ def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Enviro
             real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
             sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
         )
+        env.reader_check()  # slots left by processes killed mid-read pin freed pages
         _ENVS[real] = [env, 1, os.getpid()]
         return real, env
 
@@ -282,6 +283,9 @@ class LMDBTier(Tier):
                 written = self._write(records, [k.block_hash for k in keys], extra=attempt)
                 break
             except lmdb.MapFullError:
+                # A process killed inside a read transaction leaves its slot in the reader
+                # table, pinning every page freed since: clear dead readers, then retry.
+                self._env.reader_check()
                 continue
             except lmdb.Error as exc:
                 reason = _disk_full_reason(exc, self._path, sum(map(len, records.values())))
