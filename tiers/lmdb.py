@@ -379,8 +379,19 @@ class LMDBTier(Tier):
             self.flush()
 
     def flush(self) -> None:
-        """Apply buffered recency updates now (one write transaction)."""
-        self._write({}, [], extra=0)
+        """Apply buffered recency updates now (one write transaction).
+
+        Best effort: on a full disk or map the updates are dropped (they only order eviction),
+        so reads and `close()` never fail for want of room.
+        """
+        try:
+            self._write({}, [], extra=0)
+        except lmdb.Error as exc:
+            full = _disk_full_reason(exc, self._path, 0) is not None
+            if not isinstance(exc, lmdb.MapFullError) and not full:
+                raise
+            with self._lock:
+                self._pending.clear()
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
