@@ -128,3 +128,52 @@ def _crash_round(spec: CrashSpec) -> None:
             other = pool.prompt(k)
             res = store.retrieve(other)
             check_kv(other, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+def fill_until_full(spec: dict[str, Any]) -> None:
+    _guarded(_fill_until_full, spec["report"], spec)
+
+
+def _fill_until_full(spec: dict[str, Any]) -> None:
+    """Store until the file system refuses; check reads, integrity, close and reopen."""
+    import resource
+    import signal
+
+    from kvstore import DiskFullError
+
+    if "fsize_limit" in spec:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], spec["fsize_limit"]))
+    rng = np.random.default_rng([spec["seed"], 32])
+    store = open_store(spec["path"], disk_bytes=64 << 20, disk_sync=True)
+    stored: list[np.ndarray] = []
+    refused = 0
+    error = ""
+    for _ in range(100_000):
+        tokens = rng.integers(0, 2**32, size=4 * BLOCK, dtype=np.uint32)
+        try:
+            store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        except DiskFullError as exc:
+            error = str(exc)
+            refused += 1
+            assert store.lookup(tokens) == 0, "a refused write left blocks behind"
+            if refused == 3:
+                break
+            continue
+        stored.append(tokens)
+    assert refused == 3, "the file system never filled"
+    num_blocks = 0
+    for tokens in stored:  # every write that returned is still there, bit-exact
+        res = store.retrieve(tokens)
+        num_blocks += check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert res.num_tokens == len(tokens)
+    assert disk_tier(store).scrub().num_corrupt == 0
+    store.check_integrity()
+    store.close()  # flushing recency updates must not fail on a full disk
+    store = open_store(spec["path"], disk_bytes=64 << 20, disk_sync=True)
+    res = store.retrieve(stored[-1])
+    check_kv(stored[-1], res.kv, res.num_tokens, LAYOUT, BLOCK)
+    store.check_integrity()
+    store.close()
+    write_json(spec["report"], {"stored": len(stored), "refused": refused, "error": error,
+                                "blocks_verified": num_blocks})
