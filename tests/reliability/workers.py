@@ -177,3 +177,40 @@ def _fill_until_full(spec: dict[str, Any]) -> None:
     store.close()
     write_json(spec["report"], {"stored": len(stored), "refused": refused, "error": error,
                                 "blocks_verified": num_blocks})
+
+
+def shared_dir_worker(spec: dict[str, Any]) -> None:
+    _guarded(_shared_dir_worker, spec["report"], spec)
+
+
+def _shared_dir_worker(spec: dict[str, Any]) -> None:
+    """Store (writers) and retrieve/look up (everyone) on a shared directory for a while."""
+    pool = PromptPool(spec["seed"], 512, num_roots=8)
+    extra = {"cpu_bytes": 64 * LAYOUT.block_bytes(BLOCK), "write_through": True}
+    store = open_store(spec["disk_path"], **(extra if spec["with_cpu"] else {}))
+    rng = np.random.default_rng([spec["seed"], 41, spec["index"]])
+    fd = os.open(spec["journal"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    time.sleep(max(0.0, spec["start_at"] - time.time()))
+    deadline = time.monotonic() + spec["seconds"]
+    ops = blocks = 0
+    max_read = 0.0
+    while time.monotonic() < deadline:
+        j = int(rng.integers(pool.num_prompts))
+        tokens = pool.prompt(j)
+        if spec["writer"] and rng.random() < 0.5:
+            store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+            os.write(fd, f"{j}\n".encode())
+        elif rng.random() < 0.8:
+            t0 = time.perf_counter()
+            res = store.retrieve(tokens)
+            max_read = max(max_read, time.perf_counter() - t0)
+            blocks += check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        else:
+            n = store.lookup(tokens)
+            assert n % BLOCK == 0 and n <= len(tokens)
+        ops += 1
+    os.close(fd)
+    store.check_integrity()
+    store.close()
+    write_json(spec["report"], {"ops": ops, "blocks_verified": blocks,
+                                "max_read_ms": 1000 * max_read})
