@@ -58,7 +58,8 @@ def test_threads_on_one_store(tmp_path: Path, mode: str, figures: Figures) -> No
                     mine["store"] += 1
                 elif op < 0.8:
                     res = store.retrieve(tokens)
-                    mine["blocks_verified"] += check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+                    got = check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+                    mine["blocks_verified"] += got
                     mine["retrieve"] += 1
                 else:
                     n = store.lookup(tokens)
