@@ -127,7 +127,9 @@ class KVCacheStore:
             raise LayoutMismatchError(f"kv holds {n} tokens but {num_tokens} tokens were given")
         if kv.dtype != layout.dtype:
             raise LayoutMismatchError(f"kv dtype is {kv.dtype}; the layout expects {layout.dtype}")
-        return kv
+        if kv.layout != torch.strided or kv.device.type == "meta":
+            raise LayoutMismatchError(f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}")
+        return kv.detach()  # a tensor that requires grad must not drag tier memory into its graph
 
     # -- the API ---------------------------------------------------------------------------
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
