@@ -131,6 +131,24 @@ class KVCacheStore:
             raise LayoutMismatchError(f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}")
         return kv.detach()  # a tensor that requires grad must not drag tier memory into its graph
 
+    _devices: set[torch.device] = set()  # devices a tensor was made on (class-wide cache)
+
+    @classmethod
+    def _check_device(cls, device: object) -> torch.device:
+        """`device` as a torch.device that can hold tensors; InvalidInputError otherwise."""
+        if device is None:
+            return torch.device("cpu")
+        try:
+            dev = torch.device(device)  # type: ignore[call-overload]
+            if dev.type == "meta":
+                raise RuntimeError("meta tensors hold no data")
+            if dev not in cls._devices:
+                torch.empty(0, device=dev)
+                cls._devices.add(dev)
+        except (RuntimeError, TypeError, AssertionError, ValueError) as exc:
+            raise InvalidInputError(f"device {device!r} cannot hold the retrieved KV: {exc}") from None
+        return dev
+
     # -- the API ---------------------------------------------------------------------------
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
@@ -167,6 +185,7 @@ class KVCacheStore:
         top tier. A block that fails validation ends the prefix there and is deleted.
         """
         self._check_open()
+        device = self._check_device(device)
         arr, hashes = self._hash(tokens, extra_keys)
         keys = self._keys(arr, hashes)
         cfg = self.config
@@ -179,7 +198,7 @@ class KVCacheStore:
             counts: dict[TierKind, int] = {}
             if not plan:
                 return RetrieveResult(0, None, counts)
-            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device or "cpu")
+            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
             num_ok = 0
             while num_ok < len(plan):
