@@ -159,6 +159,10 @@ class StoreConfig:
         _positive_int("StoreConfig", "disk_bytes", self.disk_bytes)
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
+        try:
+            self.namespace.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
         if self.disk_path is not None:
             object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
