@@ -26,7 +26,7 @@ import torch
 import xxhash
 
 from kvstore.config import dtype_name
-from kvstore.errors import CorruptRecordError, DiskFullError, StoreClosedError
+from kvstore.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 
@@ -52,7 +52,10 @@ _ENVS_LOCK = threading.Lock()
 
 
 def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environment]:
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"disk_path {path!r} cannot be made a directory: {exc}") from None
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
@@ -61,10 +64,13 @@ def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Enviro
             if entry[0].info()["map_size"] < map_size:
                 entry[0].set_mapsize(map_size)
             return real, entry[0]
-        env = lmdb.open(
-            real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
-            sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
-        )
+        try:
+            env = lmdb.open(
+                real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
+                sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
+            )
+        except lmdb.Error as exc:
+            raise ConfigError(f"disk_path {path!r} holds no usable LMDB store: {exc}") from None
         env.reader_check()  # slots left by processes killed mid-read pin freed pages
         _ENVS[real] = [env, 1, os.getpid()]
         return real, env
