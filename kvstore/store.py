@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -128,10 +128,12 @@ class KVCacheStore:
         if kv.dtype != layout.dtype:
             raise LayoutMismatchError(f"kv dtype is {kv.dtype}; the layout expects {layout.dtype}")
         if kv.layout != torch.strided or kv.device.type == "meta":
-            raise LayoutMismatchError(f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}")
+            raise LayoutMismatchError(
+                f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}"
+            )
         return kv.detach()  # a tensor that requires grad must not drag tier memory into its graph
 
-    _devices: set[torch.device] = set()  # devices a tensor was made on (class-wide cache)
+    _devices: ClassVar[set[torch.device]] = set()  # devices a tensor was made on
 
     @classmethod
     def _check_device(cls, device: object) -> torch.device:
@@ -146,7 +148,9 @@ class KVCacheStore:
                 torch.empty(0, device=dev)
                 cls._devices.add(dev)
         except (RuntimeError, TypeError, AssertionError, ValueError) as exc:
-            raise InvalidInputError(f"device {device!r} cannot hold the retrieved KV: {exc}") from None
+            raise InvalidInputError(
+                f"device {device!r} cannot hold the retrieved KV: {exc}"
+            ) from None
         return dev
 
     # -- the API ---------------------------------------------------------------------------
