@@ -137,6 +137,9 @@ class StoreConfig:
         pool_device: device of the pool's KV tensor (default: CUDA when present, else CPU).
         pool_demotion: "on_evict" (copy a block down when it is reused) or "write_through"
             (copy it down when it is cached).
+        cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
+            read or demoted; a block damaged in memory is then a miss (costs one hash per
+            block written and per block read).
     """
 
     layout: KVLayout
@@ -153,6 +156,7 @@ class StoreConfig:
     pool_blocks: int = 0
     pool_device: str | None = None
     pool_demotion: str = "on_evict"
+    cpu_checksums: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -167,6 +171,10 @@ class StoreConfig:
             )
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
+        try:
+            self.namespace.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
         if self.disk_path is not None:
             object.__setattr__(self, "disk_path", os.fspath(self.disk_path))

@@ -33,6 +33,15 @@ _TOKEN_MAX = 2**32
 _U32_TYPECODE = "I" if array.array("I").itemsize == 4 else "L"
 
 
+def _check_utf8(owner: str, value: object) -> None:
+    """Strings enter keys as UTF-8: one that cannot be encoded (a lone surrogate) is invalid."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidInputError(f"{owner} is not valid UTF-8 text: {exc}") from None
+
+
 @dataclass(frozen=True)
 class MultiModalInput:
     """A multimodal input occupying `num_tokens` placeholder tokens from `token_offset`.
@@ -49,6 +58,7 @@ class MultiModalInput:
             raise InvalidInputError(
                 f"MultiModalInput.content_hash must be non-empty str or bytes, got {self.content_hash!r}"
             )
+        _check_utf8("MultiModalInput.content_hash", self.content_hash)
         for name in ("token_offset", "num_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -81,6 +91,8 @@ class ExtraKeys:
             raise InvalidInputError(f"ExtraKeys.lora_id must be int or str, got {self.lora_id!r}")
         if isinstance(self.lora_id, int) and not -(2**63) <= self.lora_id < 2**64:
             raise InvalidInputError(f"ExtraKeys.lora_id {self.lora_id} does not fit 64 bits")
+        _check_utf8("ExtraKeys.cache_salt", self.cache_salt)
+        _check_utf8("ExtraKeys.lora_id", self.lora_id)
         if isinstance(self.mm_inputs, (str, bytes)) or not isinstance(self.mm_inputs, Sequence):
             raise InvalidInputError(f"ExtraKeys.mm_inputs must be a sequence, got {self.mm_inputs!r}")
         items = []
@@ -124,6 +136,8 @@ def as_token_array(tokens: object) -> np.ndarray:
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidTokensError(f"tokens must be integers, got a tensor of {tokens.dtype}")
+        if tokens.device.type == "meta":
+            raise InvalidTokensError("tokens must hold data, got a meta tensor")
         arr = tokens.detach().to("cpu").numpy()
     elif isinstance(tokens, np.ndarray):
         arr = tokens

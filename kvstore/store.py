@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
@@ -79,7 +79,8 @@ class KVCacheStore:
             )
         cpu = None
         if config.cpu_bytes:
-            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens)
+            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens,
+                          checksum=config.cpu_checksums)
         self.pool: BlockPool | None = None
         if config.pool_blocks:
             self.pool = BlockPool(
@@ -152,7 +153,31 @@ class KVCacheStore:
             raise LayoutMismatchError(f"kv holds {n} tokens but {num_tokens} tokens were given")
         if kv.dtype != layout.dtype:
             raise LayoutMismatchError(f"kv dtype is {kv.dtype}; the layout expects {layout.dtype}")
-        return kv
+        if kv.layout != torch.strided or kv.device.type == "meta":
+            raise LayoutMismatchError(
+                f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}"
+            )
+        return kv.detach()  # a tensor that requires grad must not drag tier memory into its graph
+
+    _devices: ClassVar[set[torch.device]] = set()  # devices a tensor was made on
+
+    @classmethod
+    def _check_device(cls, device: object) -> torch.device:
+        """`device` as a torch.device that can hold tensors; InvalidInputError otherwise."""
+        if device is None:
+            return torch.device("cpu")
+        try:
+            dev = torch.device(device)  # type: ignore[call-overload]
+            if dev.type == "meta":
+                raise RuntimeError("meta tensors hold no data")
+            if dev not in cls._devices:
+                torch.empty(0, device=dev)
+                cls._devices.add(dev)
+        except (RuntimeError, TypeError, AssertionError, ValueError) as exc:
+            raise InvalidInputError(
+                f"device {device!r} cannot hold the retrieved KV: {exc}"
+            ) from None
+        return dev
 
     # -- the API ---------------------------------------------------------------------------
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
@@ -190,6 +215,7 @@ class KVCacheStore:
         top tier. A block that fails validation ends the prefix there and is deleted.
         """
         self._check_open()
+        device = self._check_device(device)
         arr, hashes = self._hash(tokens, extra_keys)
         keys = self.block_keys(arr, hashes)
         cfg = self.config
@@ -202,7 +228,7 @@ class KVCacheStore:
             counts: dict[TierKind, int] = {}
             if not plan:
                 return RetrieveResult(0, None, counts)
-            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device or "cpu")
+            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
             num_ok = 0
             while num_ok < len(plan):

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from kvstore.errors import StoreClosedError
 from kvstore.hashing import BlockHash
@@ -17,7 +18,9 @@ class CPUTier(Tier):
 
     Invariant: every slot is either free or holds exactly one indexed block; an indexed block
     is either pinned (ref count > 0, not evictable) or in the LRU order. Evicted blocks are
-    demoted to `lower` (if any) before their slot is reused.
+    demoted to `lower` (if any) before their slot is reused. With `checksum`, each slot's
+    xxh3-64 is taken when it is written and checked before it is read or demoted: a slot
+    damaged in memory is then a miss and is dropped, never returned nor copied down.
     """
 
     kind = TierKind.CPU
@@ -31,6 +34,7 @@ class CPUTier(Tier):
         lower: Tier | None = None,
         verify_tokens: bool = True,
         pin_memory: bool | None = None,
+        checksum: bool = False,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"CPUTier needs at least one slot, got {num_slots}")
@@ -46,6 +50,8 @@ class CPUTier(Tier):
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # first = least recent
         self._refs: dict[BlockHash, int] = {}
         self._slot_tokens: list[bytes] = [b""] * num_slots
+        self._checksum = checksum
+        self._slot_sums: list[int] = [0] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._closed = False
         self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
@@ -86,6 +92,10 @@ class CPUTier(Tier):
                 self._num_corrupt += 1
                 self._drop(key.block_hash)
                 break
+            if self._checksum and self._sum(slot) != self._slot_sums[slot]:
+                self._num_corrupt += 1
+                self._drop(key.block_hash)
+                break
             dst.copy_(self._slab[slot])
             n += 1
         self._num_hits += n
@@ -116,6 +126,8 @@ class CPUTier(Tier):
             slot = self._free.pop()
             self._slab[slot].copy_(srcs[i])
             self._slot_tokens[slot] = keys[i].tokens if self._verify_tokens else b""
+            if self._checksum:
+                self._slot_sums[slot] = self._sum(slot)
             self._index[keys[i].block_hash] = slot
             self._lru[keys[i].block_hash] = None
         self._num_puts += len(new)
@@ -130,6 +142,7 @@ class CPUTier(Tier):
                 break
             victims.append(h)
         if self._lower is not None:
+            victims = self._drop_damaged(victims)  # the dropped ones freed their slots
             slots = [self._index[h] for h in victims]
             toks = [self._slot_tokens[s] for s in slots]
             # Raises DiskFullError before anything here changed: the victims stay.
@@ -148,10 +161,27 @@ class CPUTier(Tier):
         self._check_open()
         if self._lower is None or not self._index:
             return 0
-        order = [*self._lru, *self._refs]
+        order = self._drop_damaged([*self._lru, *self._refs])
         slots = [self._index[h] for h in order]
         keys = [BlockKey(h, self._slot_tokens[s]) for h, s in zip(order, slots)]
         return self._lower.put(keys, [self._slab[s] for s in slots])
+
+    def _sum(self, slot: int) -> int:
+        return xxhash.xxh3_64_intdigest(self._slab[slot].view(torch.uint8).numpy())
+
+    def _drop_damaged(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
+        """With checksums on, drop the given blocks whose slots fail theirs; return the rest."""
+        if not self._checksum:
+            return block_hashes
+        good = []
+        for h in block_hashes:
+            slot = self._index[h]
+            if self._sum(slot) == self._slot_sums[slot]:
+                good.append(h)
+            elif h not in self._refs:  # a pinned block is left to its holder
+                self._num_corrupt += 1
+                self._drop(h)
+        return good
 
     # -- bookkeeping -----------------------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:

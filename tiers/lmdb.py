@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import struct
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import lmdb
 import msgpack
@@ -24,7 +26,7 @@ import torch
 import xxhash
 
 from kvstore.config import dtype_name
-from kvstore.errors import CorruptRecordError, DiskFullError, StoreClosedError
+from kvstore.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 
@@ -50,7 +52,10 @@ _ENVS_LOCK = threading.Lock()
 
 
 def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environment]:
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"disk_path {path!r} cannot be made a directory: {exc}") from None
     real = os.path.realpath(path)
     with _ENVS_LOCK:
         entry = _ENVS.get(real)
@@ -59,10 +64,14 @@ def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Enviro
             if entry[0].info()["map_size"] < map_size:
                 entry[0].set_mapsize(map_size)
             return real, entry[0]
-        env = lmdb.open(
-            real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
-            sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
-        )
+        try:
+            env = lmdb.open(
+                real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
+                sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
+            )
+        except lmdb.Error as exc:
+            raise ConfigError(f"disk_path {path!r} holds no usable LMDB store: {exc}") from None
+        env.reader_check()  # slots left by processes killed mid-read pin freed pages
         _ENVS[real] = [env, 1, os.getpid()]
         return real, env
 
@@ -78,8 +87,42 @@ def _release_env(real: str) -> None:
             entry[0].close()
 
 
-def _is_enospc(exc: BaseException) -> bool:
-    return getattr(exc, "errno", None) == errno.ENOSPC or "No space left" in str(exc)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXTS = ("No space left", "quota exceeded", "File too large")
+
+
+def _disk_full_reason(exc: BaseException, path: str, num_bytes: int) -> str | None:
+    """Why a failed LMDB write was for want of room, or None if it was not.
+
+    LMDB reports a short write as EIO ("Input/output error"): that is what a file system
+    that fills, or a file-size limit, does mid-commit. EIO counts as full only when the free
+    space or the RLIMIT_FSIZE headroom is below `num_bytes` (plus slack) right after.
+    """
+    text = str(exc)
+    if getattr(exc, "errno", None) in _FULL_ERRNOS or any(t in text for t in _FULL_TEXTS):
+        return "file system full"
+    if "Input/output error" not in text:
+        return None
+    need = num_bytes + (4 << 20)
+    try:
+        st = os.statvfs(path)
+        if st.f_bavail * st.f_frsize < need:
+            return "file system full (LMDB saw a short write)"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            size = os.path.getsize(os.path.join(path, "data.mdb"))
+            if size + need > limit:
+                return f"file size limit of {limit} bytes reached (LMDB saw a short write)"
+    except OSError:
+        return None
+    return None
+
+
+class ScrubResult(NamedTuple):
+    """What `LMDBTier.scrub` found: records that validated, and damaged ones it deleted."""
+
+    num_ok: int
+    num_corrupt: int
 
 
 class LMDBTier(Tier):
@@ -223,7 +266,7 @@ class LMDBTier(Tier):
                 n += 1
         if corrupt:
             self._num_corrupt += len(corrupt)
-            self.discard(corrupt)
+            self._discard_damaged(corrupt)
         self._num_hits += n
         self.touch([k.block_hash for k in reversed(keys[:n])])
         return n
@@ -244,10 +287,16 @@ class LMDBTier(Tier):
                 written = self._write(records, [k.block_hash for k in keys], extra=attempt)
                 break
             except lmdb.MapFullError:
+                # A process killed inside a read transaction leaves its slot in the reader
+                # table, pinning every page freed since: clear dead readers, then retry.
+                self._env.reader_check()
                 continue
             except lmdb.Error as exc:
-                if _is_enospc(exc):
-                    raise DiskFullError(f"disk tier at {self._path}: file system full ({exc})") from exc
+                reason = _disk_full_reason(exc, self._path, sum(map(len, records.values())))
+                if reason is not None:
+                    raise DiskFullError(
+                        f"disk tier at {self._path}: {reason}; nothing was written ({exc})"
+                    ) from exc
                 raise
         else:
             raise DiskFullError(
@@ -334,8 +383,19 @@ class LMDBTier(Tier):
             self.flush()
 
     def flush(self) -> None:
-        """Apply buffered recency updates now (one write transaction)."""
-        self._write({}, [], extra=0)
+        """Apply buffered recency updates now (one write transaction).
+
+        Best effort: on a full disk or map the updates are dropped (they only order eviction),
+        so reads and `close()` never fail for want of room.
+        """
+        try:
+            self._write({}, [], extra=0)
+        except lmdb.Error as exc:
+            full = _disk_full_reason(exc, self._path, 0) is not None
+            if not isinstance(exc, lmdb.MapFullError) and not full:
+                raise
+            with self._lock:
+                self._pending.clear()
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
@@ -355,6 +415,24 @@ class LMDBTier(Tier):
                 n += 1
             self._write_meta(txn, tick, max(0, used))
         return n
+
+    def _discard_damaged(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Delete damaged records, then recount the bytes used from the records left.
+
+        A damaged record's length need not be the length it was accounted at (a truncated or
+        overwritten value), so subtracting it would leave the accounting off for good.
+        """
+        with self._env.begin(write=True, buffers=True) as txn:
+            tick, _ = self._read_meta(txn)
+            for h in block_hashes:
+                old = txn.get(h, db=self._atime)
+                if old is not None:
+                    txn.delete(bytes(old), db=self._lru)
+                txn.delete(h, db=self._atime)
+                txn.delete(h, db=self._blocks)
+            cursor = txn.cursor(db=self._blocks)
+            used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
+            self._write_meta(txn, tick, used)
 
     def clear(self) -> None:
         self._check_open()
@@ -398,6 +476,29 @@ class LMDBTier(Tier):
                 )
             if total != used:
                 raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
+
+    def scrub(self) -> ScrubResult:
+        """Validate every record (header, key, layout, checksum); delete the damaged ones.
+
+        Reads in one snapshot, then deletes in one write transaction. Token ids are checked
+        against the record's own header only (the caller's tokens are not known here).
+        """
+        self._check_open()
+        damaged: list[BlockHash] = []
+        num_ok = 0
+        with self._env.begin(db=self._blocks, buffers=True) as txn:
+            for h, value in txn.cursor():
+                key = BlockKey(BlockHash(bytes(h)))
+                try:
+                    self.decode(value, key)
+                except CorruptRecordError:
+                    damaged.append(key.block_hash)
+                else:
+                    num_ok += 1
+        if damaged:
+            self._num_corrupt += len(damaged)
+            self._discard_damaged(damaged)
+        return ScrubResult(num_ok, len(damaged))
 
     def stats(self) -> TierStats:
         self._check_open()

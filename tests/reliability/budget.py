@@ -1,0 +1,90 @@
+"""The one typed home of the reliability suite's knobs (environment variables `KVSTRATA_REL_*`).
+
+The defaults keep the whole suite near two minutes on two cores, which is what CI runs. A longer
+manual run scales every count at once, e.g. `KVSTRATA_REL_SCALE=10 pytest tests/reliability`;
+`docs/reliability.md` gives the figures of such a run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Counts of the reliability suite, each the CI default times `scale`.
+
+    Attributes:
+        scale: KVSTRATA_REL_SCALE, multiplies every count below (default 1).
+        seed: KVSTRATA_REL_SEED, the root of every random choice (default 7).
+    """
+
+    scale: float
+    seed: int
+
+    def count(self, base: int) -> int:
+        return max(1, round(base * self.scale))
+
+    @property
+    def num_kills(self) -> int:
+        """SIGKILLs per crash-test mode (two modes)."""
+        return self.count(20)
+
+    @property
+    def num_corruptions(self) -> int:
+        """Records damaged per corruption test."""
+        return self.count(40)
+
+    @property
+    def hypothesis_examples(self) -> int:
+        """`max_examples` of each property-based test."""
+        return self.count(60)
+
+    @property
+    def num_threads(self) -> int:
+        return 8
+
+    @property
+    def ops_per_thread(self) -> int:
+        return self.count(250)
+
+    @property
+    def num_processes(self) -> int:
+        return 4
+
+    @property
+    def process_seconds(self) -> float:
+        """How long each process of the shared-directory test runs."""
+        return 3.0 * self.scale
+
+    @property
+    def leak_iterations(self) -> int:
+        return self.count(1500)
+
+    @property
+    def reopen_cycles(self) -> int:
+        return self.count(60)
+
+
+def load_budget() -> Budget:
+    return Budget(
+        scale=_env_float("KVSTRATA_REL_SCALE", 1.0),
+        seed=int(_env_float("KVSTRATA_REL_SEED", 7)),
+    )
+
+
+BUDGET = load_budget()

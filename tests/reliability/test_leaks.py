@@ -1,0 +1,163 @@
+"""Leaks: anonymous memory stays flat over a long store/retrieve loop, `close()` releases the CPU
+slab (pinned on CUDA machines), and reopening a store many times grows neither file
+descriptors nor memory mappings."""
+
+from __future__ import annotations
+
+import gc
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore import KVLayout
+from tiers import lmdb as lmdb_tier
+from tiers.cpu import CPUTier
+
+from .budget import BUDGET
+from .conftest import Figures
+from .kvgen import BLOCK, LAYOUT, PromptPool, check_kv, make_kv, open_store
+
+
+def _rss_anon_bytes() -> int:
+    """Anonymous resident memory (heap, slabs); LMDB's file-backed map pages are not in it."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+def _num_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _num_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
+
+
+def _mapping_of(addr: int) -> tuple[int, int] | None:
+    """The (start, end) of the memory mapping holding `addr`, or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= addr < end:
+                return start, end
+    return None
+
+
+def _loop(store, pool: PromptPool, rng: np.random.Generator, n: int,  # type: ignore[no-untyped-def]
+          layout: KVLayout = LAYOUT) -> int:
+    blocks = 0
+    for _ in range(n):
+        tokens = pool.prompt(int(rng.integers(pool.num_prompts)))
+        if rng.random() < 0.5:
+            store.store(tokens, make_kv(tokens, layout, BLOCK))
+        else:
+            res = store.retrieve(tokens)
+            blocks += check_kv(tokens, res.kv, res.num_tokens, layout, BLOCK)
+    return blocks
+
+
+# 32 KiB blocks: a 40 MiB slab (above glibc's largest mmap threshold, so a freed slab goes
+# straight back to the OS) fills within a few hundred operations.
+MID = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.slow
+def test_memory_flat_and_released_on_close(tmp_path: Path, figures: Figures) -> None:
+    slab_bytes = 1280 * MID.block_bytes(BLOCK)
+    store = open_store(str(tmp_path), layout=MID, cpu_bytes=slab_bytes, disk_bytes=16 << 20)
+    try:
+        pool = PromptPool(BUDGET.seed, 4096, num_roots=32)
+        rng = np.random.default_rng([BUDGET.seed, 60])
+        cpu = store.tiers[0]
+        assert isinstance(cpu, CPUTier)
+        slab = weakref.ref(cpu._slab)
+        slab_map = _mapping_of(cpu._slab.data_ptr())
+        assert slab_map is not None and slab_map[1] - slab_map[0] >= slab_bytes
+        # Warm up until every slot has been written (its pages resident) and the disk tier
+        # evicts: from then on nothing is allowed to grow.
+        for _ in range(50):
+            if len(cpu) == cpu.capacity_blocks:
+                break
+            _loop(store, pool, rng, 200, MID)
+        assert len(cpu) == cpu.capacity_blocks
+        _loop(store, pool, rng, 200, MID)
+        gc.collect()
+        before = _rss_anon_bytes()
+        blocks = _loop(store, pool, rng, BUDGET.leak_iterations, MID)
+        gc.collect()
+        after = _rss_anon_bytes()
+        growth = after - before
+        assert growth < 16 << 20, f"anonymous RSS grew {growth >> 20} MiB over the loop"
+        store.check_integrity()
+    finally:
+        store.close()
+    gc.collect()
+    assert slab() is None, "close() left the CPU slab alive"
+    # The slab's own mapping is gone: its memory went back to the OS, not to a free list.
+    assert _mapping_of(slab_map[0]) != slab_map, "close() left the CPU slab mapped"
+    released = after - _rss_anon_bytes()
+    figures.set("iterations", BUDGET.leak_iterations)
+    figures.set("blocks_verified", blocks)
+    figures.set("rss_anon_growth_kib", growth >> 10)
+    figures.set("rss_anon_released_on_close_kib", released >> 10)
+
+
+@pytest.mark.slow
+def test_reopen_many_times_keeps_fds_and_maps_flat(tmp_path: Path, figures: Figures) -> None:
+    pool = PromptPool(BUDGET.seed, 64, num_roots=4)
+    rng = np.random.default_rng([BUDGET.seed, 61])
+
+    def cycle() -> None:
+        with open_store(str(tmp_path), cpu_bytes=32 * LAYOUT.block_bytes(BLOCK)) as store:
+            _loop(store, pool, rng, 4)
+
+    for _ in range(3):
+        cycle()
+    gc.collect()
+    fds, maps = _num_fds(), _num_maps()
+    for _ in range(BUDGET.reopen_cycles):
+        cycle()
+    gc.collect()
+    assert _num_fds() - fds <= 0, f"file descriptors grew from {fds} to {_num_fds()}"
+    assert _num_maps() - maps <= 2, f"memory mappings grew from {maps} to {_num_maps()}"
+    assert not lmdb_tier._ENVS, "an LMDB environment outlived every store using it"
+    figures.set("reopen_cycles", BUDGET.reopen_cycles)
+    figures.set("fd_growth", _num_fds() - fds)
+    figures.set("map_growth", _num_maps() - maps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_memory_released_on_close(tmp_path: Path, figures: Figures) -> None:
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    base = stats()["allocated_bytes.all.current"] if stats else None
+    store = open_store(str(tmp_path), cpu_bytes=1024 * LAYOUT.block_bytes(BLOCK))
+    cpu = store.tiers[0]
+    assert isinstance(cpu, CPUTier) and cpu.is_pinned_memory
+    slab = weakref.ref(cpu._slab)
+    pool = PromptPool(BUDGET.seed, 256)
+    rng = np.random.default_rng([BUDGET.seed, 62])
+    for _ in range(200):
+        tokens = pool.prompt(int(rng.integers(pool.num_prompts)))
+        if rng.random() < 0.5:
+            store.store(tokens, make_kv(tokens, LAYOUT, BLOCK).cuda())
+        else:
+            res = store.retrieve(tokens, device="cuda")
+            if res.kv is not None:
+                check_kv(tokens, res.kv.cpu(), res.num_tokens, LAYOUT, BLOCK)
+    store.close()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert slab() is None, "close() left the pinned slab alive"
+    if stats is not None:
+        if hasattr(torch.cuda.memory, "empty_host_cache"):
+            torch.cuda.memory.empty_host_cache()
+        assert stats()["allocated_bytes.all.current"] <= base
+    figures.set("pinned_released", 1)
