@@ -1,4 +1,4 @@
-"""The `kvstrata` command: demos and benchmarks."""
+"""The `kvstrata` command: demos, the offload experiment and benchmarks."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ BENCHMARKS = {
     "scale": "bench.scale",
 }
 COMMANDS = {
+    "demo": "engine_adapter.demo",
     "demo-store": "kvstore.demo",
+    "offload": "bench.offload",
 }
 
 
@@ -24,7 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvstrata", description="kvstrata: a tiered KV-cache store.")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="the main demo (see README)", add_help=False)
     for name in COMMANDS:
         sub.add_parser(name, help=f"run {COMMANDS[name]}", add_help=False)
     bench = sub.add_parser("bench", help="benchmarks: " + ", ".join(BENCHMARKS))
@@ -34,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(BENCHMARKS[args.name])
         module.main(rest)
         return 0
-    target = COMMANDS.get(args.command, "kvstore.demo")
-    result = importlib.import_module(target).main(rest)
+    result = importlib.import_module(COMMANDS[args.command]).main(rest)
     return int(result or 0)
 
 

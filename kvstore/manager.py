@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes
 from kvstore.store import KVCacheStore
-from tiers.base import TierKind
+from tiers.base import Tier, TierKind
 from tiers.gpu_pool import BlockPool, NoFreeBlocksError, PoolBlock
 
 
@@ -159,23 +159,46 @@ class KVCacheManager:
                 if computed.pool_blocks:
                     per_tier[TierKind.POOL] = len(computed.pool_blocks)
                 req.num_computed_tokens = len(computed.pool_blocks) * self.block_size
-            new_blocks = self.pool.allocate(need)
-            req.blocks.extend(new_blocks)
-            if first_call and computed is not None and computed.lower_plan:
-                self._load_lower(req, computed, per_tier)
+            lower = computed.lower_plan if first_call and computed is not None else []
+            # Allocation demotes pool victims into the CPU tier, which must not push out the
+            # CPU blocks this request is about to load: pin them until they are loaded.
+            pinned = self._pin_planned(req, len(req.blocks), lower)
+            try:
+                new_blocks = self.pool.allocate(need)
+                req.blocks.extend(new_blocks)
+                if lower:
+                    self._load_lower(req, len(req.blocks) - len(new_blocks), len(lower), per_tier)
+            finally:
+                for tier, hashes in pinned:
+                    tier.unpin(hashes)  # type: ignore[attr-defined]
             return Allocation(req.num_computed_tokens, new_blocks, per_tier)
 
-    def _load_lower(self, req: _Request, computed: ComputedBlocks, per_tier: dict[TierKind, int]) -> None:
-        first = len(computed.pool_blocks)
-        arr = np.asarray(req.token_ids, dtype="<u4")
-        keys = self.store.block_keys(arr, req.hashes[: first + len(computed.lower_plan)])
+    def _pin_planned(self, req: _Request, first: int, plan: list[int]) -> list[tuple[Tier, list[BlockHash]]]:
+        """Pin the planned blocks in tiers that support pinning (the CPU tier)."""
+        pinned = []
+        for index in sorted(set(plan)):
+            tier = self.store.tiers[index]
+            if hasattr(tier, "pin"):
+                hashes = [req.hashes[first + i] for i, t in enumerate(plan) if t == index]
+                hashes = hashes[: sum(tier.pin([h]) for h in hashes)]
+                pinned.append((tier, hashes))
+        return pinned
+
+    def _load_lower(self, req: _Request, first: int, count: int, per_tier: dict[TierKind, int]) -> None:
+        """Load blocks `first .. first + count` from the tiers below the pool into the
+        request's blocks, re-planned now (allocation may have moved blocks down a tier);
+        stop at the first block missing or failing validation."""
+        end = first + count
+        plan = self.store.locate(req.hashes[:end])[first:]
+        end = first + next((i for i, t in enumerate(plan) if t == 0), len(plan))  # lower tiers only
+        arr = np.asarray(req.token_ids[: end * self.block_size], dtype="<u4")
+        keys = self.store.block_keys(arr, req.hashes[:end])
         tiers = self.store.tiers
         pos = first
-        end = first + len(computed.lower_plan)
         while pos < end:
-            index = computed.lower_plan[pos - first]
+            index = plan[pos - first]
             run_end = pos
-            while run_end < end and computed.lower_plan[run_end - first] == index:
+            while run_end < end and plan[run_end - first] == index:
                 run_end += 1
             views = [self.pool.block_view(b.block_id) for b in req.blocks[pos:run_end]]
             got = tiers[index].get_into(keys[pos:run_end], views)

@@ -54,3 +54,14 @@ def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
         assert r[k] > 0, k
     with pytest.raises(SystemExit):
         tiers.parse_sizes("3K")
+
+
+def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["demo", "--doc-tokens", "512", "--question-tokens", "8", "--disk-path", str(tmp_path / "d")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.strip().startswith("Q")}
+    assert "recompute" in lines["Q1 (first sight)"]
+    assert " pool " in lines["Q2"]
+    assert " disk " in lines["Q5 (after restart)"]
+    assert out.count(" yes") == 5 and " NO" not in out

@@ -366,3 +366,30 @@ def test_pool_metadata_bytes_per_block() -> None:
         store.close()
     assert 100 < per_block[False] < 300, per_block
     assert per_block[False] + 60 < per_block[True] < 450, per_block  # + 64 token bytes per block
+
+
+def test_allocation_does_not_push_out_the_cpu_blocks_it_is_about_to_load(tmp_path: Path) -> None:
+    """Regression: allocating pool blocks demotes pool victims into a full CPU tier; that
+    must not evict the CPU blocks the same request planned to load (they are pinned), and
+    a block that did move down is found again by re-planning after allocation."""
+    cfg = StoreConfig(LAYOUT, block_size=4, pool_blocks=8, pool_device="cpu", cpu_bytes=6 * LAYOUT.block_bytes(4),
+                      disk_path=str(tmp_path / "d"), disk_bytes=16 << 20, disk_sync=False)
+    doc = list(range(100, 124))  # 6 blocks
+    other = list(range(500, 532))  # 8 blocks
+    kv_doc = torch.randn(LAYOUT.block_shape(len(doc)))
+    with KVCacheStore(cfg) as store:
+        store.store(doc, kv_doc)
+        store.store(other, torch.randn(LAYOUT.block_shape(len(other))))  # doc -> CPU; pool full of `other`
+        pool, cpu, _ = store.tiers
+        hashes = store.block_hashes(doc)
+        assert pool.match_prefix(hashes) == 0 and cpu.match_prefix(hashes) == 6
+        mgr = KVCacheManager(store)
+        mgr.add_request("q", [*doc, 1, 2, 3])
+        comp = mgr.get_computed_blocks("q")
+        assert comp.lower_plan == [1] * 6
+        alloc = mgr.allocate_slots("q", 3, comp)  # evicts 7 `other` blocks from the pool into the CPU tier
+        assert alloc.num_computed_tokens == 24 and alloc.blocks_per_tier == {TierKind.CPU: 6}
+        got = torch.cat([pool.block_view(b) for b in mgr.block_table("q")[:6]], dim=2)
+        assert torch.equal(got, kv_doc)
+        mgr.free("q")
+        store.check_integrity()

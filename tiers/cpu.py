@@ -202,10 +202,15 @@ class CPUTier(Tier):
         return n
 
     def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Undo `pin` (eviction order); a block whose count reaches 0 becomes most recent."""
+        """Undo `pin` (eviction order); a block whose count reaches 0 becomes most recent.
+
+        A pinned block deleted meanwhile (it failed validation) is skipped.
+        """
         for h in block_hashes:
             count = self._refs.get(h)
             if count is None:
+                if h not in self._index:
+                    continue
                 raise RuntimeError(f"unpin of block {h.hex()} that is not pinned (a bug)")
             if count == 1:
                 del self._refs[h]
