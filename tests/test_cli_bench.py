@@ -60,7 +60,7 @@ def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFix
     rc = cli.main(["demo", "--doc-tokens", "512", "--question-tokens", "8", "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    lines = {line.split("  ")[0].strip(): line for line in out.splitlines() if line.strip().startswith("Q")}
+    lines = {line.strip().split("  ")[0]: line for line in out.splitlines() if line.strip().startswith("Q")}
     assert "recompute" in lines["Q1 (first sight)"]
     assert " pool " in lines["Q2"]
     assert " disk " in lines["Q5 (after restart)"]
