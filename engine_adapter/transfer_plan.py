@@ -56,7 +56,9 @@ class TransferPlanner:
         self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (local computed, store hit)
         self._requests: dict[str, _Request] = {}
 
-    def num_new_matched_tokens(self, req_id: str, token_ids: Sequence[int], num_computed: int) -> int:
+    def num_new_matched_tokens(
+        self, req_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> int:
         """Tokens the store can add beyond the `num_computed` the engine already has.
 
         Looks up the longest cached prefix that leaves at least one token to compute (the
@@ -120,6 +122,8 @@ class TransferPlanner:
             if done > state.num_saved_blocks:
                 first = state.num_saved_blocks
                 tokens = np.asarray(state.token_ids[: done * b], dtype=np.uint32)
-                plan.saves.append(BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done])))
+                plan.saves.append(
+                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done]))
+                )
                 state.num_saved_blocks = done
         return plan

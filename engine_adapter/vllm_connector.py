@@ -189,11 +189,13 @@ class TierKVConnector(KVConnectorBase_V1):
         missing = [n for n in self._layer_names if n not in kv_caches]
         if missing:
             raise ConfigError(f"kvstrata: KV caches for layers {missing} were not registered")
-        paged = PagedKVBlocks([kv_caches[n] for n in self._layer_names], self._num_blocks, self._block_size)
+        paged = PagedKVBlocks(
+            [kv_caches[n] for n in self._layer_names], self._num_blocks, self._block_size
+        )
         if paged.layout != self.store_config.layout:
             raise ConfigError(
                 f"kvstrata: vLLM's blocks hold {paged.layer_block_bytes} bytes per layer; the "
-                f"KV cache spec promised {self.store_config.layout.token_bytes * self._block_size // paged.layout.num_layers}"
+                f"KV cache spec promised {self.store_config.block_bytes // len(self._layer_names)}"
             )
         self._paged = paged
 
@@ -207,7 +209,9 @@ class TierKVConnector(KVConnectorBase_V1):
         for load in meta.plan.loads:
             n = len(load.block_ids)
             staging = paged.staging(n)
-            result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block)
+            result = self.store.retrieve_into(
+                load.token_ids, list(staging), first_block=load.first_block
+            )
             paged.scatter(staging, load.block_ids[: result.num_blocks])
             for tier, count in result.blocks_per_tier.items():
                 self._count(f"load_tokens_{tier.value}", count * self._block_size)
@@ -235,7 +239,9 @@ class TierKVConnector(KVConnectorBase_V1):
             staging = paged.staging(len(save.block_ids))
             paged.gather(save.block_ids, staging)
             try:
-                written = self.store.store_blocks(save.token_ids, list(staging), first_block=save.first_block)
+                written = self.store.store_blocks(
+                    save.token_ids, list(staging), first_block=save.first_block
+                )
             except DiskFullError as exc:  # a cache: a refused write is a later miss
                 logger.warning("kvstrata: save refused: %s", exc)
                 self._count("save_refused_blocks", len(save.block_ids))
@@ -264,14 +270,18 @@ class TierKVConnector(KVConnectorBase_V1):
     def _lookup(self, token_ids: Sequence[int]) -> int:
         return self.store.lookup(token_ids)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         """Tokens kvstrata holds beyond vLLM's own `num_computed_tokens`; loaded synchronously."""
         n = self._planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens
         )
         return n, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._planner.on_alloc(request.request_id, request.all_token_ids, num_external_tokens)
         if num_external_tokens:
             self._count("hit_tokens", num_external_tokens)
@@ -286,11 +296,15 @@ class TierKVConnector(KVConnectorBase_V1):
         spec = scheduler_output.scheduled_spec_decode_tokens
         for new in scheduler_output.scheduled_new_reqs:
             num_new = scheduler_output.num_scheduled_tokens[new.req_id]
-            scheduled.append((new.req_id, new.num_computed_tokens, num_new - len(spec.get(new.req_id, ()))))
+            scheduled.append(
+                (new.req_id, new.num_computed_tokens, num_new - len(spec.get(new.req_id, ())))
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             num_new = scheduler_output.num_scheduled_tokens[req_id]
-            scheduled.append((req_id, cached.num_computed_tokens[i], num_new - len(spec.get(req_id, ()))))
+            scheduled.append(
+                (req_id, cached.num_computed_tokens[i], num_new - len(spec.get(req_id, ())))
+            )
         state = scheduler_output.kv_connector_block_state
 
         def block_ids_of(req_id: str) -> list[int]:
@@ -302,7 +316,9 @@ class TierKVConnector(KVConnectorBase_V1):
             self._write_stats()
         return TierConnectorMetadata(plan)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous, so vLLM may free the blocks at once."""
         self._planner.forget(request.request_id)
         return False, None

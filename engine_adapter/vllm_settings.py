@@ -103,7 +103,9 @@ class ConnectorSettings:
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - known)
         if unknown:
-            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}")
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
         values: dict[str, object] = {}
         for name in known:
             env = environ.get(ENV_PREFIX + name.upper())

@@ -20,9 +20,13 @@ def _store(
 ) -> KVCacheStore:
     return KVCacheStore(
         StoreConfig(
-            layout=LAYOUT, block_size=BLOCK, cpu_bytes=cpu_blocks * LAYOUT.block_bytes(BLOCK),
-            disk_path=str(tmp_path / "disk") if disk else None, disk_bytes=8 << 20,
-            disk_sync=False, **kw,  # type: ignore[arg-type]
+            layout=LAYOUT,
+            block_size=BLOCK,
+            cpu_bytes=cpu_blocks * LAYOUT.block_bytes(BLOCK),
+            disk_path=str(tmp_path / "disk") if disk else None,
+            disk_bytes=8 << 20,
+            disk_sync=False,
+            **kw,  # type: ignore[arg-type]
         )
     )
 

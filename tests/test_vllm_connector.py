@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.tiny_model import build_tiny_llama  # noqa: E402
+from bench.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.vllm
 
@@ -31,14 +31,19 @@ def _prompt(seed: int, num_tokens: int) -> list[int]:
 
 def _run(spec: dict, *, multiprocess: bool = False, timeout: int = 240) -> dict:
     env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     proc = subprocess.run(
         [sys.executable, str(SCENARIOS), json.dumps(spec)],
-        env=env, capture_output=True, text=True, timeout=timeout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     if proc.returncode != 0:
         raise AssertionError(f"scenario failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -67,10 +72,15 @@ def _sum(stats: dict[str, dict[str, int]], key: str) -> int:
 
 def test_same_prompt_twice_loads_prefix_from_kvstrata(model: str, tmp_path: Path) -> None:
     prompt = _prompt(1, 1000)
-    result = _run({
-        "model": model, "prompts": [prompt], "rounds": 2, "reset_between": True,
-        "connector": _connector(tmp_path),
-    })
+    result = _run(
+        {
+            "model": model,
+            "prompts": [prompt],
+            "rounds": 2,
+            "reset_between": True,
+            "connector": _connector(tmp_path),
+        }
+    )
     first, second = result["rounds"][0][0], result["rounds"][1][0]
     assert first["num_cached_tokens"] == 0
     hit = (len(prompt) - 1) // BLOCK * BLOCK
@@ -98,10 +108,16 @@ def test_working_set_beyond_vllm_cache_hits_cpu_and_disk(model: str, tmp_path: P
     # second round, most recent first, finds the newest prompts in CPU and the oldest on disk.
     prompts = [_prompt(10 + i, 1024) for i in range(6)]
     connector = _connector(tmp_path, cpu_bytes=str(96 * 32 * 1024))  # 96 blocks of 32 KiB
-    result = _run({
-        "model": model, "prompts": prompts, "rounds": [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]],
-        "connector": connector, "num_blocks": 42, "max_model_len": 1280,
-    })
+    result = _run(
+        {
+            "model": model,
+            "prompts": prompts,
+            "rounds": [[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]],
+            "connector": connector,
+            "num_blocks": 42,
+            "max_model_len": 1280,
+        }
+    )
     cold = {r["prompt"]: r for r in result["rounds"][0]}
     warm = {r["prompt"]: r for r in result["rounds"][1]}
     for i in range(6):
@@ -122,8 +138,13 @@ def test_multiprocess_mode_scheduler_and_worker_in_different_processes(
 ) -> None:
     prompt = _prompt(3, 1000)
     result = _run(
-        {"model": model, "prompts": [prompt], "rounds": 2, "reset_between": True,
-         "connector": _connector(tmp_path)},
+        {
+            "model": model,
+            "prompts": [prompt],
+            "rounds": 2,
+            "reset_between": True,
+            "connector": _connector(tmp_path),
+        },
         multiprocess=True,
     )
     roles = {name.split("-")[0]: int(name.split("-")[1]) for name in result["stats"]}

@@ -41,8 +41,13 @@ def run(spec: dict) -> dict:
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
     llm = LLM(
-        model=spec["model"], enforce_eager=True, block_size=32, dtype="float32",
-        max_model_len=spec.get("max_model_len", 4096), seed=0, **kwargs,
+        model=spec["model"],
+        enforce_eager=True,
+        block_size=32,
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 4096),
+        seed=0,
+        **kwargs,
     )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     schedule = spec.get("rounds", 1)
@@ -55,12 +60,14 @@ def run(spec: dict) -> dict:
             prompt = spec["prompts"][index]
             t0 = time.perf_counter()
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-            requests.append({
-                "prompt": index,
-                "output": list(out.outputs[0].token_ids),
-                "num_cached_tokens": out.num_cached_tokens or 0,
-                "seconds": time.perf_counter() - t0,
-            })
+            requests.append(
+                {
+                    "prompt": index,
+                    "output": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
         rounds.append(requests)
         if spec.get("reset_between"):
             llm.reset_prefix_cache()
