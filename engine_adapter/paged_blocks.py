@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvstore.config import KVLayout
@@ -77,9 +78,13 @@ class PagedKVBlocks:
         if n == 0:
             return
         kidx = self._kernel_ids(block_ids)
+        flat = out.view(out.shape[0], len(self._views), -1)
         for layer, view in enumerate(self._views):
-            rows = view.index_select(0, kidx).reshape(n, -1)
-            out[:n, layer].view(n, -1).copy_(rows)
+            if view.device.type == "cpu":  # numpy: one thread (see tiers/blockcopy.py)
+                rows = np.take(view.numpy(), kidx.numpy(), axis=0)
+                flat.numpy()[:n, layer, :] = rows.reshape(n, -1)
+            else:
+                flat[:n, layer].copy_(view.index_select(0, kidx).reshape(n, -1))
 
     def scatter(self, src: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy `src[:len(block_ids)]` (a `staging` buffer) into engine blocks `block_ids`."""
@@ -87,6 +92,10 @@ class PagedKVBlocks:
         if n == 0:
             return
         kidx = self._kernel_ids(block_ids)
+        flat = src.view(src.shape[0], len(self._views), -1)
         for layer, view in enumerate(self._views):
-            rows = src[:n, layer].reshape(kidx.numel(), *view.shape[1:]).to(self.device)
-            view.index_copy_(0, kidx, rows)
+            rows = flat[:n, layer].reshape(kidx.numel(), *view.shape[1:])
+            if view.device.type == "cpu":
+                view.numpy()[kidx.numpy()] = rows.numpy()
+            else:
+                view.index_copy_(0, kidx, rows.to(view.device))
