@@ -1,8 +1,9 @@
 """Long-document QA through vLLM (CPU) with and without kvstrata's connector, in one run.
 
 Each of `--docs` documents is asked `--questions` questions, one round of questions after
-another; vLLM's own KV cache holds about one document, so between rounds a document's KV is
-gone from vLLM and only the connector can bring it back. Each configuration runs in its own
+another, in zigzag order (0..n-1, then n-1..0, ...). vLLM's own KV cache holds about one
+document, so between rounds a document's KV is gone from vLLM and only the connector can
+bring it back. Each configuration runs in its own
 engine process over the same seeded workload. Prints a table and writes
 `results/vllm_longdoc.json`. Needs the `vllm` extra: `bash scripts/setup_vllm.sh`, then
 `.venv-vllm/bin/python -m bench.vllm_longdoc`.
@@ -24,8 +25,14 @@ import time
 from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 BLOCK = 32
-MODEL = TinyLlamaSpec(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4,
-                      num_kv_heads=2, max_positions=8192)
+MODEL = TinyLlamaSpec(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    max_positions=8192,
+)
 
 
 def _workload(args: argparse.Namespace) -> list[list[tuple[int, list[int]]]]:
@@ -33,13 +40,23 @@ def _workload(args: argparse.Namespace) -> list[list[tuple[int, list[int]]]]:
     import random
 
     rng = random.Random(args.seed)
-    docs = [[rng.randrange(3, MODEL.vocab_size) for _ in range(args.doc_tokens)] for _ in range(args.docs)]
+    docs = [
+        [rng.randrange(3, MODEL.vocab_size) for _ in range(args.doc_tokens)]
+        for _ in range(args.docs)
+    ]
     rounds = []
-    for _ in range(args.questions):
-        rounds.append([
-            (d, docs[d] + [rng.randrange(3, MODEL.vocab_size) for _ in range(args.question_tokens)])
-            for d in range(args.docs)
-        ])
+    for q in range(args.questions):
+        order = range(args.docs) if q % 2 == 0 else reversed(range(args.docs))  # zigzag
+        rounds.append(
+            [
+                (
+                    d,
+                    docs[d]
+                    + [rng.randrange(3, MODEL.vocab_size) for _ in range(args.question_tokens)],
+                )
+                for d in order
+            ]
+        )
     return rounds
 
 
@@ -56,14 +73,24 @@ def _run_engine(args: argparse.Namespace, with_connector: bool, workdir: str) ->
             kv_connector_module_path="engine_adapter.vllm_connector",
             kv_role="kv_both",
             kv_connector_extra_config={
-                "cpu_bytes": args.cpu_bytes, "disk_path": os.path.join(workdir, "kv"),
-                "disk_bytes": "2GiB", "stats_path": stats_path,
+                "cpu_bytes": args.cpu_bytes,
+                "disk_path": os.path.join(workdir, "kv"),
+                "disk_bytes": "2GiB",
+                "stats_path": stats_path,
             },
             kv_load_failure_policy="recompute",
         )
-    llm = LLM(model=args.model, enforce_eager=True, block_size=BLOCK, dtype="float32", seed=0,
-              max_model_len=args.doc_tokens + args.question_tokens + args.max_tokens + BLOCK,
-              num_gpu_blocks_override=args.vllm_blocks, disable_log_stats=False, **kwargs)
+    llm = LLM(
+        model=args.model,
+        enforce_eager=True,
+        block_size=BLOCK,
+        dtype="float32",
+        seed=0,
+        max_model_len=args.doc_tokens + args.question_tokens + args.max_tokens + BLOCK,
+        num_gpu_blocks_override=args.vllm_blocks,
+        disable_log_stats=False,
+        **kwargs,
+    )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     requests = []
     t_all = time.perf_counter()
@@ -73,16 +100,29 @@ def _run_engine(args: argparse.Namespace, with_connector: bool, workdir: str) ->
             out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
             seconds = time.perf_counter() - t0
             ttft = out.metrics.first_token_latency if out.metrics is not None else float("nan")
-            requests.append({"round": round_index, "doc": doc, "prompt_tokens": len(prompt),
-                             "cached_tokens": out.num_cached_tokens or 0, "ttft_s": ttft,
-                             "seconds": seconds, "output": list(out.outputs[0].token_ids)})
+            requests.append(
+                {
+                    "round": round_index,
+                    "doc": doc,
+                    "prompt_tokens": len(prompt),
+                    "cached_tokens": out.num_cached_tokens or 0,
+                    "ttft_s": ttft,
+                    "seconds": seconds,
+                    "output": list(out.outputs[0].token_ids),
+                }
+            )
     total = time.perf_counter() - t_all
     counters: dict[str, int] = {}
     for path in glob.glob(os.path.join(stats_path, "*.json")):
         with open(path) as f:
             for k, v in json.load(f).items():
                 counters[k] = counters.get(k, 0) + v
-    return {"connector": with_connector, "total_s": total, "requests": requests, "counters": counters}
+    return {
+        "connector": with_connector,
+        "total_s": total,
+        "requests": requests,
+        "counters": counters,
+    }
 
 
 def _summary(run: dict) -> dict:
@@ -111,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--vllm-blocks", type=int, default=80, help="vLLM's own KV cache, in blocks")
-    p.add_argument("--cpu-bytes", default="24MiB", help="kvstrata CPU tier (the rest spills to disk)")
+    p.add_argument(
+        "--cpu-bytes", default="24MiB", help="kvstrata CPU tier (the rest spills to disk)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="model dir (default: build the tiny model)")
     p.add_argument("--out", default="results/vllm_longdoc.json")
@@ -130,8 +172,18 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         runs = {}
         for mode in ("without", "with"):
-            cmd = [sys.executable, "-m", "bench.vllm_longdoc", *(argv or sys.argv[1:]),
-                   "--model", args.model, "--engine", mode, "--workdir", workdir]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.vllm_longdoc",
+                *(argv or sys.argv[1:]),
+                "--model",
+                args.model,
+                "--engine",
+                mode,
+                "--workdir",
+                workdir,
+            ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 sys.stderr.write(proc.stderr[-5000:])
@@ -140,25 +192,48 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    same = [a["output"] == b["output"] for a, b in zip(runs["without"]["requests"], runs["with"]["requests"], strict=True)]
+    same = [
+        a["output"] == b["output"]
+        for a, b in zip(runs["without"]["requests"], runs["with"]["requests"], strict=True)
+    ]
     rows = {mode: _summary(run) for mode, run in runs.items()}
-    header = ("connector", "TTFT cold ms", "TTFT warm ms", "total s", "vLLM cache", "kvstrata CPU",
-              "kvstrata disk", "computed")
-    print(f"{args.docs} docs x {args.doc_tokens} tokens, {args.questions} question rounds, "
-          f"vLLM cache {args.vllm_blocks} blocks of {BLOCK}, kvstrata CPU {args.cpu_bytes}")
+    header = (
+        "connector",
+        "TTFT cold ms",
+        "TTFT warm ms",
+        "total s",
+        "vLLM cache",
+        "kvstrata CPU",
+        "kvstrata disk",
+        "computed",
+    )
+    print(
+        f"{args.docs} docs x {args.doc_tokens} tokens, {args.questions} question rounds, "
+        f"vLLM cache {args.vllm_blocks} blocks of {BLOCK}, kvstrata CPU {args.cpu_bytes}"
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for mode, r in rows.items():
-        print(f"| {mode} | {r['ttft_cold_ms']:.1f} | {r['ttft_warm_ms']:.1f} | {r['total_s']:.2f} | "
-              f"{r['share_vllm']:.1%} | {r['share_cpu']:.1%} | {r['share_disk']:.1%} | "
-              f"{r['share_computed']:.1%} |")
+        print(
+            f"| {mode} | {r['ttft_cold_ms']:.1f} | {r['ttft_warm_ms']:.1f} | {r['total_s']:.2f} | "
+            f"{r['share_vllm']:.1%} | {r['share_cpu']:.1%} | {r['share_disk']:.1%} | "
+            f"{r['share_computed']:.1%} |"
+        )
     ratio = rows["without"]["ttft_warm_ms"] / rows["with"]["ttft_warm_ms"]
     print(f"warm TTFT without / with connector: {ratio:.2f}x; identical outputs: {all(same)}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("engine", "workdir")},
-                   "summary": rows, "warm_ttft_ratio": ratio, "identical_outputs": all(same),
-                   "runs": runs}, f, indent=1)
+        json.dump(
+            {
+                "args": {k: v for k, v in vars(args).items() if k not in ("engine", "workdir")},
+                "summary": rows,
+                "warm_ttft_ratio": ratio,
+                "identical_outputs": all(same),
+                "runs": runs,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kvstore  # noqa: F401  (before tiers: `import tiers` alone is circular today)
 from tiers.blockcopy import copy_block
 
 
@@ -13,7 +14,8 @@ def test_copy_block_matches_copy_(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(0)
     src = torch.randint(0, 255, (2, 2, 4, 3, 8), generator=g, dtype=torch.uint8)
     if dtype.itemsize != 1:
-        src = torch.randint(0, 255, (2, 2, 4, 3, 8 * dtype.itemsize), generator=g, dtype=torch.uint8)
+        shape = (2, 2, 4, 3, 8 * dtype.itemsize)
+        src = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8)
     src = src.view(dtype)
     dst = torch.zeros_like(src)
     copy_block(dst, src)
