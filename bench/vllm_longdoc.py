@@ -133,8 +133,8 @@ def _summary(run: dict) -> dict:
     cpu, disk = c.get("load_tokens_cpu", 0), c.get("load_tokens_disk", 0)
     cached = sum(r["cached_tokens"] for r in reqs)
     return {
-        "ttft_cold_ms": 1000 * statistics.mean(r["ttft_s"] for r in reqs if r["round"] == 0),
-        "ttft_warm_ms": 1000 * statistics.mean(r["ttft_s"] for r in warm) if warm else float("nan"),
+        "ttft_cold_ms": 1000 * statistics.median(r["ttft_s"] for r in reqs if r["round"] == 0),
+        "ttft_warm_ms": 1000 * statistics.median(r["ttft_s"] for r in warm or reqs),
         "total_s": run["total_s"],
         "share_vllm": (cached - cpu - disk) / prompt_tokens,
         "share_cpu": cpu / prompt_tokens,
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = {mode: _summary(run) for mode, run in runs.items()}
     header = (
         "connector",
-        "TTFT cold ms",
-        "TTFT warm ms",
+        "median TTFT cold ms",
+        "median TTFT warm ms",
         "total s",
         "vLLM cache",
         "kvstrata CPU",
