@@ -12,7 +12,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
-from kvstore.store import KVCacheStore, RetrieveResult, StoreStats
+from kvstore.store import KVCacheStore, LoadResult, RetrieveResult, StoreStats
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
     "KVLayout",
     "KVStoreError",
     "LayoutMismatchError",
+    "LoadResult",
     "MultiModalInput",
     "RetrieveResult",
     "StoreClosedError",

@@ -39,6 +39,13 @@ class RetrieveResult(NamedTuple):
     blocks_per_tier: dict[TierKind, int]
 
 
+class LoadResult(NamedTuple):
+    """What `retrieve_into` copied: `num_blocks` leading blocks, and how many each tier served."""
+
+    num_blocks: int
+    blocks_per_tier: dict[TierKind, int]
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """Counters since the store was opened, and a snapshot of every tier."""
@@ -311,6 +318,98 @@ class KVCacheStore:
                 num_promotion_failures=self._num_promotion_failures,
                 tiers=tuple(t.stats() for t in self._tiers),
             )
+
+    # -- block-level API, for engines that page KV in their own blocks ---------------------
+    def _check_blocks(self, blocks: Sequence[object], tokens_len: int, first_block: int) -> None:
+        cfg = self.config
+        if not isinstance(first_block, int) or isinstance(first_block, bool) or first_block < 0:
+            raise InvalidInputError(f"first_block must be an int >= 0, got {first_block!r}")
+        num_full = tokens_len // cfg.block_size
+        if first_block + len(blocks) > num_full:
+            raise LayoutMismatchError(
+                f"blocks {first_block}..{first_block + len(blocks) - 1} need "
+                f"{(first_block + len(blocks)) * cfg.block_size} tokens, got {tokens_len}"
+            )
+        for block in blocks:
+            if not isinstance(block, torch.Tensor) or tuple(block.shape) != cfg.block_shape:
+                got = tuple(block.shape) if isinstance(block, torch.Tensor) else type(block)
+                raise LayoutMismatchError(f"a block must be a tensor {cfg.block_shape}, got {got}")
+            if block.dtype != cfg.layout.dtype:
+                raise LayoutMismatchError(
+                    f"block dtype is {block.dtype}; the layout expects {cfg.layout.dtype}"
+                )
+
+    def store_blocks(
+        self,
+        tokens: object,
+        srcs: Sequence[torch.Tensor],
+        *,
+        first_block: int = 0,
+        extra_keys: ExtraKeys | None = None,
+    ) -> int:
+        """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
+
+        Each src is one block-shaped tensor (`StoreConfig.block_shape`, the layout's dtype, any
+        device). `tokens` must cover every given block; the blocks before `first_block` need not
+        be cached or given (their hashes chain into the keys). Writes like `store`: into the top
+        tier (and the disk tier with `write_through`); blocks already held are only touched.
+        Invalid input raises an `InvalidInputError` subclass and stores nothing.
+        """
+        self._check_open()
+        arr, hashes = self._hash(tokens, extra_keys)
+        self._check_blocks(srcs, len(arr), first_block)
+        keys = self.block_keys(arr, hashes)[first_block : first_block + len(srcs)]
+        with self._lock:
+            self._check_open()
+            self._num_store_calls += 1
+            if not keys:
+                return 0
+            written = self._tiers[0].put(keys[::-1], list(srcs)[::-1])
+            self._num_blocks_stored += written
+            if self.config.write_through and len(self._tiers) > 1:
+                self._tiers[-1].put(keys[::-1], list(srcs)[::-1])
+            return written
+
+    def retrieve_into(
+        self,
+        tokens: object,
+        dsts: Sequence[torch.Tensor],
+        *,
+        first_block: int = 0,
+        extra_keys: ExtraKeys | None = None,
+    ) -> LoadResult:
+        """Copy cached blocks `first_block, first_block + 1, ...` of `tokens` into `dsts`.
+
+        Stops at the first block no tier holds (or that fails validation); `dsts[i]` past that
+        are left untouched. Lower-tier hits are promoted as in `retrieve`. The blocks before
+        `first_block` are neither read nor required.
+        """
+        self._check_open()
+        arr, hashes = self._hash(tokens, extra_keys)
+        self._check_blocks(dsts, len(arr), first_block)
+        keys = self.block_keys(arr, hashes)[first_block : first_block + len(dsts)]
+        b = self.config.block_size
+        with self._lock:
+            self._check_open()
+            self._num_retrieve_calls += 1
+            self._num_tokens_requested += len(keys) * b
+            plan = self.locate([k.block_hash for k in keys])
+            counts: dict[TierKind, int] = {}
+            num_ok = 0
+            while num_ok < len(plan):
+                end = num_ok
+                while end < len(plan) and plan[end] == plan[num_ok]:
+                    end += 1
+                tier = self._tiers[plan[num_ok]]
+                got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+                if got:
+                    counts[tier.kind] = counts.get(tier.kind, 0) + got
+                num_ok += got
+                if num_ok < end:
+                    break
+            self._promote(keys, list(dsts), plan, num_ok)
+            self._num_tokens_hit += num_ok * b
+            return LoadResult(num_ok, counts)
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""

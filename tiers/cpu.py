@@ -11,6 +11,7 @@ import xxhash
 from kvstore.errors import StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.blockcopy import copy_block
 
 
 class CPUTier(Tier):
@@ -96,7 +97,7 @@ class CPUTier(Tier):
                 self._num_corrupt += 1
                 self._drop(key.block_hash)
                 break
-            dst.copy_(self._slab[slot])
+            copy_block(dst, self._slab[slot])
             n += 1
         self._num_hits += n
         self.touch([k.block_hash for k in reversed(keys[:n])])
@@ -124,7 +125,7 @@ class CPUTier(Tier):
         self._make_room(len(new) - len(self._free))
         for i in new:
             slot = self._free.pop()
-            self._slab[slot].copy_(srcs[i])
+            copy_block(self._slab[slot], srcs[i])
             self._slot_tokens[slot] = keys[i].tokens if self._verify_tokens else b""
             if self._checksum:
                 self._slot_sums[slot] = self._sum(slot)

@@ -19,6 +19,7 @@ import torch
 from kvstore.errors import DiskFullError, KVStoreError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.blockcopy import copy_block
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 
 
@@ -214,7 +215,7 @@ class BlockPool(Tier):
                 self._num_corrupt += 1
                 self.discard([key.block_hash])
                 break
-            dst.copy_(self.block_view(block.block_id))
+            copy_block(dst, self.block_view(block.block_id))
             n += 1
         self._num_hits += n
         self.touch([k.block_hash for k in reversed(keys[:n])])
@@ -239,7 +240,7 @@ class BlockPool(Tier):
             self.lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
         blocks = self.allocate(len(new))
         for block, i in zip(blocks, new):
-            self.block_view(block.block_id).copy_(srcs[i])
+            copy_block(self.block_view(block.block_id), srcs[i])
         self.cache_blocks(blocks, [keys[i].block_hash for i in new], [keys[i].tokens for i in new])
         for block in blocks:  # unreferenced, in eviction order
             block.ref_cnt = 0

@@ -29,6 +29,7 @@ from kvstore.config import dtype_name
 from kvstore.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.blockcopy import copy_block
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVS1"
@@ -177,7 +178,7 @@ class LMDBTier(Tier):
         off = _PREFIX.size + hlen
         buf = bytearray(off + self._block_bytes)
         payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
-        payload.view(self._dtype).view(self._shape).copy_(src)
+        copy_block(payload.view(self._dtype).view(self._shape), src)
         tokens = key.tokens if self._verify_tokens else b""
         header = self._header(key, self._checksum(key.block_hash, tokens, memoryview(buf)[off:]))
         buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)

@@ -1,0 +1,129 @@
+"""Scheduler-side bookkeeping of an engine connector: which blocks each request loads and saves.
+
+Pure Python over token ids and engine block ids, so it runs (and is tested) without the
+engine. Block `i` of a request covers tokens `[i * block_size, (i + 1) * block_size)` and
+lives in engine block `block_ids[i]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """Copy blocks `first_block .. first_block + len(block_ids) - 1` of one request.
+
+    `token_ids` (uint32) cover every block up to the last one copied, so the worker can
+    compute the chained keys.
+    """
+
+    req_id: str
+    token_ids: np.ndarray
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class StepPlan:
+    """The transfers of one engine step: loads run before the forward pass, saves after it."""
+
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    token_ids: Sequence[int]  # a live view: grows as the request decodes
+    num_saved_blocks: int  # leading blocks the store holds or a planned save will write
+    load: tuple[int, int] | None  # block range to load in the next step
+
+
+class TransferPlanner:
+    """Tracks requests from lookup to finish and turns each scheduled step into a `StepPlan`.
+
+    Invariant: a tracked request's blocks `[0, num_saved_blocks)` are either held by the store
+    (as of its lookup) or part of a save already planned; each block is planned for saving at
+    most once while tracked, and only once the step computing its last token is scheduled.
+    """
+
+    def __init__(self, block_size: int, lookup: Callable[[Sequence[int]], int]) -> None:
+        self.block_size = block_size
+        self._lookup = lookup
+        self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (local computed, store hit)
+        self._requests: dict[str, _Request] = {}
+
+    def num_new_matched_tokens(
+        self, req_id: str, token_ids: Sequence[int], num_computed: int
+    ) -> int:
+        """Tokens the store can add beyond the `num_computed` the engine already has.
+
+        Looks up the longest cached prefix that leaves at least one token to compute (the
+        engine needs it for logits). Records the lookup for `on_alloc`; calling again
+        replaces it.
+        """
+        b = self.block_size
+        limit = (len(token_ids) - 1) // b * b if token_ids else 0
+        hit = self._lookup(token_ids[:limit]) if limit > num_computed else 0
+        self._pending[req_id] = (num_computed, hit)
+        return max(0, hit - num_computed)
+
+    def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
+        """Start tracking a request the engine scheduled; plan its load if it has one."""
+        b = self.block_size
+        num_computed, hit = self._pending.pop(req_id, (0, 0))
+        load = None
+        if num_external_tokens > 0:
+            end = num_computed + num_external_tokens
+            if num_computed % b or end % b or end > hit:
+                raise RuntimeError(
+                    f"request {req_id}: load of tokens [{num_computed}, {end}) is not the "
+                    f"block-aligned store hit of {hit} tokens (a bug)"
+                )
+            load = (num_computed // b, end // b)
+        self._requests[req_id] = _Request(token_ids, hit // b, load)
+
+    def forget(self, req_id: str) -> None:
+        """Stop tracking a request (finished or preempted); unknown ids are ignored."""
+        self._pending.pop(req_id, None)
+        self._requests.pop(req_id, None)
+
+    def is_tracked(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def build(
+        self,
+        scheduled: Sequence[tuple[str, int, int]],
+        block_ids_of: Callable[[str], Sequence[int]],
+    ) -> StepPlan:
+        """The plan for one step.
+
+        Args:
+            scheduled: `(req_id, num_computed_tokens, num_new_tokens)` per scheduled request,
+                where the new tokens are those whose KV this step computes.
+            block_ids_of: a request's engine block ids (all of them, in order).
+        """
+        b = self.block_size
+        plan = StepPlan()
+        for req_id, num_computed, num_new in scheduled:
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            block_ids = block_ids_of(req_id)
+            if state.load is not None:
+                first, end = state.load
+                tokens = np.asarray(state.token_ids[: end * b], dtype=np.uint32)
+                plan.loads.append(BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end])))
+                state.load = None
+            done = min((num_computed + num_new) // b, len(state.token_ids) // b, len(block_ids))
+            if done > state.num_saved_blocks:
+                first = state.num_saved_blocks
+                tokens = np.asarray(state.token_ids[: done * b], dtype=np.uint32)
+                plan.saves.append(
+                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done]))
+                )
+                state.num_saved_blocks = done
+        return plan

@@ -1,0 +1,162 @@
+"""The vLLM connector's engine-free parts: settings, paged block copies, transfer planning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine_adapter.paged_blocks import PagedKVBlocks, opaque_layout
+from engine_adapter.shared_store import acquire_store, find_store, release_store
+from engine_adapter.transfer_plan import TransferPlanner
+from engine_adapter.vllm_settings import ConnectorSettings, parse_bytes
+from kvstore import ConfigError, HashAlgo, KVCacheStore, StoreConfig
+
+# -- settings ---------------------------------------------------------------------------
+
+
+def test_extra_config_wins_over_env_which_wins_over_defaults() -> None:
+    env = {
+        "KVSTRATA_CPU_BYTES": "2GiB",
+        "KVSTRATA_DISK_PATH": "/env/kv",
+        "KVSTRATA_HASH_ALGO": "sha256",
+    }
+    s = ConnectorSettings.from_sources({"disk_path": "/extra/kv", "write_through": "false"}, env)
+    assert s.disk_path == "/extra/kv"
+    assert s.cpu_bytes == 2 << 30
+    assert s.hash_algo is HashAlgo.SHA256
+    assert s.write_through is False
+    assert s.disk_bytes == ConnectorSettings().disk_bytes
+
+
+def test_settings_reject_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['cpu_byte'\]"):
+        ConnectorSettings.from_sources({"cpu_byte": 1}, {})
+    with pytest.raises(ConfigError, match="cpu_bytes must be a byte count"):
+        ConnectorSettings.from_sources({}, {"KVSTRATA_CPU_BYTES": "lots"})
+    with pytest.raises(ConfigError, match="disk_sync must be a bool"):
+        ConnectorSettings.from_sources({"disk_sync": "maybe"}, {})
+    with pytest.raises(ConfigError, match="enables no tier"):
+        ConnectorSettings.from_sources({"cpu_bytes": 0}, {})
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1048576", 1 << 20), ("512MiB", 512 << 20), ("4G", 4 << 30), ("3 KiB", 3 << 10), (7, 7)],
+)
+def test_parse_bytes(text: object, value: int) -> None:
+    assert parse_bytes("x", text) == value
+
+
+# -- paged block copies -----------------------------------------------------------------
+
+
+def _cpu_like_layers(num_layers: int, num_blocks: int) -> list[torch.Tensor]:
+    """vLLM CPU-backend shaped layers: [blocks, heads, tokens, K||V], views of one buffer."""
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn((num_layers, num_blocks, 2, 32, 64), generator=g)
+    return [buf[i] for i in range(num_layers)]
+
+
+def test_gather_scatter_round_trip_moves_only_named_blocks() -> None:
+    src_layers = _cpu_like_layers(2, 8)
+    dst_layers = [torch.zeros_like(t) for t in src_layers]
+    src, dst = PagedKVBlocks(src_layers, 8, 32), PagedKVBlocks(dst_layers, 8, 32)
+    assert src.layout == opaque_layout(2, 2 * 32 * 64 * 4, 32)
+    staging = src.staging(3)
+    src.gather([5, 1, 6], staging)
+    dst.scatter(staging, [0, 2, 7])
+    for s_layer, d_layer in zip(src_layers, dst_layers, strict=True):
+        assert torch.equal(d_layer[[0, 2, 7]], s_layer[[5, 1, 6]])
+        assert not d_layer[[1, 3, 4, 5, 6]].any()
+
+
+def test_strided_layers_and_kernel_block_split() -> None:
+    # Heads outermost (block not contiguous in memory); 2 kernel blocks per engine block.
+    base = torch.arange(2 * 4 * 2 * 16 * 8, dtype=torch.float16).view(2, 4 * 2, 16, 8)
+    layer = base.transpose(0, 1)  # [kernel blocks=8, heads=2, 16, 8], strided
+    paged = PagedKVBlocks([layer], num_blocks=4, block_size=32)
+    assert paged.kernel_per_block == 2
+    staging = paged.staging(1)
+    paged.gather([3], staging)
+    expected = torch.cat([layer[6].reshape(-1), layer[7].reshape(-1)]).view(torch.uint8)
+    assert torch.equal(staging[0, 0].reshape(-1), expected)
+    other = torch.zeros_like(base).transpose(0, 1)
+    PagedKVBlocks([other], 4, 32).scatter(staging, [0])
+    assert torch.equal(other[0:2], layer[6:8])
+
+
+def test_paged_blocks_reject_mismatched_layers() -> None:
+    with pytest.raises(ConfigError, match="not a multiple"):
+        PagedKVBlocks([torch.zeros(5, 2, 32, 8)], num_blocks=4, block_size=32)
+    with pytest.raises(ConfigError, match="differ"):
+        PagedKVBlocks([torch.zeros(4, 2, 32, 8), torch.zeros(4, 2, 32, 4)], 4, 32)
+
+
+# -- transfer planning ------------------------------------------------------------------
+
+
+class _Store:
+    """A real store over whole-token prefixes, addressed like the connector addresses it."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        layout = opaque_layout(1, 64, 4)
+        self.store = KVCacheStore(StoreConfig(layout=layout, block_size=4, cpu_bytes=1 << 20))
+        self.block = torch.zeros(layout.block_shape(4), dtype=torch.uint8)
+
+    def put(self, tokens: list[int]) -> None:
+        self.store.store_blocks(tokens, [self.block] * (len(tokens) // 4))
+
+
+def test_planner_loads_the_hit_beyond_local_and_saves_new_full_blocks(tmp_path: Path) -> None:
+    s = _Store(tmp_path)
+    tokens = list(range(10, 30))  # 5 blocks of 4
+    s.put(tokens[:12])  # the store holds blocks 0-2
+    planner = TransferPlanner(4, s.store.lookup)
+    assert planner.num_new_matched_tokens("r", tokens, num_computed=4) == 8
+    planner.on_alloc("r", tokens, num_external_tokens=8)
+    ids = [40, 41, 42, 43, 44]
+    # Step 1: vLLM reports 12 computed (4 local + 8 loaded) and schedules 7 more.
+    plan = planner.build([("r", 12, 7)], lambda _: ids)
+    assert [(t.first_block, t.block_ids) for t in plan.loads] == [(1, (41, 42))]
+    assert np.array_equal(plan.loads[0].token_ids, np.arange(10, 22, dtype=np.uint32))
+    assert [(t.first_block, t.block_ids) for t in plan.saves] == [(3, (43,))]  # 19 // 4 = 4 blocks
+    # Step 2: one more token completes block 4; nothing is saved twice.
+    plan = planner.build([("r", 19, 1)], lambda _: ids)
+    assert plan.loads == [] and [(t.first_block, t.block_ids) for t in plan.saves] == [(4, (44,))]
+    assert planner.build([("r", 20, 1)], lambda _: ids).saves == []
+    planner.forget("r")
+    assert not planner.is_tracked("r")
+
+
+def test_planner_leaves_one_token_to_compute(tmp_path: Path) -> None:
+    s = _Store(tmp_path)
+    tokens = list(range(10, 26))  # exactly 4 blocks, all stored
+    s.put(tokens)
+    planner = TransferPlanner(4, s.store.lookup)
+    assert planner.num_new_matched_tokens("r", tokens, 0) == 12  # not 16: the last block stays
+
+
+def test_planner_rejects_unaligned_loads(tmp_path: Path) -> None:
+    s = _Store(tmp_path)
+    planner = TransferPlanner(4, s.store.lookup)
+    planner.num_new_matched_tokens("r", list(range(20)), 0)
+    with pytest.raises(RuntimeError, match="a bug"):
+        planner.on_alloc("r", list(range(20)), num_external_tokens=3)
+
+
+# -- the per-process store registry -----------------------------------------------------
+
+
+def test_shared_store_is_reference_counted(tmp_path: Path) -> None:
+    config = StoreConfig(layout=opaque_layout(1, 64, 4), block_size=4, cpu_bytes=1 << 20)
+    a = acquire_store(config)
+    assert acquire_store(config) is a and find_store(config) is a
+    release_store(config)
+    assert find_store(config) is a
+    release_store(config)
+    assert find_store(config) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        a.lookup([1, 2, 3, 4])

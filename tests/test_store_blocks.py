@@ -1,0 +1,138 @@
+"""`store_blocks` / `retrieve_into`: block-level access for engines with paged KV."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
+from kvstore.errors import InvalidInputError
+from tiers.base import TierKind
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.uint8)
+BLOCK = 4
+
+
+def _store(
+    tmp_path: Path, *, cpu_blocks: int = 16, disk: bool = True, **kw: object
+) -> KVCacheStore:
+    return KVCacheStore(
+        StoreConfig(
+            layout=LAYOUT,
+            block_size=BLOCK,
+            cpu_bytes=cpu_blocks * LAYOUT.block_bytes(BLOCK),
+            disk_path=str(tmp_path / "disk") if disk else None,
+            disk_bytes=8 << 20,
+            disk_sync=False,
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+
+
+def _blocks(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = LAYOUT.block_shape(BLOCK)
+    return [torch.randint(0, 255, shape, generator=g, dtype=torch.uint8) for _ in range(n)]
+
+
+def _empty(n: int) -> list[torch.Tensor]:
+    return [torch.zeros(LAYOUT.block_shape(BLOCK), dtype=torch.uint8) for _ in range(n)]
+
+
+TOKENS = list(range(100, 100 + 5 * BLOCK + 2))  # five full blocks and a partial one
+
+
+def test_store_blocks_matches_store_and_retrieve(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        blocks = _blocks(5, seed=1)
+        assert store.store_blocks(TOKENS, blocks[:2]) == 2
+        assert store.store_blocks(TOKENS, blocks[2:], first_block=2) == 3
+        assert store.store_blocks(TOKENS, blocks[1:3], first_block=1) == 0  # already held
+        assert store.lookup(TOKENS) == 5 * BLOCK
+        res = store.retrieve(TOKENS)
+        assert torch.equal(res.kv, torch.cat(blocks, dim=2))
+        store.check_integrity()
+
+
+def test_retrieve_into_copies_from_first_block_and_counts_tiers(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        blocks = _blocks(5, seed=2)
+        store.store_blocks(TOKENS, blocks)
+        dsts = _empty(3)
+        res = store.retrieve_into(TOKENS, dsts, first_block=2)
+        assert res.num_blocks == 3 and res.blocks_per_tier == {TierKind.CPU: 3}
+        assert all(torch.equal(d, b) for d, b in zip(dsts, blocks[2:], strict=True))
+        assert store.retrieve_into(TOKENS, [], first_block=5).num_blocks == 0
+        store.check_integrity()
+
+
+def test_retrieve_into_stops_at_first_missing_block(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        blocks = _blocks(5, seed=3)
+        store.store_blocks(TOKENS, blocks[:2])
+        store.store_blocks(TOKENS, blocks[3:], first_block=3)  # hole at block 2
+        dsts = _empty(5)
+        assert store.retrieve_into(TOKENS, dsts).num_blocks == 2
+        assert torch.equal(dsts[2], torch.zeros_like(dsts[2]))  # untouched past the hole
+        # Block 3 is addressable on its own: its hash chains the whole prefix.
+        assert store.retrieve_into(TOKENS, dsts[3:4], first_block=3).num_blocks == 1
+        assert torch.equal(dsts[3], blocks[3])
+        assert store.lookup(TOKENS) == 2 * BLOCK
+
+
+def test_other_tokens_miss(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        store.store_blocks(TOKENS, _blocks(5, seed=4))
+        other = list(TOKENS)
+        other[0] += 1  # changes every chained key
+        assert store.retrieve_into(other, _empty(5)).num_blocks == 0
+
+
+def test_write_through_reaches_a_second_process_view_of_the_disk(tmp_path: Path) -> None:
+    blocks = _blocks(5, seed=5)
+    with _store(tmp_path, write_through=True) as writer, _store(tmp_path, cpu_blocks=0) as reader:
+        writer.store_blocks(TOKENS, blocks)
+        dsts = _empty(5)
+        res = reader.retrieve_into(TOKENS, dsts)
+        assert res.num_blocks == 5 and res.blocks_per_tier == {TierKind.DISK: 5}
+        assert all(torch.equal(d, b) for d, b in zip(dsts, blocks, strict=True))
+        writer.check_integrity()
+        reader.check_integrity()
+
+
+def test_disk_hits_are_promoted(tmp_path: Path) -> None:
+    blocks = _blocks(5, seed=6)
+    with _store(tmp_path) as store:
+        store.store_blocks(TOKENS, blocks)
+    with _store(tmp_path) as store:  # reopened: CPU tier empty, disk holds everything
+        assert store.retrieve_into(TOKENS, _empty(5)).blocks_per_tier == {TierKind.DISK: 5}
+        assert store.retrieve_into(TOKENS, _empty(5)).blocks_per_tier == {TierKind.CPU: 5}
+        store.check_integrity()
+
+
+def test_eviction_demotes_to_disk(tmp_path: Path) -> None:
+    with _store(tmp_path, cpu_blocks=2) as store:
+        blocks = _blocks(5, seed=7)
+        store.store_blocks(TOKENS, blocks)
+        dsts = _empty(5)
+        res = store.retrieve_into(TOKENS, dsts)
+        assert res.num_blocks == 5 and res.blocks_per_tier.get(TierKind.DISK, 0) >= 3
+        assert all(torch.equal(d, b) for d, b in zip(dsts, blocks, strict=True))
+        store.check_integrity()
+
+
+def test_bad_input_raises_and_changes_nothing(tmp_path: Path) -> None:
+    with _store(tmp_path) as store:
+        blocks = _blocks(6, seed=8)
+        with pytest.raises(LayoutMismatchError, match="need 24 tokens, got 22"):
+            store.store_blocks(TOKENS, blocks)
+        with pytest.raises(LayoutMismatchError, match="a block must be a tensor"):
+            store.store_blocks(TOKENS, [torch.zeros(3, dtype=torch.uint8)])
+        with pytest.raises(LayoutMismatchError, match=r"block dtype is torch\.float32"):
+            store.store_blocks(TOKENS, [torch.zeros(LAYOUT.block_shape(BLOCK))])
+        with pytest.raises(InvalidInputError, match="first_block must be an int >= 0"):
+            store.retrieve_into(TOKENS, _empty(1), first_block=-1)
+        assert store.lookup(TOKENS) == 0
+        assert store.stats().num_blocks_stored == 0

@@ -1,0 +1,82 @@
+"""Runs one vLLM scenario in a fresh process and prints its result as JSON (last line).
+
+Used by `tests/test_vllm_connector.py`: every scenario gets its own process, as a real
+deployment would, so vLLM's process-global state never leaks between tests. Usage:
+`python tests/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists),
+rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
+reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+
+
+def _stats(stats_path: str | None) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    if stats_path:
+        for path in sorted(glob.glob(os.path.join(stats_path, "*.json"))):
+            with open(path) as f:
+                out[os.path.basename(path)[: -len(".json")]] = json.load(f)
+    return out
+
+
+def run(spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs: dict = {}
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="TierKVConnector",
+            kv_connector_module_path="engine_adapter.vllm_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config=spec["connector"],
+            kv_load_failure_policy="recompute",
+        )
+    if spec.get("num_blocks"):
+        kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
+    llm = LLM(
+        model=spec["model"],
+        enforce_eager=True,
+        block_size=32,
+        dtype="float32",
+        max_model_len=spec.get("max_model_len", 4096),
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
+    schedule = spec.get("rounds", 1)
+    if isinstance(schedule, int):
+        schedule = [list(range(len(spec["prompts"])))] * schedule
+    rounds = []
+    for order in schedule:
+        requests = []
+        for index in order:
+            prompt = spec["prompts"][index]
+            t0 = time.perf_counter()
+            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            requests.append(
+                {
+                    "prompt": index,
+                    "output": list(out.outputs[0].token_ids),
+                    "num_cached_tokens": out.num_cached_tokens or 0,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+        rounds.append(requests)
+        if spec.get("reset_between"):
+            llm.reset_prefix_cache()
+    stats_path = (spec.get("connector") or {}).get("stats_path")
+    del llm
+    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path)}
+
+
+if __name__ == "__main__":
+    result = run(json.loads(sys.argv[1]))
+    print("\n" + json.dumps(result), flush=True)
+    os._exit(0)  # skip vLLM's slow interpreter teardown; the store is already flushed

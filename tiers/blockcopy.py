@@ -1,0 +1,30 @@
+"""`copy_block`: one block's copy, single-threaded when both sides are in host memory.
+
+torch's CPU `copy_` splits even a small block over its OpenMP pool; on a busy machine (or
+inside an engine that pinned the pool to its own cores) the threads' hand-offs can cost a
+thousand times the copy itself. A block is small enough that one thread's memcpy is best.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray | None:
+    if t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` for same-shape, same-dtype blocks, on one thread where both are on CPU."""
+    if dst.dtype == src.dtype and dst.shape == src.shape:
+        d, s = _bytes(dst), _bytes(src)
+        if d is not None and s is not None:
+            np.copyto(d, s)
+            return
+    dst.copy_(src)
