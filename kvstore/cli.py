@@ -14,6 +14,7 @@ BENCHMARKS = {
     "trace": "bench.trace",
     "micro": "bench.micro",
     "scale": "bench.scale",
+    "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
 }
 COMMANDS = {
     "demo": "engine_adapter.demo",
