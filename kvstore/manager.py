@@ -193,20 +193,11 @@ class KVCacheManager:
         end = first + next((i for i, t in enumerate(plan) if t == 0), len(plan))  # lower tiers only
         arr = np.asarray(req.token_ids[: end * self.block_size], dtype="<u4")
         keys = self.store.block_keys(arr, req.hashes[:end])
-        tiers = self.store.tiers
-        pos = first
-        while pos < end:
-            index = plan[pos - first]
-            run_end = pos
-            while run_end < end and plan[run_end - first] == index:
-                run_end += 1
-            views = [self.pool.block_view(b.block_id) for b in req.blocks[pos:run_end]]
-            got = tiers[index].get_into(keys[pos:run_end], views)
-            if got:
-                per_tier[tiers[index].kind] = per_tier.get(tiers[index].kind, 0) + got
-            pos += got
-            if pos < run_end:
-                break
+        views = [self.pool.block_view(b.block_id) for b in req.blocks[first:end]]
+        got, counts = self.store.load_planned(keys[first:end], views, plan[: end - first])
+        for kind, n in counts.items():
+            per_tier[kind] = per_tier.get(kind, 0) + n
+        pos = first + got
         self.pool.cache_blocks(req.blocks[first:pos], req.hashes[first:pos], [k.tokens for k in keys[first:pos]])
         req.num_cached_blocks = pos
         req.num_computed_tokens = pos * self.block_size

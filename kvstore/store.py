@@ -203,11 +203,19 @@ class KVCacheStore:
         with self._lock:
             self._check_open()
             self._num_store_calls += 1
-            if hashes:
-                self._num_blocks_stored += self._tiers[0].put(keys[::-1], srcs[::-1])
-                if self.config.write_through and len(self._tiers) > 1:
-                    self._tiers[-1].put(keys[::-1], srcs[::-1])
+            self._put(keys, srcs)
             return len(self.locate(hashes)) * b
+
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        """Write blocks (prefix order) into the top tier, tail first; with `write_through`
+        into the disk tier too. Returns how many the top tier newly wrote."""
+        if not keys:
+            return 0
+        written = self._tiers[0].put(keys[::-1], srcs[::-1])
+        self._num_blocks_stored += written
+        if self.config.write_through and len(self._tiers) > 1:
+            self._tiers[-1].put(keys[::-1], srcs[::-1])
+        return written
 
     def retrieve(
         self,
@@ -232,30 +240,38 @@ class KVCacheStore:
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(arr)
             plan = self.locate(hashes)
-            counts: dict[TierKind, int] = {}
             if not plan:
-                return RetrieveResult(0, None, counts)
+                return RetrieveResult(0, None, {})
             out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
-            num_ok = 0
-            while num_ok < len(plan):
-                tier_index = plan[num_ok]
-                end = num_ok
-                while end < len(plan) and plan[end] == tier_index:
-                    end += 1
-                tier = self._tiers[tier_index]
-                got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
-                if got:
-                    counts[tier.kind] = counts.get(tier.kind, 0) + got
-                num_ok += got
-                if num_ok < end:
-                    break
+            num_ok, counts = self.load_planned(keys, dsts, plan)
             self._promote(keys, dsts, plan, num_ok)
             self._num_tokens_hit += num_ok * b
             if num_ok == 0:
                 return RetrieveResult(0, None, {})
             kv = out if num_ok == len(plan) else out[:, :, : num_ok * b].clone()
             return RetrieveResult(num_ok * b, kv, counts)
+
+    def load_planned(
+        self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]
+    ) -> tuple[int, dict[TierKind, int]]:
+        """Copy block i of `keys` into `dsts[i]` from tier `plan[i]` (one `get_into` per run of
+        one tier); stop at the first block missing or failing validation. Returns the blocks
+        copied and how many each tier served. Call with `lock` held."""
+        counts: dict[TierKind, int] = {}
+        num_ok = 0
+        while num_ok < len(plan):
+            end = num_ok
+            while end < len(plan) and plan[end] == plan[num_ok]:
+                end += 1
+            tier = self._tiers[plan[num_ok]]
+            got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+            if got:
+                counts[tier.kind] = counts.get(tier.kind, 0) + got
+            num_ok += got
+            if num_ok < end:
+                break
+        return num_ok, counts
 
     def _promote(self, keys: list[BlockKey], dsts: list[torch.Tensor], plan: list[int], num_ok: int) -> None:
         """Copy lower-tier hits into the top tier, prefix first, without evicting this
@@ -362,13 +378,7 @@ class KVCacheStore:
         with self._lock:
             self._check_open()
             self._num_store_calls += 1
-            if not keys:
-                return 0
-            written = self._tiers[0].put(keys[::-1], list(srcs)[::-1])
-            self._num_blocks_stored += written
-            if self.config.write_through and len(self._tiers) > 1:
-                self._tiers[-1].put(keys[::-1], list(srcs)[::-1])
-            return written
+            return self._put(keys, list(srcs))
 
     def retrieve_into(
         self,
@@ -394,19 +404,7 @@ class KVCacheStore:
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(keys) * b
             plan = self.locate([k.block_hash for k in keys])
-            counts: dict[TierKind, int] = {}
-            num_ok = 0
-            while num_ok < len(plan):
-                end = num_ok
-                while end < len(plan) and plan[end] == plan[num_ok]:
-                    end += 1
-                tier = self._tiers[plan[num_ok]]
-                got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
-                if got:
-                    counts[tier.kind] = counts.get(tier.kind, 0) + got
-                num_ok += got
-                if num_ok < end:
-                    break
+            num_ok, counts = self.load_planned(keys, dsts, plan)
             self._promote(keys, list(dsts), plan, num_ok)
             self._num_tokens_hit += num_ok * b
             return LoadResult(num_ok, counts)

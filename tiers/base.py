@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -33,6 +33,22 @@ class BlockKey(NamedTuple):
 
     block_hash: BlockHash
     tokens: bytes = b""
+
+
+def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], room: int) -> tuple[list[int], list[int]]:
+    """Split a `put` (keys in eviction order) into (overflow, fit): indices of the blocks to
+    write, those not held, the last of duplicates winning; `fit` is at most the `room` least
+    evictable of them, `overflow` the rest, which skip the tier for the one below."""
+    seen: set[BlockHash] = set()
+    new: list[int] = []
+    for i in range(len(keys) - 1, -1, -1):
+        h = keys[i].block_hash
+        if h not in seen and not is_held(h):
+            seen.add(h)
+            new.append(i)
+    new.reverse()
+    cut = max(0, len(new) - max(0, room))
+    return new[:cut], new[cut:]
 
 
 @dataclass(frozen=True)

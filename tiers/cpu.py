@@ -10,7 +10,7 @@ import xxhash
 
 from kvstore.errors import StoreClosedError
 from kvstore.hashing import BlockHash
-from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
 from tiers.blockcopy import copy_block
 
 
@@ -108,17 +108,7 @@ class CPUTier(Tier):
         if len(keys) != len(srcs):
             raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
         self.touch([k.block_hash for k in keys])
-        new = [i for i, k in enumerate(keys) if k.block_hash not in self._index]
-        # Duplicates inside one call: keep the last (least evictable) occurrence.
-        seen: set[BlockHash] = set()
-        unique = []
-        for i in reversed(new):
-            if keys[i].block_hash not in seen:
-                seen.add(keys[i].block_hash)
-                unique.append(i)
-        new = unique[::-1]
-        evictable = len(self._free) + len(self._lru)
-        overflow, new = new[: max(0, len(new) - evictable)], new[max(0, len(new) - evictable) :]
+        overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + len(self._lru))
         if overflow and self._lower is not None:
             # More new blocks than this tier can ever hold: the most evictable skip it.
             self._lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])

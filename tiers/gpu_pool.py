@@ -18,7 +18,7 @@ import torch
 
 from kvstore.errors import DiskFullError, KVStoreError, StoreClosedError
 from kvstore.hashing import BlockHash
-from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
 from tiers.blockcopy import copy_block
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 
@@ -226,16 +226,7 @@ class BlockPool(Tier):
         if len(keys) != len(srcs):
             raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
         self.touch([k.block_hash for k in keys])
-        seen: set[BlockHash] = set()
-        new: list[int] = []
-        for i in range(len(keys) - 1, -1, -1):  # last duplicate wins
-            h = keys[i].block_hash
-            if h not in self.cached and h not in seen:
-                seen.add(h)
-                new.append(i)
-        new.reverse()
-        cut = max(0, len(new) - len(self.free_queue))
-        overflow, new = new[:cut], new[cut:]
+        overflow, new = plan_put(keys, self.cached.__contains__, len(self.free_queue))
         if overflow and self.lower is not None:  # no free block for them: straight down
             self.lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
         blocks = self.allocate(len(new))
