@@ -14,6 +14,7 @@ BENCHMARKS = {
     "trace": "bench.trace",
     "micro": "bench.micro",
     "scale": "bench.scale",
+    "workload": "bench.workload",
 }
 COMMANDS = {
     "demo-store": "kvstore.demo",
