@@ -66,14 +66,14 @@ from kvstore import KVCacheStore, StoreConfig
 BLOCK_SIZE = 16
 TIERS = ("pool", "cpu", "disk")
 _DEFAULT = {
-    "chatbot": {"num_requests": 24, "system_len": 512, "user_min": 64, "user_max": 128, "output_len": 4},
+    "chatbot": {"num_requests": 32, "system_len": 512, "user_min": 64, "user_max": 128, "output_len": 4},
     "multi_round": {"num_users": 6, "num_rounds": 4, "system_len": 256, "history_len": 256,
                     "question_len": 32, "output_len": 8},
     "rag": {"num_requests": 24, "instruction_len": 256, "num_chunks": 24, "chunk_len": 128, "top_k": 4,
             "query_len": 32, "output_len": 4},
     "long_doc_qa": {"num_documents": 6, "document_len": 1024, "repeat_count": 2, "question_len": 16,
                     "output_len": 4},
-    "gsp": {"num_groups": 8, "prompts_per_group": 4, "system_len": 512, "question_len": 32, "output_len": 4},
+    "gsp": {"num_groups": 8, "prompts_per_group": 6, "system_len": 512, "question_len": 32, "output_len": 4},
 }
 PRESETS = {
     "default": _DEFAULT,
@@ -89,7 +89,7 @@ PRESETS = {
                 "output_len": 256},
     },
     "tiny": {
-        "chatbot": {"num_requests": 4, "system_len": 64, "user_min": 8, "user_max": 16, "output_len": 2},
+        "chatbot": {"num_requests": 6, "system_len": 64, "user_min": 16, "user_max": 32, "output_len": 2},
         "multi_round": {"num_users": 2, "num_rounds": 2, "system_len": 32, "history_len": 32,
                         "question_len": 8, "output_len": 4},
         "rag": {"num_requests": 4, "instruction_len": 48, "num_chunks": 4, "chunk_len": 16, "top_k": 2,
