@@ -8,17 +8,22 @@ baseline), alternating request by request so that machine load hits both alike. 
 are random token ids from a seeded RNG with the sharing structure of the workload. Sizes,
 in 16-token blocks, from the workload's working set W (its distinct full blocks, prompts
 and outputs): pool = max(W/4, the largest request), CPU tier = W/4, disk = 2W; so the
-working set never fits in the pool alone and every tier serves hits. Reported per workload:
+working set does not fit in the pool alone, nor in pool + CPU. Reported per workload:
 token hit rate (cached prompt tokens / prompt tokens) by tier, TTFT and time per request
 (the whole `generate` call) with and without the cache, and whether the generated tokens
 are identical (they must be; a mismatch fails the run after the results are written).
+"held" is the prefix the tiers held just before each request (`store.lookup`): where it
+exceeds the hit rate, hits were lost between lookup and load (see `KVCacheManager`: making
+room in the pool demotes blocks, which can push planned CPU-tier blocks down to disk, and
+the load stops at the first block not found where planned).
 
 Workloads and where their parameters come from (full size: `--size full`):
 
 * chatbot: one shared system prompt + a distinct user turn per request. vLLM
-  `benchmarks/benchmark_prefix_caching.py`: user input 128:256 tokens (`--input-length-range`),
-  output 10; system prompt 1000 as in LMCache multi-round QA. Full: 100 requests.
-  Default: system 512, user 64:128, 24 requests, output 4.
+  `benchmarks/benchmark_prefix_caching.py` defaults: input 128:256 tokens
+  (`--input-length-range`), `--output-len` 10 (its `--repeat-count` 100 of one prompt is a
+  pure repeat, not used); system prompt 1000 as in LMCache multi-round QA; 100 requests
+  (ours). Default: system 512, user 64:128, 32 requests, output 4.
 * multi_round: LMCache `multi-round-qa.py` (its CI settings): 10 users x 5 rounds, shared
   system prompt 1000, per-user history 2000, answer 100. Each round appends a question
   (32 tokens, ours) and the model's answer to the user's history; users take turns
@@ -35,11 +40,11 @@ Workloads and where their parameters come from (full size: `--size full`):
 * gsp: SGLang `bench_serving.py` `--dataset-name generated-shared-prefix` defaults:
   `gsp_num_groups` 64, `gsp_prompts_per_group` 16, `gsp_system_prompt_len` 2048,
   `gsp_question_len` 128, `gsp_output_len` 256; arrival order shuffled (ours). Default:
-  8 groups x 4 prompts, system 512, question 32, output 4.
+  8 groups x 6 prompts, system 512, question 32, output 4.
 
 Scaling for a 2-core CPU: prefill here costs ~0.1 s at 512 tokens and grows faster than
 linearly (~2 s at 2048), and each decode step ~20-40 ms, so prompts are cut to <= ~1100
-tokens, outputs to 4-8 tokens and request counts to 18-32; `--size full` restores the
+tokens, outputs to 4-8 tokens and request counts to 18-48; `--size full` restores the
 sources' numbers (hours on this CPU), `--set WORKLOAD.PARAM=VALUE` overrides one.
 """
 
@@ -266,10 +271,8 @@ def resolve_params(size: str, overrides: list[str]) -> dict[str, dict[str, int]]
 def run(workloads: list[str], params: dict[str, dict[str, int]], seed: int,
         workdir: str | None = None) -> dict[str, object]:
     specs = {w: build(w, params[w], np.random.default_rng(seed), 2) for w in workloads}  # lengths only
-    longest = max(len(Sessions().prompt(r)) for reqs in specs.values() for r in reqs)
-    max_position = 2048 + sum(len(r.tokens) + params[w]["output_len"] for w, reqs in specs.items()
-                              for r in reqs if r.session is not None) + longest
-    model = init_random_weights(LlamaModel(model_config(max_position)), seed=seed)
+    largest = max(working_set(specs[w], params[w]["output_len"], np.random.default_rng(seed))[1] for w in workloads)
+    model = init_random_weights(LlamaModel(model_config(max(2048, largest * BLOCK_SIZE))), seed=seed)
     warm = KVCacheStore(StoreConfig(model.config.kv_layout, block_size=BLOCK_SIZE, pool_blocks=64,
                                     pool_device="cpu", cpu_bytes=0))
     with warm:  # first-call overheads (allocator, kernels) land on neither run
