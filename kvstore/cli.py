@@ -15,6 +15,7 @@ BENCHMARKS = {
     "micro": "bench.micro",
     "scale": "bench.scale",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
+    "workload": "bench.workload",
 }
 COMMANDS = {
     "demo": "engine_adapter.demo",
