@@ -223,15 +223,23 @@ class KVCacheStore:
         *,
         extra_keys: ExtraKeys | None = None,
         device: torch.device | str | None = None,
+        out: torch.Tensor | None = None,
     ) -> RetrieveResult:
         """Return the KV of the longest cached prefix of `tokens` (on `device`, default CPU).
 
         Blocks come from the fastest tier holding them; lower-tier hits are promoted to the
-        top tier. A block that fails validation ends the prefix there and is deleted.
+        top tier. A block that fails validation ends the prefix there and is deleted. With
+        `out` (`[num_layers, 2, >= len(tokens), num_kv_heads, head_dim]` of the layout's dtype),
+        the KV is written there and `kv` is a view of it (no allocation, no page faults);
+        `out` beyond the returned prefix is left untouched.
         """
         self._check_open()
         device = self._check_device(device)
+        if out is not None:
+            self._check_kv(out, out.shape[2] if isinstance(out, torch.Tensor) and out.dim() == 5 else -1)
         arr, hashes = self._hash(tokens, extra_keys)
+        if out is not None and out.shape[2] < len(arr) // self.config.block_size * self.config.block_size:
+            raise LayoutMismatchError(f"out holds {out.shape[2]} tokens, fewer than the {len(arr)} given")
         keys = self.block_keys(arr, hashes)
         cfg = self.config
         b = cfg.block_size
@@ -242,15 +250,18 @@ class KVCacheStore:
             plan = self.locate(hashes)
             if not plan:
                 return RetrieveResult(0, None, {})
-            out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
+            given = out is not None
+            if out is None:
+                out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
             num_ok, counts = self.load_planned(keys, dsts, plan)
             self._promote(keys, dsts, plan, num_ok)
             self._num_tokens_hit += num_ok * b
             if num_ok == 0:
                 return RetrieveResult(0, None, {})
-            kv = out if num_ok == len(plan) else out[:, :, : num_ok * b].clone()
-            return RetrieveResult(num_ok * b, kv, counts)
+            if given or num_ok == len(plan):
+                return RetrieveResult(num_ok * b, out[:, :, : num_ok * b], counts)
+            return RetrieveResult(num_ok * b, out[:, :, : num_ok * b].clone(), counts)
 
     def load_planned(
         self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]

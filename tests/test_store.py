@@ -296,3 +296,19 @@ def test_promotion_never_evicts_the_requests_own_blocks(make_store: Factory) -> 
     for _ in range(3):
         assert store.retrieve(tokens).blocks_per_tier == {TierKind.CPU: 4, TierKind.DISK: 8}
         store.check_integrity()
+
+
+def test_retrieve_into_a_given_buffer(make_store: Factory) -> None:
+    store = make_store(cpu_blocks=2)
+    tokens = list(range(4 * BLOCK))
+    kv = make_kv(len(tokens))
+    store.store(tokens, kv)
+    out = torch.full(LAYOUT.block_shape(6 * BLOCK), 7.0, dtype=LAYOUT.dtype)
+    res = store.retrieve([*tokens, 1, 2, 3], out=out)
+    assert res.num_tokens == 4 * BLOCK and res.kv.data_ptr() == out.data_ptr()
+    assert torch.equal(bits(out[:, :, : 4 * BLOCK]), bits(kv))
+    assert torch.all(out[:, :, 4 * BLOCK :] == 7.0)  # beyond the prefix: untouched
+    with pytest.raises(LayoutMismatchError, match="dtype"):
+        store.retrieve(tokens, out=out.float())
+    with pytest.raises(LayoutMismatchError, match="fewer"):
+        store.retrieve(tokens, out=out[:, :, :BLOCK])
