@@ -139,11 +139,18 @@ class KVCacheManager:
         """Give the request blocks for `num_new_tokens` more tokens.
 
         With `computed` (the request's first call): take references on its pool hits, and
-        load its lower-tier hits into newly allocated blocks (registered as cached).
-        Raises `NoFreeBlocksError` and changes nothing if the pool is short.
+        load its lower-tier hits into newly allocated blocks (registered as cached). A
+        `computed` that no longer matches the pool (blocks evicted or reused since
+        `get_computed_blocks`, e.g. by a `store()` in between) is looked up again, keeping
+        `computed.num_tokens + num_new_tokens` fixed. Raises `NoFreeBlocksError` and changes
+        nothing if the pool is short.
         """
         req = self._req(request_id)
         with self.store.lock:
+            if computed is not None and not req.blocks and not self._is_current(req, computed):
+                total = computed.num_tokens + num_new_tokens
+                computed = self.get_computed_blocks(request_id)
+                num_new_tokens = max(0, total - computed.num_tokens)
             need = self.num_blocks_needed(request_id, num_new_tokens, computed)
             if not self.can_allocate(request_id, num_new_tokens, computed):
                 raise NoFreeBlocksError(
@@ -165,17 +172,29 @@ class KVCacheManager:
                 self._load_lower(req, computed, per_tier)
             return Allocation(req.num_computed_tokens, new_blocks, per_tier)
 
+    def _is_current(self, req: _Request, computed: ComputedBlocks) -> bool:
+        """Whether `computed` still describes `req`'s cached prefix in the pool (lock held)."""
+        n = len(computed.pool_blocks)
+        return (
+            n <= len(req.hashes)
+            and computed.num_tokens == (n + len(computed.lower_plan)) * self.block_size
+            and all(self.pool.cached.get(h) is b for h, b in zip(req.hashes, computed.pool_blocks))
+        )
+
     def _load_lower(self, req: _Request, computed: ComputedBlocks, per_tier: dict[TierKind, int]) -> None:
         first = len(computed.pool_blocks)
+        end = first + len(computed.lower_plan)
+        # Plan again: the allocation may have demoted pool blocks and pushed CPU blocks to disk.
+        plan = self.store.locate(req.hashes[:end])[first:]
+        end = first + len(plan)
         arr = np.asarray(req.token_ids, dtype="<u4")
-        keys = self.store.block_keys(arr, req.hashes[: first + len(computed.lower_plan)])
+        keys = self.store.block_keys(arr, req.hashes[:end])
         tiers = self.store.tiers
         pos = first
-        end = first + len(computed.lower_plan)
         while pos < end:
-            index = computed.lower_plan[pos - first]
+            index = plan[pos - first]
             run_end = pos
-            while run_end < end and computed.lower_plan[run_end - first] == index:
+            while run_end < end and plan[run_end - first] == index:
                 run_end += 1
             views = [self.pool.block_view(b.block_id) for b in req.blocks[pos:run_end]]
             got = tiers[index].get_into(keys[pos:run_end], views)
