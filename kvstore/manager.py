@@ -131,6 +131,9 @@ class KVCacheManager:
         hashes = req.hashes[:limit]
         with self.store.lock:
             pool_blocks = self.pool.get_cached_blocks(hashes)
+            num_ok = self._num_tokens_match(req, pool_blocks)
+            if num_ok < len(pool_blocks):  # other token ids under our hash: a miss from there
+                pool_blocks, hashes = pool_blocks[:num_ok], hashes[:num_ok]
             plan = self.store.locate(hashes)
         return ComputedBlocks(len(plan) * self.block_size, pool_blocks, plan[len(pool_blocks) :])
 
@@ -218,6 +221,17 @@ class KVCacheManager:
                 and computed.num_tokens >= 0):
             raise InvalidInputError(f"computed must come from get_computed_blocks, got {computed!r}")
 
+    def _num_tokens_match(self, req: _Request, blocks: Sequence[PoolBlock]) -> int:
+        """Leading pool blocks whose stored token ids are the request's (verify_tokens)."""
+        if not self.store.config.verify_tokens:
+            return len(blocks)
+        b = self.block_size
+        buf = np.asarray(req.token_ids[: len(blocks) * b], dtype="<u4").tobytes()
+        for i, block in enumerate(blocks):
+            if block.tokens and block.tokens != buf[i * b * 4 : (i + 1) * b * 4]:
+                return i
+        return len(blocks)
+
     def _is_current(self, req: _Request, computed: ComputedBlocks) -> bool:
         """Whether `computed` still describes `req`'s cached prefix in the pool (lock held)."""
         n = len(computed.pool_blocks)
@@ -226,6 +240,7 @@ class KVCacheManager:
             num_blocks <= max(0, (len(req.token_ids) - 1) // self.block_size)
             and computed.num_tokens == num_blocks * self.block_size
             and all(self.pool.cached.get(h) is b for h, b in zip(req.hashes, computed.pool_blocks))
+            and self._num_tokens_match(req, computed.pool_blocks) == n
         )
 
     def _load_lower(self, req: _Request, computed: ComputedBlocks, per_tier: dict[TierKind, int]) -> None:
