@@ -89,14 +89,17 @@ class KVCacheManager:
     # -- request lifecycle -----------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: object, extra_keys: ExtraKeys | None = None) -> None:
         """Register a request's prompt. Raises `InvalidInputError` for a duplicate id."""
-        if _check_id(request_id) in self._requests:
+        if _check_id(request_id) in self._requests:  # checked again under the lock below
             raise InvalidInputError(f"request {request_id!r} already exists")
         if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
             raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
         arr = as_token_array(token_ids)
         req = _Request(arr.tolist(), extra_keys)
         self._extend_hashes(req)
-        self._requests[request_id] = req
+        with self.store.lock:  # two threads adding one id: exactly one wins
+            if request_id in self._requests:
+                raise InvalidInputError(f"request {request_id!r} already exists")
+            self._requests[request_id] = req
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Append generated tokens (their KV is not computed yet)."""
@@ -295,10 +298,10 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first into the free queue) and forget it."""
-        req = self._requests.pop(_check_id(request_id), None)
-        if req is None:
-            raise InvalidInputError(f"unknown request {request_id!r}")
         with self.store.lock:
+            req = self._requests.pop(_check_id(request_id), None)
+            if req is None:
+                raise InvalidInputError(f"unknown request {request_id!r}")
             self.pool.free_blocks(req.blocks)
 
     # -- views -------------------------------------------------------------------------------

@@ -241,3 +241,62 @@ def test_manager_requests_beside_store_calls(tmp_path: Path, demotion: str, figu
         figures.set("mismatches", 0)
     finally:
         store.close()
+
+
+def test_duplicate_request_ids_race(figures: Figures) -> None:
+    """Regression: threads adding the same request id at once could all succeed (check, hash,
+    then insert, unlocked); the later add replaced the earlier request, whose blocks were then
+    never freed. Exactly one add per id may win, and the pool must be whole afterwards."""
+    from kvstore import InvalidInputError
+
+    from .kvgen import SMALL_BLOCK, SMALL_LAYOUT
+
+    store = open_store(None, layout=SMALL_LAYOUT, block_size=SMALL_BLOCK, pool_blocks=64,
+                       pool_device="cpu", cpu_bytes=0)
+    mgr = KVCacheManager(store)
+    tokens = np.arange(64 * SMALL_BLOCK + 1, dtype=np.uint32)
+    num_rounds = BUDGET.count(100)
+    barrier = threading.Barrier(4)
+    wins: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for r in range(num_rounds):
+                barrier.wait()
+                try:
+                    mgr.add_request(f"x{r}", tokens)
+                    won = True
+                except InvalidInputError:
+                    won = False
+                if won:
+                    wins.append(r)
+                    mgr.allocate_slots(f"x{r}", 2 * SMALL_BLOCK)
+                barrier.wait()  # everyone has tried; the winner frees
+                if won:
+                    mgr.free(f"x{r}")
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old_interval)
+    try:
+        assert not any(t.is_alive() for t in threads), "a thread is stuck"
+        if errors and not isinstance(errors[0], threading.BrokenBarrierError):
+            raise errors[0]
+        assert sorted(wins) == list(range(num_rounds)), "an id was added twice, or never"
+        assert store.pool is not None and len(store.pool.free_queue) == store.pool.num_blocks
+        store.check_integrity()
+        figures.set("rounds", num_rounds)
+        figures.set("double_adds", 0)
+    finally:
+        store.close()
