@@ -69,9 +69,12 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
             ttft: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
             served: dict[str, dict[str, int]] = {}
             same_answer = True
-            with KVCacheStore(cfg) as store:
+            # The recompute baseline gets a pool of its own: it must not evict the store's blocks.
+            base_cfg = StoreConfig(layout, block_size=BLOCK_SIZE, pool_blocks=cfg.pool_blocks, pool_device="cpu",
+                                   cpu_bytes=0)
+            with KVCacheStore(cfg) as store, KVCacheStore(base_cfg) as base_store:
                 llm = KVStrataLLM(model, store)
-                base = KVStrataLLM(model, store, prefix_caching=False)
+                base = KVStrataLLM(model, base_store, prefix_caching=False)
                 for _ in range(docs):
                     doc = rng.integers(0, config.vocab_size, size=n).tolist()
                     qs = [doc + rng.integers(0, config.vocab_size, size=question_tokens).tolist()
@@ -85,6 +88,9 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
                             res = llm.generate([q], 1)[0]
                             ttft[where].append(res.stats.ttft_s)
                             served[where] = res.stats.cached_tokens_per_tier
+                            tier = where.removesuffix("_cold").removesuffix("_warm")
+                            if set(served[where]) != {tier}:
+                                raise RuntimeError(f"{where} placement served from {served[where]} (a bug)")
                             same_answer &= res.token_ids == ref.token_ids
             kv_mib = n * layout.token_bytes / 2**20
             med = {p: statistics.median(v) for p, v in ttft.items()}

@@ -134,7 +134,9 @@ class StoreConfig:
         persist_on_close: on `close()`, copy CPU-tier blocks not yet on disk down to it, so
             a reopened store finds everything.
         pool_blocks: blocks in the GPU block pool, tier 0 (0: no pool).
-        pool_device: device of the pool's KV tensor (default: CUDA when present, else CPU).
+        pool_device: device of the pool's KV tensor (default: CUDA when present, else CPU). A
+            pool that is larger than the device's memory, or a device that is absent, raises
+            `ConfigError` when the store opens.
         pool_demotion: "on_evict" (copy a block down when it is reused) or "write_through"
             (copy it down when it is cached).
         cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
@@ -165,6 +167,14 @@ class StoreConfig:
         _positive_int("StoreConfig", "cpu_bytes", self.cpu_bytes, allow_zero=True)
         _positive_int("StoreConfig", "disk_bytes", self.disk_bytes)
         _positive_int("StoreConfig", "pool_blocks", self.pool_blocks, allow_zero=True)
+        if self.pool_device is not None:
+            try:
+                if not isinstance(self.pool_device, (str, torch.device)):
+                    raise TypeError(f"a str or torch.device, not {type(self.pool_device).__name__}")
+                if torch.device(self.pool_device).type == "meta":
+                    raise ValueError("meta tensors hold no data")
+            except (RuntimeError, TypeError, ValueError) as exc:
+                raise ConfigError(f"StoreConfig.pool_device={self.pool_device!r} is not a device: {exc}") from None
         if self.pool_demotion not in ("on_evict", "write_through"):
             raise ConfigError(
                 f"StoreConfig.pool_demotion must be 'on_evict' or 'write_through', got {self.pool_demotion!r}"

@@ -60,8 +60,23 @@ class _Request:
     num_computed_tokens: int = 0
 
 
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def _check_id(request_id: object) -> str:
+    if not isinstance(request_id, str):
+        raise InvalidInputError(f"request_id must be a str, got {type(request_id).__name__}")
+    return request_id
+
+
 class KVCacheManager:
-    """Block tables for running requests; all pool mutation goes through the store's lock."""
+    """Block tables for running requests; all pool mutation goes through the store's lock.
+
+    Bad arguments raise `InvalidInputError` and change nothing.
+    """
 
     def __init__(self, store: KVCacheStore) -> None:
         if store.pool is None:
@@ -74,17 +89,22 @@ class KVCacheManager:
     # -- request lifecycle -----------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: object, extra_keys: ExtraKeys | None = None) -> None:
         """Register a request's prompt. Raises `InvalidInputError` for a duplicate id."""
-        if request_id in self._requests:
+        if _check_id(request_id) in self._requests:  # checked again under the lock below
             raise InvalidInputError(f"request {request_id!r} already exists")
+        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+            raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
         arr = as_token_array(token_ids)
         req = _Request(arr.tolist(), extra_keys)
-        self._requests[request_id] = req
         self._extend_hashes(req)
+        with self.store.lock:  # two threads adding one id: exactly one wins
+            if request_id in self._requests:
+                raise InvalidInputError(f"request {request_id!r} already exists")
+            self._requests[request_id] = req
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         """Append generated tokens (their KV is not computed yet)."""
         req = self._req(request_id)
-        req.token_ids.extend(as_token_array(list(token_ids)).tolist())
+        req.token_ids.extend(as_token_array(token_ids).tolist())
         self._extend_hashes(req)
 
     def _extend_hashes(self, req: _Request) -> None:
@@ -99,7 +119,7 @@ class KVCacheManager:
 
     def _req(self, request_id: str) -> _Request:
         try:
-            return self._requests[request_id]
+            return self._requests[_check_id(request_id)]
         except KeyError:
             raise InvalidInputError(f"unknown request {request_id!r}") from None
 
@@ -114,12 +134,34 @@ class KVCacheManager:
         hashes = req.hashes[:limit]
         with self.store.lock:
             pool_blocks = self.pool.get_cached_blocks(hashes)
+            num_ok = self._num_tokens_match(req, pool_blocks)
+            if num_ok < len(pool_blocks):  # other token ids under our hash: a miss from there
+                pool_blocks, hashes = pool_blocks[:num_ok], hashes[:num_ok]
             plan = self.store.locate(hashes)
         return ComputedBlocks(len(plan) * self.block_size, pool_blocks, plan[len(pool_blocks) :])
 
+    def _current(
+        self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None
+    ) -> tuple[_Request, int, ComputedBlocks | None]:
+        """Validated arguments, with a `computed` the pool no longer matches (blocks evicted or
+        reused since `get_computed_blocks`) looked up again, keeping the total tokens fixed."""
+        req = self._req(request_id)
+        num_new_tokens = _check_count("num_new_tokens", num_new_tokens)
+        self._check_computed(computed)
+        with self.store.lock:
+            if computed is not None and not req.blocks and not self._is_current(req, computed):
+                total = computed.num_tokens + num_new_tokens
+                computed = self.get_computed_blocks(request_id)
+                num_new_tokens = max(0, total - computed.num_tokens)
+        return req, num_new_tokens, computed
+
     def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None) -> int:
         """Blocks `allocate_slots` would take from the free queue (pool hits excluded)."""
-        req = self._req(request_id)
+        with self.store.lock:
+            req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
+            return self._num_needed(req, num_new_tokens, computed)
+
+    def _num_needed(self, req: _Request, num_new_tokens: int, computed: ComputedBlocks | None) -> int:
         first_call = computed is not None and not req.blocks
         start = computed.num_tokens if first_call else req.num_computed_tokens  # type: ignore[union-attr]
         held = len(computed.pool_blocks) if first_call else len(req.blocks)  # type: ignore[union-attr]
@@ -128,8 +170,13 @@ class KVCacheManager:
 
     def can_allocate(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now."""
-        need = self.num_blocks_needed(request_id, num_new_tokens, computed)
-        first_call = computed is not None and not self._req(request_id).blocks
+        with self.store.lock:
+            req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
+            return self._can_allocate(req, num_new_tokens, computed)
+
+    def _can_allocate(self, req: _Request, num_new_tokens: int, computed: ComputedBlocks | None) -> bool:
+        need = self._num_needed(req, num_new_tokens, computed)
+        first_call = computed is not None and not req.blocks
         shared_free = sum(1 for b in computed.pool_blocks if b.ref_cnt == 0) if first_call else 0  # type: ignore[union-attr]
         return need + shared_free <= len(self.pool.free_queue)
 
@@ -139,13 +186,16 @@ class KVCacheManager:
         """Give the request blocks for `num_new_tokens` more tokens.
 
         With `computed` (the request's first call): take references on its pool hits, and
-        load its lower-tier hits into newly allocated blocks (registered as cached).
-        Raises `NoFreeBlocksError` and changes nothing if the pool is short.
+        load its lower-tier hits into newly allocated blocks (registered as cached). A
+        `computed` that no longer matches the pool (blocks evicted or reused since
+        `get_computed_blocks`, e.g. by a `store()` in between) is looked up again, keeping
+        `computed.num_tokens + num_new_tokens` fixed. Raises `NoFreeBlocksError` and changes
+        nothing if the pool is short.
         """
-        req = self._req(request_id)
         with self.store.lock:
-            need = self.num_blocks_needed(request_id, num_new_tokens, computed)
-            if not self.can_allocate(request_id, num_new_tokens, computed):
+            req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
+            need = self._num_needed(req, num_new_tokens, computed)
+            if not self._can_allocate(req, num_new_tokens, computed):
                 raise NoFreeBlocksError(
                     f"request {request_id!r} needs {need} blocks; {len(self.pool.free_queue)} free"
                 )
@@ -172,6 +222,37 @@ class KVCacheManager:
                 for tier, hashes in pinned:
                     tier.unpin(hashes)  # type: ignore[attr-defined]
             return Allocation(req.num_computed_tokens, new_blocks, per_tier)
+
+    @staticmethod
+    def _check_computed(computed: object) -> None:
+        if computed is None:
+            return
+        if not (isinstance(computed, ComputedBlocks) and isinstance(computed.num_tokens, int)
+                and isinstance(computed.pool_blocks, list) and isinstance(computed.lower_plan, list)
+                and computed.num_tokens >= 0):
+            raise InvalidInputError(f"computed must come from get_computed_blocks, got {computed!r}")
+
+    def _num_tokens_match(self, req: _Request, blocks: Sequence[PoolBlock]) -> int:
+        """Leading pool blocks whose stored token ids are the request's (verify_tokens)."""
+        if not self.store.config.verify_tokens:
+            return len(blocks)
+        b = self.block_size
+        buf = np.asarray(req.token_ids[: len(blocks) * b], dtype="<u4").tobytes()
+        for i, block in enumerate(blocks):
+            if block.tokens and block.tokens != buf[i * b * 4 : (i + 1) * b * 4]:
+                return i
+        return len(blocks)
+
+    def _is_current(self, req: _Request, computed: ComputedBlocks) -> bool:
+        """Whether `computed` still describes `req`'s cached prefix in the pool (lock held)."""
+        n = len(computed.pool_blocks)
+        num_blocks = n + len(computed.lower_plan)
+        return (
+            num_blocks <= max(0, (len(req.token_ids) - 1) // self.block_size)
+            and computed.num_tokens == num_blocks * self.block_size
+            and all(self.pool.cached.get(h) is b for h, b in zip(req.hashes, computed.pool_blocks))
+            and self._num_tokens_match(req, computed.pool_blocks) == n
+        )
 
     def _pin_planned(self, req: _Request, first: int, plan: list[int]) -> list[tuple[Tier, list[BlockHash]]]:
         """Pin the planned blocks in tiers that support pinning (the CPU tier)."""
@@ -209,6 +290,7 @@ class KVCacheManager:
         Returns how many blocks were newly registered in the pool's cache.
         """
         req = self._req(request_id)
+        num_computed_tokens = _check_count("num_computed_tokens", num_computed_tokens)
         limit = min(len(req.token_ids), len(req.blocks) * self.block_size)
         if not 0 <= num_computed_tokens <= limit:
             raise InvalidInputError(f"num_computed_tokens={num_computed_tokens} outside [0, {limit}]")
@@ -227,10 +309,10 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first into the free queue) and forget it."""
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            raise InvalidInputError(f"unknown request {request_id!r}")
         with self.store.lock:
+            req = self._requests.pop(_check_id(request_id), None)
+            if req is None:
+                raise InvalidInputError(f"unknown request {request_id!r}")
             self.pool.free_blocks(req.blocks)
 
     # -- views -------------------------------------------------------------------------------
@@ -244,4 +326,4 @@ class KVCacheManager:
         return list(self._req(request_id).token_ids)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._requests
+        return isinstance(request_id, str) and request_id in self._requests

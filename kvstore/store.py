@@ -90,10 +90,20 @@ class KVCacheStore:
                           checksum=config.cpu_checksums)
         self.pool: BlockPool | None = None
         if config.pool_blocks:
-            self.pool = BlockPool(
-                config.pool_blocks, shape, dtype, device=config.pool_device, lower=cpu if cpu is not None else disk,
-                verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion),
-            )
+            try:
+                self.pool = BlockPool(
+                    config.pool_blocks, shape, dtype, device=config.pool_device,
+                    lower=cpu if cpu is not None else disk,
+                    verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion),
+                )
+            except (RuntimeError, AssertionError, ValueError) as exc:  # no such device, no memory
+                for tier in (cpu, disk):
+                    if tier is not None:
+                        tier.close()
+                raise ConfigError(
+                    f"StoreConfig.pool_blocks={config.pool_blocks} on pool_device={config.pool_device!r} "
+                    f"cannot be allocated: {exc}"
+                ) from None
         self._tiers: list[Tier] = [t for t in (self.pool, cpu, disk) if t is not None]
         self._seed = namespace_seed(config.identity(), config.hash_algo)
         self._lock = threading.RLock()

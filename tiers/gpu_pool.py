@@ -12,6 +12,7 @@ join the tail in reverse order, so a sequence's tail is evicted before its prefi
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +29,13 @@ class DemotionPolicy(str, enum.Enum):
 
     ON_EVICT = "on_evict"  # copy when the block is reused for other content (default)
     WRITE_THROUGH = "write_through"  # copy when the block is cached; eviction is then free
+
+
+def _memory_bytes(device: torch.device) -> int:
+    """Total memory of `device` (physical memory for the host)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class NoFreeBlocksError(KVStoreError, RuntimeError):
@@ -59,6 +67,9 @@ class BlockPool(Tier):
             raise ValueError(f"BlockPool needs at least one block, got {num_blocks}")
         num_layers, two, block_size, heads, dim = block_shape
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        num_bytes = num_blocks * num_layers * two * block_size * heads * dim * dtype.itemsize
+        if num_bytes > _memory_bytes(self.device):  # refuse before zeroing (touching) it all
+            raise ValueError(f"{num_blocks} blocks need {num_bytes} bytes, more than {self.device} has")
         self.kv_cache = torch.zeros((num_layers, two, num_blocks, block_size, heads, dim), dtype=dtype,
                                     device=self.device)
         self.num_blocks = num_blocks

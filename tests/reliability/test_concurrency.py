@@ -8,6 +8,7 @@ there is room for it, and the tiers' invariants must hold afterwards.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 
 from kvstore import KVCacheStore
+from kvstore.manager import KVCacheManager
 
 from . import procs
 from .budget import BUDGET
 from .conftest import Figures
 from .kvgen import BLOCK, LAYOUT, PromptPool, check_kv, full_blocks, make_kv, open_store
+from .runnerkv import serve
 from .workers import disk_tier, shared_dir_worker
 
 MODES = {
@@ -28,6 +31,11 @@ MODES = {
     "evicting": {"cpu_bytes": 48 * LAYOUT.block_bytes(BLOCK), "disk_bytes": 1 << 20},
     # Room for everything: every committed prompt must still be whole at the end.
     "roomy": {"cpu_bytes": 4096 * LAYOUT.block_bytes(BLOCK), "disk_bytes": 64 << 20},
+    # A 32-block pool in front of the evicting stack: pool -> CPU -> disk demotion, both policies.
+    "pool-on-evict": {"pool_blocks": 32, "pool_device": "cpu", "pool_demotion": "on_evict",
+                      "cpu_bytes": 48 * LAYOUT.block_bytes(BLOCK), "disk_bytes": 1 << 20},
+    "pool-write-through": {"pool_blocks": 32, "pool_device": "cpu", "pool_demotion": "write_through",
+                           "cpu_bytes": 48 * LAYOUT.block_bytes(BLOCK), "disk_bytes": 1 << 20},
 }
 
 
@@ -150,3 +158,145 @@ def test_processes_share_one_disk_directory(tmp_path: Path, figures: Figures) ->
     figures.set("committed_prompts_whole", len(committed))
     figures.set("max_read_latency_ms", round(max(r["max_read_ms"] for r in reports), 1))
     figures.set("mismatches", 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("demotion", ["on_evict", "write_through"])
+def test_manager_requests_beside_store_calls(tmp_path: Path, demotion: str, figures: Figures) -> None:
+    """Threads serving requests through one `KVCacheManager` (reusing cached prefixes, loading
+    CPU/disk hits into the pool, computing, committing, decoding, freeing) while other threads
+    store, retrieve and look up the same prefixes on the same store. A small pool evicts all
+    the time. No request may ever see a reused block holding the wrong KV, nor have a block it
+    holds changed under it; `store()`/`retrieve()` stay bit-exact; integrity clean after."""
+    store = open_store(str(tmp_path), pool_blocks=64, pool_device="cpu", pool_demotion=demotion,
+                       cpu_bytes=48 * LAYOUT.block_bytes(BLOCK), disk_bytes=1 << 20)
+    mgr = KVCacheManager(store)
+    pool = PromptPool(BUDGET.seed, 192, num_roots=6)
+    num_threads = BUDGET.num_threads
+    errors: list[BaseException] = []
+    counts = {"requests": 0, "no_room": 0, "reused_tokens": 0, "pool_blocks_checked": 0,
+              "store": 0, "retrieve": 0, "lookup": 0, "blocks_verified": 0}
+    counts_lock = threading.Lock()
+    start = threading.Barrier(num_threads)
+
+    def run(thread_index: int) -> None:
+        rng = np.random.default_rng([BUDGET.seed, 42, thread_index])
+        mine = dict.fromkeys(counts, 0)
+        try:
+            start.wait()
+            for k in range(BUDGET.ops_per_thread // 2):
+                tokens = pool.prompt(int(rng.integers(pool.num_prompts)))
+                if thread_index % 2 == 0:  # a runner thread
+                    if len(tokens) == 0:
+                        continue
+                    got = serve(mgr, f"t{thread_index}-{k}", tokens, LAYOUT, BLOCK,
+                                num_decode=int(rng.integers(0, 3)), between=lambda: time.sleep(0))
+                    if got is None:
+                        mine["no_room"] += 1
+                    else:
+                        mine["requests"] += 1
+                        mine["reused_tokens"] += got[0]
+                        mine["pool_blocks_checked"] += got[1]
+                    continue
+                op = rng.random()
+                if op < 0.4:
+                    store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+                    mine["store"] += 1
+                elif op < 0.85:
+                    res = store.retrieve(tokens)
+                    mine["blocks_verified"] += check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+                    mine["retrieve"] += 1
+                else:
+                    n = store.lookup(tokens)
+                    assert n % BLOCK == 0 and n <= len(tokens)
+                    mine["lookup"] += 1
+        except BaseException as exc:
+            errors.append(exc)
+        with counts_lock:
+            for key, value in mine.items():
+                counts[key] += value
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: more interleavings per operation
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(num_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck (deadlock?)"
+    try:
+        if errors:
+            raise errors[0]
+        assert not mgr._requests, "a request outlived its free()"
+        store.check_integrity()
+        assert store.pool is not None and len(store.pool.free_queue) == store.pool.num_blocks
+        assert disk_tier(store).scrub().num_corrupt == 0
+        assert counts["requests"] > 0 and counts["reused_tokens"] > 0
+        for key, value in counts.items():
+            figures.set(key, value)
+        figures.set("threads", num_threads)
+        figures.set("mismatches", 0)
+    finally:
+        store.close()
+
+
+def test_duplicate_request_ids_race(figures: Figures) -> None:
+    """Regression: threads adding the same request id at once could all succeed (check, hash,
+    then insert, unlocked); the later add replaced the earlier request, whose blocks were then
+    never freed. Exactly one add per id may win, and the pool must be whole afterwards."""
+    from kvstore import InvalidInputError
+
+    from .kvgen import SMALL_BLOCK, SMALL_LAYOUT
+
+    store = open_store(None, layout=SMALL_LAYOUT, block_size=SMALL_BLOCK, pool_blocks=64,
+                       pool_device="cpu", cpu_bytes=0)
+    mgr = KVCacheManager(store)
+    tokens = np.arange(64 * SMALL_BLOCK + 1, dtype=np.uint32)
+    num_rounds = BUDGET.count(100)
+    barrier = threading.Barrier(4)
+    wins: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for r in range(num_rounds):
+                barrier.wait()
+                try:
+                    mgr.add_request(f"x{r}", tokens)
+                    won = True
+                except InvalidInputError:
+                    won = False
+                if won:
+                    wins.append(r)
+                    mgr.allocate_slots(f"x{r}", 2 * SMALL_BLOCK)
+                barrier.wait()  # everyone has tried; the winner frees
+                if won:
+                    mgr.free(f"x{r}")
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old_interval)
+    try:
+        assert not any(t.is_alive() for t in threads), "a thread is stuck"
+        if errors and not isinstance(errors[0], threading.BrokenBarrierError):
+            raise errors[0]
+        assert sorted(wins) == list(range(num_rounds)), "an id was added twice, or never"
+        assert store.pool is not None and len(store.pool.free_queue) == store.pool.num_blocks
+        store.check_integrity()
+        figures.set("rounds", num_rounds)
+        figures.set("double_adds", 0)
+    finally:
+        store.close()

@@ -35,6 +35,24 @@ MODES: dict[str, dict[str, Any]] = {
             "disk_bytes": 1 << 20, "disk_sync": False,
         },
     },
+    # A 16-block pool (evict-time demotion) over 24 CPU slots over a 1 MiB disk: blocks reach
+    # disk only by pool -> CPU -> disk demotion, so the newest ones die with the process.
+    "pool-demotion-evicting": {
+        "durable": False, "newest_whole": False, "num_prompts": 2048,
+        "store_kwargs": {
+            "pool_blocks": 16, "pool_device": "cpu", "pool_demotion": "on_evict",
+            "cpu_bytes": 24 * LAYOUT.block_bytes(BLOCK), "disk_bytes": 1 << 20, "disk_sync": False,
+        },
+    },
+    # Pool demoting at cache time into a CPU tier, the store writing through to a roomy disk
+    # tier: every committed prompt must survive whole.
+    "pool-write-through": {
+        "durable": True, "num_prompts": 384,
+        "store_kwargs": {
+            "pool_blocks": 16, "pool_device": "cpu", "pool_demotion": "write_through",
+            "cpu_bytes": 24 * LAYOUT.block_bytes(BLOCK), "write_through": True, "disk_sync": False,
+        },
+    },
 }
 
 
@@ -70,6 +88,7 @@ def test_sigkill_while_storing_then_reopen(tmp_path: Path, mode: str, figures: F
         disk_path=str(tmp_path / "disk"), journal_path=str(tmp_path / "journal"),
         report_path=str(tmp_path / "report.json"), seed=BUDGET.seed,
         num_prompts=cfg["num_prompts"], durable=cfg["durable"], store_kwargs=cfg["store_kwargs"],
+        newest_whole=cfg.get("newest_whole", True),
     )
     num_kills = num_early = 0
     totals: dict[str, float] = {}
@@ -92,8 +111,9 @@ def test_sigkill_while_storing_then_reopen(tmp_path: Path, mode: str, figures: F
 
     assert num_kills == BUDGET.num_kills
     assert begun > 0, "the workers never stored anything"
-    assert totals["blocks_verified"] > 0
-    assert report["committed_whole"] > 0
+    assert totals["blocks_verified"] > 0  # after a reopen only the disk tier holds blocks
+    if cfg["durable"] or cfg.get("newest_whole", True):
+        assert report["committed_whole"] > 0
     figures.set("kills_survived", num_kills)
     figures.set("kills_while_reopening", num_early)
     figures.set("stores_begun", begun)

@@ -88,3 +88,56 @@ def test_namespaces_never_share_entries(tmp_path: Path, figures: Figures) -> Non
     finally:
         a.close()
         b.close()
+
+
+def test_salts_never_share_pool_blocks_through_the_manager(tmp_path: Path, figures: Figures) -> None:
+    """Tenants with the same tokens and different `cache_salt`s, served through one
+    `KVCacheManager`: none is ever offered another's pool (or lower-tier) blocks, each reuses
+    its own, and a salted `store()` is found by the same salt's requests only."""
+    from kvstore.manager import KVCacheManager
+
+    from .runnerkv import serve
+
+    store = open_store(str(tmp_path), layout=L, block_size=B, pool_blocks=32, pool_device="cpu",
+                       cpu_bytes=16 * L.block_bytes(B), disk_bytes=8 << 20)
+    mgr = KVCacheManager(store)
+    num = {"examples": 0, "cross_misses": 0, "own_reuses": 0}
+    try:
+        @SETTINGS
+        @given(tokens=TOKENS, salts=st.lists(SALTS, min_size=2, max_size=3, unique_by=repr))
+        def check(tokens: np.ndarray, salts: list[str | bytes]) -> None:
+            store.clear()
+            prompt = np.append(tokens, np.uint32(1))  # whole blocks cached, one token to compute
+            tenants = [ExtraKeys(cache_salt=s) for s in salts] + [None]
+            tags = [repr(("salt", s)) for s in salts] + ["unsalted"]
+            # Tenant 0 caches its KV twice over: through the manager and through store().
+            serve(mgr, "first", prompt, L, B, tag=tags[0], extra_keys=tenants[0])
+            store.store(tokens, make_kv(tokens, L, B, tags[0]), extra_keys=tenants[0])
+            theirs = {b.block_id for b in store.pool.cached.values()}  # type: ignore[union-attr]
+            for i, (tenant, tag) in enumerate(zip(tenants, tags, strict=True)):
+                mgr.add_request("probe", prompt, tenant)
+                computed = mgr.get_computed_blocks("probe")
+                mgr.free("probe")
+                if i == 0:
+                    assert computed.num_tokens == len(tokens) // B * B
+                    continue
+                assert computed.num_tokens == 0 and not computed.pool_blocks, "saw another tenant's blocks"
+                num["cross_misses"] += 1
+                got = serve(mgr, f"t{i}", prompt, L, B, tag=tag, extra_keys=tenant)  # checks bytes
+                assert got is not None and got[0] == 0
+                mgr.add_request("own", prompt, tenant)
+                alloc = mgr.allocate_slots("own", 1, mgr.get_computed_blocks("own"))
+                assert not set(mgr.block_table("own")[: alloc.num_computed_tokens // B]) & theirs
+                mgr.free("own")
+                got = serve(mgr, f"t{i}-again", prompt, L, B, tag=tag, extra_keys=tenant)
+                assert got is not None and got[0] == len(tokens) // B * B
+                num["own_reuses"] += 1
+            store.check_integrity()
+            num["examples"] += 1
+
+        check()
+        assert num["cross_misses"] > 0 and num["own_reuses"] > 0
+        for key, value in num.items():
+            figures.set(key, value)
+    finally:
+        store.close()

@@ -161,3 +161,71 @@ def test_pinned_memory_released_on_close(tmp_path: Path, figures: Figures) -> No
             torch.cuda.memory.empty_host_cache()
         assert stats()["allocated_bytes.all.current"] <= base
     figures.set("pinned_released", 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("demotion", ["on_evict", "write_through"])
+def test_pool_and_manager_memory_flat_and_released_on_close(tmp_path: Path, demotion: str,
+                                                             figures: Figures) -> None:
+    """Manager requests (add, allocate, commit, decode, free) interleaved with store/retrieve on
+    a pool-fronted store: anonymous RSS flat once every tier is full, no request state left
+    behind, and `close()` releases the pool's 40 MiB KV tensor (its mapping gone)."""
+    from kvstore.manager import KVCacheManager
+
+    from .runnerkv import serve
+
+    pool_bytes = 1280 * MID.block_bytes(BLOCK)
+    store = open_store(str(tmp_path), layout=MID, pool_blocks=1280, pool_device="cpu",
+                       pool_demotion=demotion, cpu_bytes=256 * MID.block_bytes(BLOCK), disk_bytes=16 << 20)
+    mgr = KVCacheManager(store)
+    prompts = PromptPool(BUDGET.seed, 4096, num_roots=32)
+    rng = np.random.default_rng([BUDGET.seed, 63, len(demotion)])
+    num_requests = 0
+
+    def loop(n: int) -> int:
+        nonlocal num_requests
+        blocks = 0
+        for k in range(n):
+            tokens = prompts.prompt(int(rng.integers(prompts.num_prompts)))
+            if k % 2 == 0 and len(tokens):
+                got = serve(mgr, f"r{num_requests}", tokens, MID, BLOCK, num_decode=int(rng.integers(3)))
+                assert got is not None
+                blocks += got[1]
+                num_requests += 1
+            else:
+                blocks += _loop(store, prompts, rng, 1, MID)
+        return blocks
+
+    try:
+        pool = store.pool
+        assert pool is not None
+        kv_cache = weakref.ref(pool.kv_cache)
+        pool_map = _mapping_of(pool.kv_cache.data_ptr())
+        assert pool_map is not None and pool_map[1] - pool_map[0] >= pool_bytes
+        cpu = store.tiers[1]
+        for _ in range(40):  # warm up until the pool evicts and every CPU slot has been written
+            if pool.stats().num_evictions and len(cpu) == cpu.capacity_blocks:
+                break
+            loop(200)
+        assert pool.stats().num_evictions and len(cpu) == cpu.capacity_blocks
+        loop(100)
+        gc.collect()
+        before = _rss_anon_bytes()
+        blocks = loop(BUDGET.leak_iterations // 3)
+        gc.collect()
+        after = _rss_anon_bytes()
+        growth = after - before
+        assert growth < 16 << 20, f"anonymous RSS grew {growth >> 20} MiB over the loop"
+        assert not mgr._requests and len(pool.free_queue) == pool.num_blocks
+        store.check_integrity()
+    finally:
+        store.close()
+    del pool
+    gc.collect()
+    assert kv_cache() is None, "close() left the pool's KV tensor alive"
+    assert _mapping_of(pool_map[0]) != pool_map, "close() left the pool's KV tensor mapped"
+    figures.set("iterations", BUDGET.leak_iterations // 3)
+    figures.set("manager_requests", num_requests)
+    figures.set("blocks_verified", blocks)
+    figures.set("rss_anon_growth_kib", growth >> 10)
+    figures.set("rss_anon_released_on_close_kib", (after - _rss_anon_bytes()) >> 10)
