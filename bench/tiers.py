@@ -127,12 +127,19 @@ def bench_size(label: str, mib: int, workdir: Path, repeat: int) -> dict[str, fl
             store.clear()
         tokens = fresh_tokens()
         store.store(tokens, kv)
-        data_file = disk / "data.mdb"
-        t_cold = timeit(lambda: store.retrieve(tokens, out=dst), repeat=repeat,
-                        setup=lambda: drop_file_cache(data_file))
         t_warm = timeit(lambda: store.retrieve(tokens, out=dst), repeat=repeat)
         res = store.retrieve(tokens)
         assert res.num_tokens == num_tokens and torch.equal(res.kv.view(torch.int16), kv.view(torch.int16))
+    # Cold: the page cache cannot drop pages a process has mapped, so each read reopens the
+    # store after dropping the file's pages (the reopen itself is not timed).
+    colds = []
+    for _ in range(repeat):
+        drop_file_cache(disk / "data.mdb")
+        with KVCacheStore(cfg) as store:
+            t0 = time.perf_counter()
+            store.retrieve(tokens, out=dst)
+            colds.append(time.perf_counter() - t0)
+    t_cold = sorted(colds)[len(colds) // 2]
     shutil.rmtree(disk)
     out["disk_store_gbps"] = _gbps(nbytes, sorted(stores)[len(stores) // 2])
     out["disk_retrieve_cold_gbps"], out["disk_retrieve_warm_gbps"] = _gbps(nbytes, t_cold), _gbps(nbytes, t_warm)

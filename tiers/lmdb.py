@@ -68,7 +68,7 @@ def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Enviro
         try:
             env = lmdb.open(
                 real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
-                sync=sync, metasync=sync, readahead=False, meminit=False, lock=True,
+                sync=sync, metasync=sync, readahead=True, meminit=False, lock=True,
             )
         except lmdb.Error as exc:
             raise ConfigError(f"disk_path {path!r} holds no usable LMDB store: {exc}") from None
