@@ -76,3 +76,15 @@ def drop_file_cache(path: str | Path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def save_plot(fig: object, ax: object, path: Path, title: str) -> None:
+    """Title, grid and legend on `ax`, then write `fig` to `path` as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title, fontsize=10)  # type: ignore[attr-defined]
+    ax.grid(True, alpha=0.3)  # type: ignore[attr-defined]
+    ax.legend(fontsize=8)  # type: ignore[attr-defined]
+    fig.tight_layout()  # type: ignore[attr-defined]
+    fig.savefig(path, dpi=120)  # type: ignore[attr-defined]
+    plt.close(fig)  # type: ignore[arg-type]

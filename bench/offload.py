@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import RESULTS_DIR, drop_file_cache, print_table, write_results
+from bench.common import RESULTS_DIR, drop_file_cache, print_table, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
 from engine_adapter.model import LlamaModel
 from engine_adapter.runner import KVStrataLLM
@@ -138,12 +138,7 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("context tokens")
     ax.set_ylabel("time to first token (ms)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path, title)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.common import RESULTS_DIR, print_table, write_results
+from bench.common import RESULTS_DIR, print_table, save_plot, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
 
@@ -119,12 +119,7 @@ def plot(path: Path, rows: list[dict[str, float]], title: str) -> None:
     ax.set_xscale("log")
     ax.set_xlabel("pool capacity (512-token blocks)")
     ax.set_ylabel("block hit ratio")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path, title)
 
 
 def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_kib: int,
