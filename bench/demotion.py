@@ -78,11 +78,20 @@ def run(num_requests: int = 200, block_size: int = 16, layers: int = 8) -> dict[
                for p in ("on_evict", "write_through")}
     # Baseline: plain copy_ of distinct blocks from a pool-sized tensor into a slab-sized one
     # (cold memory, like real demotions), per block.
-    src = torch.ones((pool_blocks, *layout.block_shape(block_size)), dtype=layout.dtype)
-    dst = torch.zeros((cpu_blocks, *layout.block_shape(block_size)), dtype=layout.dtype)
+    # On CUDA: the pool on the GPU, the slab pinned (what the CPU tier allocates).
+    cuda = torch.cuda.is_available()
+    src = torch.ones((pool_blocks, *layout.block_shape(block_size)), dtype=layout.dtype,
+                     device="cuda" if cuda else "cpu")
+    dst = torch.zeros((cpu_blocks, *layout.block_shape(block_size)), dtype=layout.dtype, pin_memory=cuda)
     n = min(cpu_blocks, 1024)
-    per_block = timeit(lambda: [dst[(7 * i) % cpu_blocks].copy_(src[i % pool_blocks]) for i in range(n)],
-                       repeat=3) / n
+
+    def copies() -> None:
+        for i in range(n):
+            dst[(7 * i) % cpu_blocks].copy_(src[i % pool_blocks])
+        if cuda:
+            torch.cuda.synchronize()
+
+    per_block = timeit(copies, repeat=3) / n
 
     rows = []
     for p, r in results.items():

@@ -23,7 +23,8 @@ from engine_adapter.weights import init_random_weights
 BLOCK_SIZE = 16
 
 
-def llama3_8b_shape(num_layers: int, dtype: torch.dtype | str = torch.float32) -> LlamaConfig:
+def llama3_8b_shape(num_layers: int, dtype: torch.dtype | str = torch.float32,
+                    max_position: int = 131072) -> LlamaConfig:
     """Llama-3-8B's layer shape with `num_layers` layers and a 1024-token vocabulary."""
     return LlamaConfig(
         vocab_size=1024,
@@ -36,7 +37,7 @@ def llama3_8b_shape(num_layers: int, dtype: torch.dtype | str = torch.float32) -
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
         rope_scaling=Llama3RopeScaling(),
-        max_position=131072,
+        max_position=max_position,
         dtype=dtype,
     )
 

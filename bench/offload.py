@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, save_plot, write_results
@@ -51,9 +52,9 @@ def _place(store: KVCacheStore, where: str) -> None:
 
 
 def run(lengths: list[int], layers: int, docs: int, questions: int, question_tokens: int, dtype: str,
-        workdir: str | None = None) -> dict[str, object]:
-    config = llama3_8b_shape(layers, dtype)
-    model = init_random_weights(LlamaModel(config), seed=0)
+        workdir: str | None = None, device: str = "cpu") -> dict[str, object]:
+    config = llama3_8b_shape(layers, dtype, max_position=max(131072, max(lengths) + question_tokens + 1))
+    model = init_random_weights(LlamaModel(config, device=device), seed=0, on_device=device != "cpu")
     layout = config.kv_layout
     rng = np.random.default_rng(0)
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-offload-", dir=workdir))
@@ -63,7 +64,7 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
             doc_blocks = -(-(n + question_tokens + 1) // BLOCK_SIZE)
             cfg = StoreConfig(
                 layout, block_size=BLOCK_SIZE, namespace="offload", pool_blocks=int(doc_blocks * 1.5),
-                pool_device="cpu", cpu_bytes=int(doc_blocks * 1.5) * layout.block_bytes(BLOCK_SIZE),
+                pool_device=device, cpu_bytes=int(doc_blocks * 1.5) * layout.block_bytes(BLOCK_SIZE),
                 disk_path=str(tmp / f"n{n}"), disk_bytes=(docs + 2) * doc_blocks * (layout.block_bytes(BLOCK_SIZE)
                                                                                   + 8192),
                 disk_sync=False,
@@ -71,8 +72,9 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
             ttft: dict[str, list[float]] = {p: [] for p in PLACEMENTS}
             served: dict[str, dict[str, int]] = {}
             same_answer = True
-            # The recompute baseline gets a pool of its own: it must not evict the store's blocks.
-            base_cfg = StoreConfig(layout, block_size=BLOCK_SIZE, pool_blocks=cfg.pool_blocks, pool_device="cpu",
+            # The recompute baseline gets a pool of its own (one question's worth of blocks): it
+            # must not evict the store's blocks.
+            base_cfg = StoreConfig(layout, block_size=BLOCK_SIZE, pool_blocks=doc_blocks + 1, pool_device=device,
                                    cpu_bytes=0)
             with KVCacheStore(cfg) as store, KVCacheStore(base_cfg) as base_store:
                 llm = KVStrataLLM(model, store)
@@ -112,14 +114,15 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
         rows.append([n, f"{r['kv_mib']:.0f}", *(f"{t[p] * 1e3:.0f}" for p in PLACEMENTS),
                      *(f"{s[p]:.1f}x" for p in PLACEMENTS[1:])])
     print_table(
-        f"Long-document QA, Llama-3-8B layer shape x {layers} layer(s), {dtype}, {docs} docs x {questions} "
+        f"Long-document QA, Llama-3-8B layer shape x {layers} layer(s), {dtype} on {device}, {docs} docs x "
+        f"{questions} "
         "questions: TTFT (ms, median) and speedup over recompute",
         ["tokens", "KV MiB", *(f"{p} ms" for p in PLACEMENTS), *(f"{p} x" for p in PLACEMENTS[1:])], rows)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     png = RESULTS_DIR / "offload_ttft.png"
-    plot(png, results, f"TTFT vs context, Llama-3-8B shape x {layers} layer(s), {dtype}")
+    plot(png, results, f"TTFT vs context, Llama-3-8B shape x {layers} layer(s), {dtype}, {device}")
     print(f"plot written to {png}")
-    return {"layers": layers, "dtype": dtype, "docs": docs, "questions": questions,
+    return {"layers": layers, "dtype": dtype, "device": device, "docs": docs, "questions": questions,
             "question_tokens": question_tokens, "kv_bytes_per_token": layout.token_bytes,
             "results": {str(k): v for k, v in results.items()}, "plot": str(png)}
 
@@ -143,19 +146,22 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="kvstrata offload", description=__doc__)
-    p.add_argument("--lengths", default="1024,2048,4096", help="comma list of context lengths (up to 32768)")
+    p.add_argument("--lengths", default="1024,2048,4096",
+                   help="comma list of context lengths (up to 32768 on CPU, 131072 on CUDA)")
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--docs", type=int, default=2)
     p.add_argument("--questions", type=int, default=3)
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--workdir", default=None, help="where the disk tier lives (default: system tmp)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device of the model and the block pool (default: cuda when present)")
     args = p.parse_args(argv)
     if args.questions < 2:
         raise SystemExit("--questions must be >= 2")
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     write_results("offload", run(lengths, args.layers, args.docs, args.questions, args.question_tokens,
-                                 args.dtype, args.workdir))
+                                 args.dtype, args.workdir, args.device))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 BLOCK = 4
+# Device of the block pool in tests that have one (and of the runner's model): "cpu" by
+# default; `KVSTRATA_TEST_POOL_DEVICE=cuda` runs them with the pool on the GPU (pinned CPU
+# slab, side-stream demotion).
+POOL_DEVICE = os.environ.get("KVSTRATA_TEST_POOL_DEVICE", "cpu")
 
 
 def make_kv(num_tokens: int, seed: int = 0, layout: KVLayout = LAYOUT) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.manager import KVCacheManager
-from tests.conftest import make_kv
+from tests.conftest import POOL_DEVICE, make_kv
 from tiers.base import TierKind
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 from tiers.gpu_pool import NoFreeBlocksError
@@ -48,7 +48,7 @@ def test_free_queue_is_an_intrusive_doubly_linked_list() -> None:
 
 # -- the reference design's worked example ----------------------------------------------------
 def _example_store(tmp_path: Path, with_cpu: bool) -> KVCacheStore:
-    return KVCacheStore(StoreConfig(LAYOUT, block_size=4, pool_blocks=10, pool_device="cpu",
+    return KVCacheStore(StoreConfig(LAYOUT, block_size=4, pool_blocks=10, pool_device=POOL_DEVICE,
                                     cpu_bytes=16 * LAYOUT.block_bytes(4) if with_cpu else 0))
 
 
@@ -189,7 +189,8 @@ def test_random_operations_match_reference_model(seed: int) -> None:
     the KV of exactly that request's prefix."""
     rng = random.Random(seed)
     num_blocks, bs = 24, 4
-    store = KVCacheStore(StoreConfig(LAYOUT, block_size=bs, pool_blocks=num_blocks, pool_device="cpu", cpu_bytes=0))
+    store = KVCacheStore(StoreConfig(LAYOUT, block_size=bs, pool_blocks=num_blocks, pool_device=POOL_DEVICE,
+                                     cpu_bytes=0))
     pool = store.pool
     assert pool is not None
     mgr = KVCacheManager(store)
@@ -266,7 +267,7 @@ def test_random_operations_match_reference_model(seed: int) -> None:
 @pytest.mark.parametrize("policy", ["on_evict", "write_through"])
 def test_round_trip_pool_cpu_disk_pool(tmp_path: Path, policy: str) -> None:
     layout = KVLayout(2, 2, 8, torch.float16)
-    cfg = StoreConfig(layout, block_size=4, pool_blocks=4, pool_device="cpu", pool_demotion=policy,
+    cfg = StoreConfig(layout, block_size=4, pool_blocks=4, pool_device=POOL_DEVICE, pool_demotion=policy,
                       cpu_bytes=4 * layout.block_bytes(4), disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
                       disk_sync=False)
     docs = [[d * 1000 + i for i in range(4 * 4)] for d in range(4)]
@@ -296,7 +297,7 @@ def test_round_trip_pool_cpu_disk_pool(tmp_path: Path, policy: str) -> None:
 
 def test_manager_loads_lower_tier_hits_into_pool_blocks(tmp_path: Path) -> None:
     layout = KVLayout(2, 2, 8, torch.float16)
-    cfg = StoreConfig(layout, block_size=4, pool_blocks=6, pool_device="cpu", cpu_bytes=2 * layout.block_bytes(4),
+    cfg = StoreConfig(layout, block_size=4, pool_blocks=6, pool_device=POOL_DEVICE, cpu_bytes=2 * layout.block_bytes(4),
                       disk_path=str(tmp_path / "d"), disk_bytes=16 << 20, disk_sync=False)
     tokens = list(range(20))
     kv = make_kv(20, layout=layout)
@@ -322,7 +323,7 @@ def test_manager_loads_lower_tier_hits_into_pool_blocks(tmp_path: Path) -> None:
 
 
 def test_store_put_with_every_pool_block_referenced_goes_straight_down(tmp_path: Path) -> None:
-    cfg = StoreConfig(LAYOUT, block_size=4, pool_blocks=2, pool_device="cpu", cpu_bytes=8 * LAYOUT.block_bytes(4))
+    cfg = StoreConfig(LAYOUT, block_size=4, pool_blocks=2, pool_device=POOL_DEVICE, cpu_bytes=8 * LAYOUT.block_bytes(4))
     with KVCacheStore(cfg) as store:
         mgr = KVCacheManager(store)
         mgr.add_request("busy", list(range(8)))
@@ -348,7 +349,7 @@ def test_pool_metadata_bytes_per_block() -> None:
     num_blocks = 4096
     per_block = {}
     for verify in (True, False):
-        cfg = StoreConfig(LAYOUT, block_size=16, pool_blocks=num_blocks, pool_device="cpu", cpu_bytes=0,
+        cfg = StoreConfig(LAYOUT, block_size=16, pool_blocks=num_blocks, pool_device=POOL_DEVICE, cpu_bytes=0,
                           verify_tokens=verify)
         tokens = list(range(num_blocks * 16))
         kv = torch.zeros(LAYOUT.block_shape(len(tokens)))
@@ -372,7 +373,7 @@ def test_allocation_does_not_push_out_the_cpu_blocks_it_is_about_to_load(tmp_pat
     """Regression: allocating pool blocks demotes pool victims into a full CPU tier; that
     must not evict the CPU blocks the same request planned to load (they are pinned), and
     a block that did move down is found again by re-planning after allocation."""
-    cfg = StoreConfig(LAYOUT, block_size=4, pool_blocks=8, pool_device="cpu", cpu_bytes=6 * LAYOUT.block_bytes(4),
+    cfg = StoreConfig(LAYOUT, block_size=4, pool_blocks=8, pool_device=POOL_DEVICE, cpu_bytes=6 * LAYOUT.block_bytes(4),
                       disk_path=str(tmp_path / "d"), disk_bytes=16 << 20, disk_sync=False)
     doc = list(range(100, 124))  # 6 blocks
     other = list(range(500, 532))  # 8 blocks

@@ -12,6 +12,7 @@ from engine_adapter.paged_attention import (
     allocate_kv_cache,
     attend,
     attend_chunked,
+    attend_fused,
     attend_sdpa,
     check_kv_cache,
     gather_kv,
@@ -46,6 +47,7 @@ def test_attend_matches_dense(num_heads: int, num_kv_heads: int, q_len: int, ctx
     expected = dense_attention(q, k, v)
     torch.testing.assert_close(attend(q, k, v, 16**-0.5), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(attend_sdpa(q, k, v, 16**-0.5), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend_fused(q, k, v, 16**-0.5), expected, atol=1e-5, rtol=1e-5)
     for max_score_bytes in (1, 4 * num_heads * ctx_len * 2, 1 << 30):  # 1, 2, all rows a chunk
         out = attend_chunked(q, k, v, 16**-0.5, max_score_bytes)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -184,3 +186,18 @@ def test_paged_attention_on_cuda_matches_cpu() -> None:
     out_gpu = paged_attention(q.cuda(), k.cuda(), v.cuda(), cache_gpu, 0, batch_gpu, head_dim**-0.5)
     torch.testing.assert_close(out_gpu.cpu(), out_cpu, atol=2e-3, rtol=2e-3)  # TF32 matmuls
     torch.testing.assert_close(cache_gpu.cpu(), cache_cpu, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("q_len,ctx_len", [(4096, 4096), (33, 8192), (2048, 6144)])
+def test_fused_attention_on_cuda_long_context(q_len: int, ctx_len: int) -> None:
+    """Long prefills on CUDA use fused kernels (no [q_len, ctx_len] scores); same result as
+    the chunked reference in float32 within bf16-kernel rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(ctx_len)
+    q = torch.randn(q_len, 32, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(ctx_len, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(ctx_len, 8, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = attend(q, k, v, 128**-0.5)
+    ref = attend_chunked(q.float(), k.float(), v.float(), 128**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

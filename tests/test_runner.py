@@ -22,6 +22,7 @@ from engine_adapter.model_config import LlamaConfig
 from engine_adapter.runner import KVStrataLLM
 from engine_adapter.weights import init_random_weights
 from kvstore import ConfigError, InvalidInputError, KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
+from tests.conftest import POOL_DEVICE
 from tiers.base import TierKind
 
 ATOL = 1e-4
@@ -32,12 +33,12 @@ CONFIG = LlamaConfig(vocab_size=512, hidden_size=96, intermediate_size=192, num_
 
 @pytest.fixture(scope="module")
 def model() -> LlamaModel:
-    return init_random_weights(LlamaModel(CONFIG), seed=1)
+    return init_random_weights(LlamaModel(CONFIG, device=POOL_DEVICE), seed=1)
 
 
 def store_config(path: Path, pool_blocks: int = 64, cpu_blocks: int = 64) -> StoreConfig:
     layout = CONFIG.kv_layout
-    return StoreConfig(layout, block_size=BLOCK, namespace="fidelity", pool_blocks=pool_blocks, pool_device="cpu",
+    return StoreConfig(layout, block_size=BLOCK, namespace="fidelity", pool_blocks=pool_blocks, pool_device=POOL_DEVICE,
                        cpu_bytes=cpu_blocks * layout.block_bytes(BLOCK), disk_path=str(path / "disk"),
                        disk_bytes=64 << 20, disk_sync=False)
 
@@ -122,6 +123,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     from pathlib import Path
     import torch
+    from tests.conftest import POOL_DEVICE
     from tests.test_runner import CONFIG, store_config
     from engine_adapter.model import LlamaModel
     from engine_adapter.runner import KVStrataLLM
@@ -129,7 +131,7 @@ _CHILD = textwrap.dedent(
     from kvstore import KVCacheStore
 
     path, prompt = Path(sys.argv[1]), json.loads(sys.argv[2])
-    model = init_random_weights(LlamaModel(CONFIG), seed=1)
+    model = init_random_weights(LlamaModel(CONFIG, device=POOL_DEVICE), seed=1)
     with KVCacheStore(store_config(path)) as store:
         res = KVStrataLLM(model, store).generate([prompt], 6)[0]
     print(json.dumps({"tokens": res.token_ids, "tiers": res.stats.cached_tokens_per_tier,
@@ -156,7 +158,7 @@ def test_runner_rejects_bad_setups_and_inputs(model: LlamaModel, tmp_path: Path)
     no_pool = StoreConfig(CONFIG.kv_layout, block_size=BLOCK, cpu_bytes=1 << 20)
     with KVCacheStore(no_pool) as store, pytest.raises(ConfigError, match="block pool"):
         KVStrataLLM(model, store)
-    other = StoreConfig(KVLayout(3, 2, 16, torch.float32), block_size=BLOCK, pool_blocks=8, pool_device="cpu",
+    other = StoreConfig(KVLayout(3, 2, 16, torch.float32), block_size=BLOCK, pool_blocks=8, pool_device=POOL_DEVICE,
                         cpu_bytes=0)
     with KVCacheStore(other) as store, pytest.raises(LayoutMismatchError, match="KV layout"):
         KVStrataLLM(model, store)

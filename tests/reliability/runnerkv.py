@@ -28,7 +28,7 @@ def check_blocks(pool: BlockPool, table: list[int], tokens: np.ndarray, num_bloc
                  layout: KVLayout, block_size: int, tag: str = "") -> None:
     """Assert pool blocks `table[:num_blocks]` hold the KV of `tokens`' first blocks."""
     for i in range(num_blocks):
-        got = pool.block_view(table[i]).contiguous().view(torch.uint8).numpy().tobytes()
+        got = pool.block_view(table[i]).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         if got != block_bytes(tokens[: (i + 1) * block_size], layout, block_size, tag):
             raise AssertionError(f"pool block {table[i]} (block {i} of a {len(tokens)}-token "
                                  f"request) does not hold its prefix's KV")

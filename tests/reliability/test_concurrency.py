@@ -18,6 +18,7 @@ import pytest
 
 from kvstore import KVCacheStore
 from kvstore.manager import KVCacheManager
+from tests.conftest import POOL_DEVICE
 
 from . import procs
 from .budget import BUDGET
@@ -168,7 +169,7 @@ def test_manager_requests_beside_store_calls(tmp_path: Path, demotion: str, figu
     store, retrieve and look up the same prefixes on the same store. A small pool evicts all
     the time. No request may ever see a reused block holding the wrong KV, nor have a block it
     holds changed under it; `store()`/`retrieve()` stay bit-exact; integrity clean after."""
-    store = open_store(str(tmp_path), pool_blocks=64, pool_device="cpu", pool_demotion=demotion,
+    store = open_store(str(tmp_path), pool_blocks=64, pool_device=POOL_DEVICE, pool_demotion=demotion,
                        cpu_bytes=48 * LAYOUT.block_bytes(BLOCK), disk_bytes=1 << 20)
     mgr = KVCacheManager(store)
     pool = PromptPool(BUDGET.seed, 192, num_roots=6)
@@ -252,7 +253,7 @@ def test_duplicate_request_ids_race(figures: Figures) -> None:
     from .kvgen import SMALL_BLOCK, SMALL_LAYOUT
 
     store = open_store(None, layout=SMALL_LAYOUT, block_size=SMALL_BLOCK, pool_blocks=64,
-                       pool_device="cpu", cpu_bytes=0)
+                       pool_device=POOL_DEVICE, cpu_bytes=0)
     mgr = KVCacheManager(store)
     tokens = np.arange(64 * SMALL_BLOCK + 1, dtype=np.uint32)
     num_rounds = BUDGET.count(100)

@@ -16,6 +16,7 @@ import torch
 
 from kvstore import KVCacheStore
 from kvstore.manager import KVCacheManager
+from tests.conftest import POOL_DEVICE
 from tiers.base import BlockKey
 from tiers.cpu import CPUTier
 from tiers.lmdb import LMDBTier
@@ -52,7 +53,7 @@ def _serve_all(store: KVCacheStore, prompts: list[np.ndarray], damaged: dict[int
 def test_damaged_disk_record_shortens_the_prefix(tmp_path: Path, kind: str, figures: Figures) -> None:
     rng = np.random.default_rng([BUDGET.seed, 24, len(kind)])
     prompts = _prompts(rng)
-    with open_store(str(tmp_path), pool_blocks=16, pool_device="cpu") as store:
+    with open_store(str(tmp_path), pool_blocks=16, pool_device=POOL_DEVICE) as store:
         for tokens in prompts:
             store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
         disk = store.tiers[-1]
@@ -75,7 +76,7 @@ def test_damaged_disk_record_shortens_the_prefix(tmp_path: Path, kind: str, figu
         for h, value in values.items():
             assert txn.get(h) is not None
             txn.put(h, value)
-    with open_store(str(tmp_path), pool_blocks=64, pool_device="cpu") as store:
+    with open_store(str(tmp_path), pool_blocks=64, pool_device=POOL_DEVICE) as store:
         num_blocks = _serve_all(store, prompts, damaged)
         disk = store.tiers[-1]
         assert isinstance(disk, LMDBTier)
@@ -92,7 +93,7 @@ def test_damaged_cpu_slot_shortens_the_prefix(tmp_path: Path, figures: Figures) 
     rng = np.random.default_rng([BUDGET.seed, 25])
     prompts = _prompts(rng)
     # An 8-block pool: storing demotes nearly every block into the checksummed CPU tier.
-    store = open_store(None, pool_blocks=8, pool_device="cpu", cpu_checksums=True,
+    store = open_store(None, pool_blocks=8, pool_device=POOL_DEVICE, cpu_checksums=True,
                        cpu_bytes=128 * LAYOUT.block_bytes(BLOCK))
     try:
         for tokens in prompts:
@@ -125,7 +126,7 @@ def test_pool_block_with_other_tokens_is_a_miss(figures: Figures) -> None:
     collision looks like): the manager must not reuse it or anything after it."""
     rng = np.random.default_rng([BUDGET.seed, 26])
     prompts = _prompts(rng)
-    store = open_store(None, pool_blocks=64, pool_device="cpu", cpu_bytes=0)
+    store = open_store(None, pool_blocks=64, pool_device=POOL_DEVICE, cpu_bytes=0)
     try:
         for tokens in prompts:
             store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))

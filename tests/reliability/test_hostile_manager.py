@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from kvstore import ConfigError, ExtraKeys, InvalidInputError, KVCacheStore, StoreConfig
 from kvstore.manager import ComputedBlocks, KVCacheManager
+from tests.conftest import POOL_DEVICE
 from tiers import lmdb as lmdb_tier
 from tiers.gpu_pool import NoFreeBlocksError
 
@@ -69,7 +70,7 @@ def check_refs(mgr: KVCacheManager) -> None:
 
 
 def _store(tmp_path: Path) -> KVCacheStore:
-    return open_store(str(tmp_path), layout=L, block_size=B, pool_blocks=12, pool_device="cpu",
+    return open_store(str(tmp_path), layout=L, block_size=B, pool_blocks=12, pool_device=POOL_DEVICE,
                       cpu_bytes=16 * L.block_bytes(B), disk_bytes=4 << 20)
 
 

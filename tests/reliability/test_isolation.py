@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore import ExtraKeys
+from tests.conftest import POOL_DEVICE
 
 from .conftest import Figures
 from .kvgen import SMALL_BLOCK as B
@@ -98,7 +99,7 @@ def test_salts_never_share_pool_blocks_through_the_manager(tmp_path: Path, figur
 
     from .runnerkv import serve
 
-    store = open_store(str(tmp_path), layout=L, block_size=B, pool_blocks=32, pool_device="cpu",
+    store = open_store(str(tmp_path), layout=L, block_size=B, pool_blocks=32, pool_device=POOL_DEVICE,
                        cpu_bytes=16 * L.block_bytes(B), disk_bytes=8 << 20)
     mgr = KVCacheManager(store)
     num = {"examples": 0, "cross_misses": 0, "own_reuses": 0}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvstore import KVLayout
+from tests.conftest import POOL_DEVICE
 from tiers import lmdb as lmdb_tier
 from tiers.cpu import CPUTier
 
@@ -175,7 +176,7 @@ def test_pool_and_manager_memory_flat_and_released_on_close(tmp_path: Path, demo
     from .runnerkv import serve
 
     pool_bytes = 1280 * MID.block_bytes(BLOCK)
-    store = open_store(str(tmp_path), layout=MID, pool_blocks=1280, pool_device="cpu",
+    store = open_store(str(tmp_path), layout=MID, pool_blocks=1280, pool_device=POOL_DEVICE,
                        pool_demotion=demotion, cpu_bytes=256 * MID.block_bytes(BLOCK), disk_bytes=16 << 20)
     mgr = KVCacheManager(store)
     prompts = PromptPool(BUDGET.seed, 4096, num_roots=32)
