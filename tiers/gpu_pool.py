@@ -67,6 +67,8 @@ class BlockPool(Tier):
             raise ValueError(f"BlockPool needs at least one block, got {num_blocks}")
         num_layers, two, block_size, heads, dim = block_shape
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means the current one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         num_bytes = num_blocks * num_layers * two * block_size * heads * dim * dtype.itemsize
         if num_bytes > _memory_bytes(self.device):  # refuse before zeroing (touching) it all
             raise ValueError(f"{num_blocks} blocks need {num_bytes} bytes, more than {self.device} has")
@@ -168,15 +170,18 @@ class BlockPool(Tier):
         if self.lower is None or not blocks:
             return
         keys = [self._key(b) for b in blocks]
-        views = [self.block_view(b.block_id) for b in blocks]
         try:
             if self._copy_stream is not None:  # D2H on a side stream; wait only for this copy
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._copy_stream):
-                    self.lower.put(keys, views)
+                    # One gather kernel makes every block contiguous (a block view is
+                    # 2 x num_layers strided pieces), so each block then leaves in one DMA.
+                    ids = torch.tensor([b.block_id for b in blocks], device=self.device)
+                    staged = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
+                    self.lower.put(keys, list(staged))
                 self._copy_stream.synchronize()
             else:
-                self.lower.put(keys, views)
+                self.lower.put(keys, [self.block_view(b.block_id) for b in blocks])
             self.num_demoted += len(blocks)
         except DiskFullError:
             self.num_demotion_failures += len(blocks)
