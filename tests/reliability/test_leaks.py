@@ -139,19 +139,24 @@ def test_reopen_many_times_keeps_fds_and_maps_flat(tmp_path: Path, figures: Figu
 
 
 def _host_allocated_bytes(stats: dict[str, int]) -> int:
-    """Pinned bytes allocated now, under the key this torch version uses."""
+    """Pinned bytes allocated now, under the key this torch version uses (0 before any)."""
     for key in ("allocated_bytes.all.current", "allocated_bytes.current"):
         if key in stats:
             return stats[key]
+    if not stats:
+        return 0
     raise AssertionError(f"no allocated-bytes key in torch.cuda.memory.host_memory_stats(): {sorted(stats)}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pinned_memory_released_on_close(tmp_path: Path, figures: Figures) -> None:
+    """The pinned slab goes back to CUDA's host allocator on close (other pinned buffers that
+    torch itself stages copies through may come and go meanwhile, so the check is on the
+    drop at close, not on a level)."""
     stats = getattr(torch.cuda.memory, "host_memory_stats", None)
-    base = _host_allocated_bytes(stats()) if stats else None
-    store = open_store(str(tmp_path), cpu_bytes=1024 * LAYOUT.block_bytes(BLOCK))
+    slab_bytes = 4096 * LAYOUT.block_bytes(BLOCK)
+    store = open_store(str(tmp_path), cpu_bytes=slab_bytes)
     cpu = store.tiers[0]
     assert isinstance(cpu, CPUTier) and cpu.is_pinned_memory
     slab = weakref.ref(cpu._slab)
@@ -165,14 +170,15 @@ def test_pinned_memory_released_on_close(tmp_path: Path, figures: Figures) -> No
             res = store.retrieve(tokens, device="cuda")
             if res.kv is not None:
                 check_kv(tokens, res.kv.cpu(), res.num_tokens, LAYOUT, BLOCK)
+    torch.cuda.synchronize()
+    open_level = _host_allocated_bytes(stats()) if stats else None
     store.close()
     gc.collect()
     torch.cuda.synchronize()
     assert slab() is None, "close() left the pinned slab alive"
-    if stats is not None:
-        if hasattr(torch.cuda.memory, "empty_host_cache"):
-            torch.cuda.memory.empty_host_cache()
-        assert _host_allocated_bytes(stats()) <= base
+    if stats is not None and open_level is not None:
+        assert open_level >= slab_bytes
+        assert _host_allocated_bytes(stats()) <= open_level - slab_bytes, "close() kept the pinned slab allocated"
     figures.set("pinned_released", 1)
 
 
