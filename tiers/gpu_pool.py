@@ -31,6 +31,9 @@ class DemotionPolicy(str, enum.Enum):
     WRITE_THROUGH = "write_through"  # copy when the block is cached; eviction is then free
 
 
+_STAGING_BYTES = 256 << 20  # device memory a demotion stages blocks through at once
+
+
 def _memory_bytes(device: torch.device) -> int:
     """Total memory of `device` (physical memory for the host)."""
     if device.type == "cuda":
@@ -174,11 +177,15 @@ class BlockPool(Tier):
             if self._copy_stream is not None:  # D2H on a side stream; wait only for this copy
                 self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._copy_stream):
-                    # One gather kernel makes every block contiguous (a block view is
-                    # 2 x num_layers strided pieces), so each block then leaves in one DMA.
-                    ids = torch.tensor([b.block_id for b in blocks], device=self.device)
-                    staged = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
-                    self.lower.put(keys, list(staged))
+                    # A gather kernel makes each block contiguous (a block view is
+                    # 2 x num_layers strided pieces), so it then leaves in one DMA; staged
+                    # in chunks of at most _STAGING_BYTES of device memory.
+                    step = max(1, _STAGING_BYTES // self._block_bytes)
+                    for start in range(0, len(blocks), step):
+                        chunk = blocks[start : start + step]
+                        ids = torch.tensor([b.block_id for b in chunk], device=self.device)
+                        staged = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
+                        self.lower.put(keys[start : start + step], list(staged))
                 self._copy_stream.synchronize()
             else:
                 self.lower.put(keys, [self.block_view(b.block_id) for b in blocks])
