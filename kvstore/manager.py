@@ -89,6 +89,7 @@ class KVCacheManager:
     # -- request lifecycle -----------------------------------------------------------------
     def add_request(self, request_id: str, token_ids: object, extra_keys: ExtraKeys | None = None) -> None:
         """Register a request's prompt. Raises `InvalidInputError` for a duplicate id."""
+        self.store.check_open()
         if _check_id(request_id) in self._requests:  # checked again under the lock below
             raise InvalidInputError(f"request {request_id!r} already exists")
         if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
@@ -118,6 +119,7 @@ class KVCacheManager:
         req.hashes.extend(chain_hashes(tail, b, parent, req.extra_keys, cfg.hash_algo, first_block=done))
 
     def _req(self, request_id: str) -> _Request:
+        self.store.check_open()
         try:
             return self._requests[_check_id(request_id)]
         except KeyError:
@@ -223,13 +225,20 @@ class KVCacheManager:
                     tier.unpin(hashes)  # type: ignore[attr-defined]
             return Allocation(req.num_computed_tokens, new_blocks, per_tier)
 
-    @staticmethod
-    def _check_computed(computed: object) -> None:
+    def _check_computed(self, computed: object) -> None:
+        """A `ComputedBlocks` as `get_computed_blocks` makes them: this pool's blocks and a plan
+        of lower-tier indices (checked before any reference is taken)."""
         if computed is None:
             return
+        num_tiers = len(self.store.tiers)
         if not (isinstance(computed, ComputedBlocks) and isinstance(computed.num_tokens, int)
+                and not isinstance(computed.num_tokens, bool)
                 and isinstance(computed.pool_blocks, list) and isinstance(computed.lower_plan, list)
-                and computed.num_tokens >= 0):
+                and computed.num_tokens >= 0
+                and all(isinstance(b, PoolBlock) and 0 <= b.block_id < self.pool.num_blocks
+                        and self.pool.blocks[b.block_id] is b for b in computed.pool_blocks)
+                and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < num_tiers
+                        for t in computed.lower_plan)):
             raise InvalidInputError(f"computed must come from get_computed_blocks, got {computed!r}")
 
     def _num_tokens_match(self, req: _Request, blocks: Sequence[PoolBlock]) -> int:
@@ -261,8 +270,9 @@ class KVCacheManager:
             tier = self.store.tiers[index]
             if hasattr(tier, "pin"):
                 hashes = [req.hashes[first + i] for i, t in enumerate(plan) if t == index]
-                hashes = hashes[: sum(tier.pin([h]) for h in hashes)]
-                pinned.append((tier, hashes))
+                # Exactly the blocks pinned: one gone since the plan (evicted, or deleted as
+                # damaged) is skipped, and the ones after it are still unpinned later.
+                pinned.append((tier, [h for h in hashes if tier.pin([h])]))
         return pinned
 
     def _load_lower(self, req: _Request, first: int, count: int, per_tier: dict[TierKind, int]) -> None:
@@ -308,8 +318,15 @@ class KVCacheManager:
         return n
 
     def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first into the free queue) and forget it."""
+        """Release the request's blocks (tail first into the free queue) and forget it.
+
+        After the store was closed this only forgets the request (its pool is gone).
+        """
         with self.store.lock:
+            if self.store.closed:
+                if self._requests.pop(_check_id(request_id), None) is None:
+                    raise InvalidInputError(f"unknown request {request_id!r}")
+                return
             req = self._requests.pop(_check_id(request_id), None)
             if req is None:
                 raise InvalidInputError(f"unknown request {request_id!r}")

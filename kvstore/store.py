@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +19,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.cpu import CPUTier
 from tiers.gpu_pool import BlockPool, DemotionPolicy
@@ -77,18 +78,36 @@ class KVCacheStore:
         if not isinstance(config, StoreConfig):
             raise ConfigError(f"KVCacheStore needs a StoreConfig, got {type(config).__name__}")
         self.config = config
+        self._seed = namespace_seed(config.identity(), config.hash_algo)
+        self.pool: BlockPool | None = None
+        self._tiers: list[Tier] = []
+        try:
+            self._open_tiers()
+        except BaseException:
+            for tier in reversed(self._tiers):  # a failed open leaks nothing
+                tier.close()
+            raise
+        self._lock = threading.RLock()
+        self._closed = False
+        self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
+        self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
+        self._num_promotion_failures = 0
+
+    def _open_tiers(self) -> None:
+        """Open the configured tiers fastest-first into `_tiers` (each as soon as it opens)."""
+        config = self.config
         shape, dtype = config.block_shape, config.layout.dtype
-        disk = None
+        disk = cpu = None
         if config.disk_path is not None:
             disk = LMDBTier(
                 str(config.disk_path), config.disk_bytes, shape, dtype,
-                verify_tokens=config.verify_tokens, sync=config.disk_sync,
+                verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=self._seed,
             )
-        cpu = None
+            self._tiers.append(disk)
         if config.cpu_bytes:
             cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens,
                           checksum=config.cpu_checksums)
-        self.pool: BlockPool | None = None
+            self._tiers.insert(0, cpu)
         if config.pool_blocks:
             try:
                 self.pool = BlockPool(
@@ -97,20 +116,11 @@ class KVCacheStore:
                     verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion),
                 )
             except (RuntimeError, AssertionError, ValueError) as exc:  # no such device, no memory
-                for tier in (cpu, disk):
-                    if tier is not None:
-                        tier.close()
                 raise ConfigError(
                     f"StoreConfig.pool_blocks={config.pool_blocks} on pool_device={config.pool_device!r} "
                     f"cannot be allocated: {exc}"
                 ) from None
-        self._tiers: list[Tier] = [t for t in (self.pool, cpu, disk) if t is not None]
-        self._seed = namespace_seed(config.identity(), config.hash_algo)
-        self._lock = threading.RLock()
-        self._closed = False
-        self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
-        self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
-        self._num_promotion_failures = 0
+            self._tiers.insert(0, self.pool)
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
@@ -153,49 +163,6 @@ class KVCacheStore:
         buf = arr.tobytes()
         return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
 
-    def _check_kv(self, kv: object, num_tokens: int) -> torch.Tensor:
-        layout = self.config.layout
-        expected = (
-            f"[num_layers={layout.num_layers}, 2, num_tokens={num_tokens}, "
-            f"num_kv_heads={layout.num_kv_heads}, head_dim={layout.head_dim}]"
-        )
-        if not isinstance(kv, torch.Tensor):
-            raise LayoutMismatchError(f"kv must be a torch.Tensor {expected}, got {type(kv).__name__}")
-        if kv.dim() != 5:
-            raise LayoutMismatchError(f"kv has shape {tuple(kv.shape)}; the layout expects {expected}")
-        num_layers, two, n, heads, dim = kv.shape
-        if (num_layers, two, heads, dim) != (layout.num_layers, 2, layout.num_kv_heads, layout.head_dim):
-            raise LayoutMismatchError(f"kv has shape {tuple(kv.shape)}; the layout expects {expected}")
-        if n != num_tokens:
-            raise LayoutMismatchError(f"kv holds {n} tokens but {num_tokens} tokens were given")
-        if kv.dtype != layout.dtype:
-            raise LayoutMismatchError(f"kv dtype is {kv.dtype}; the layout expects {layout.dtype}")
-        if kv.layout != torch.strided or kv.device.type == "meta":
-            raise LayoutMismatchError(
-                f"kv must be a dense tensor with data, got {kv.layout} on {kv.device}"
-            )
-        return kv.detach()  # a tensor that requires grad must not drag tier memory into its graph
-
-    _devices: ClassVar[set[torch.device]] = set()  # devices a tensor was made on
-
-    @classmethod
-    def _check_device(cls, device: object) -> torch.device:
-        """`device` as a torch.device that can hold tensors; InvalidInputError otherwise."""
-        if device is None:
-            return torch.device("cpu")
-        try:
-            dev = torch.device(device)  # type: ignore[call-overload]
-            if dev.type == "meta":
-                raise RuntimeError("meta tensors hold no data")
-            if dev not in cls._devices:
-                torch.empty(0, device=dev)
-                cls._devices.add(dev)
-        except (RuntimeError, TypeError, AssertionError, ValueError) as exc:
-            raise InvalidInputError(
-                f"device {device!r} cannot hold the retrieved KV: {exc}"
-            ) from None
-        return dev
-
     # -- the API ---------------------------------------------------------------------------
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
@@ -204,14 +171,14 @@ class KVCacheStore:
         any device. Invalid input raises an `InvalidInputError` subclass and stores nothing;
         `DiskFullError` means the tiers could not make room (reads keep working).
         """
-        self._check_open()
+        self.check_open()
         arr, hashes = self._hash(tokens, extra_keys)
-        kv = self._check_kv(kv, len(arr))
+        kv = check_kv(self.config, kv, len(arr))
         b = self.config.block_size
         keys = self.block_keys(arr, hashes)
         srcs = [kv[:, :, i * b : (i + 1) * b] for i in range(len(hashes))]
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._num_store_calls += 1
             self._put(keys, srcs)
             return len(self.locate(hashes)) * b
@@ -243,10 +210,12 @@ class KVCacheStore:
         the KV is written there and `kv` is a view of it (no allocation, no page faults);
         `out` beyond the returned prefix is left untouched.
         """
-        self._check_open()
-        device = self._check_device(device)
+        self.check_open()
+        device = check_device(device)
         if out is not None:
-            self._check_kv(out, out.shape[2] if isinstance(out, torch.Tensor) and out.dim() == 5 else -1)
+            check_kv(self.config, out, out.shape[2] if isinstance(out, torch.Tensor) and out.dim() == 5 else -1)
+            check_writable(out, "out")
+            check_disjoint([out], "out's elements")
         arr, hashes = self._hash(tokens, extra_keys)
         if out is not None and out.shape[2] < len(arr) // self.config.block_size * self.config.block_size:
             raise LayoutMismatchError(f"out holds {out.shape[2]} tokens, fewer than the {len(arr)} given")
@@ -254,7 +223,7 @@ class KVCacheStore:
         cfg = self.config
         b = cfg.block_size
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(arr)
             plan = self.locate(hashes)
@@ -312,10 +281,10 @@ class KVCacheStore:
 
         A record found damaged by a later `retrieve` can make that call return less.
         """
-        self._check_open()
+        self.check_open()
         _, hashes = self._hash(tokens, extra_keys)
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._num_lookup_calls += 1
             return len(self.locate(hashes)) * self.config.block_size
 
@@ -344,7 +313,7 @@ class KVCacheStore:
     def stats(self) -> StoreStats:
         """Counters and per-tier snapshots; changes nothing."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             return StoreStats(
                 num_store_calls=self._num_store_calls,
                 num_retrieve_calls=self._num_retrieve_calls,
@@ -357,25 +326,6 @@ class KVCacheStore:
             )
 
     # -- block-level API, for engines that page KV in their own blocks ---------------------
-    def _check_blocks(self, blocks: Sequence[object], tokens_len: int, first_block: int) -> None:
-        cfg = self.config
-        if not isinstance(first_block, int) or isinstance(first_block, bool) or first_block < 0:
-            raise InvalidInputError(f"first_block must be an int >= 0, got {first_block!r}")
-        num_full = tokens_len // cfg.block_size
-        if first_block + len(blocks) > num_full:
-            raise LayoutMismatchError(
-                f"blocks {first_block}..{first_block + len(blocks) - 1} need "
-                f"{(first_block + len(blocks)) * cfg.block_size} tokens, got {tokens_len}"
-            )
-        for block in blocks:
-            if not isinstance(block, torch.Tensor) or tuple(block.shape) != cfg.block_shape:
-                got = tuple(block.shape) if isinstance(block, torch.Tensor) else type(block)
-                raise LayoutMismatchError(f"a block must be a tensor {cfg.block_shape}, got {got}")
-            if block.dtype != cfg.layout.dtype:
-                raise LayoutMismatchError(
-                    f"block dtype is {block.dtype}; the layout expects {cfg.layout.dtype}"
-                )
-
     def store_blocks(
         self,
         tokens: object,
@@ -392,12 +342,12 @@ class KVCacheStore:
         tier (and the disk tier with `write_through`); blocks already held are only touched.
         Invalid input raises an `InvalidInputError` subclass and stores nothing.
         """
-        self._check_open()
+        self.check_open()
         arr, hashes = self._hash(tokens, extra_keys)
-        self._check_blocks(srcs, len(arr), first_block)
+        check_blocks(self.config, srcs, len(arr), first_block)
         keys = self.block_keys(arr, hashes)[first_block : first_block + len(srcs)]
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._num_store_calls += 1
             return self._put(keys, list(srcs))
 
@@ -415,13 +365,13 @@ class KVCacheStore:
         are left untouched. Lower-tier hits are promoted as in `retrieve`. The blocks before
         `first_block` are neither read nor required.
         """
-        self._check_open()
+        self.check_open()
         arr, hashes = self._hash(tokens, extra_keys)
-        self._check_blocks(dsts, len(arr), first_block)
+        check_blocks(self.config, dsts, len(arr), first_block, destination=True)
         keys = self.block_keys(arr, hashes)[first_block : first_block + len(dsts)]
         b = self.config.block_size
         with self._lock:
-            self._check_open()
+            self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(keys) * b
             plan = self.locate([k.block_hash for k in keys])
@@ -433,14 +383,14 @@ class KVCacheStore:
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             for tier in self._tiers:
                 tier.check_integrity()
 
     def clear(self) -> None:
         """Delete every block from every tier (the disk tier too)."""
         with self._lock:
-            self._check_open()
+            self.check_open()
             for tier in self._tiers:
                 tier.clear()
 
@@ -458,6 +408,11 @@ class KVCacheStore:
                 for tier in self._tiers:
                     tier.close()
 
-    def _check_open(self) -> None:
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def check_open(self) -> None:
+        """Raise `StoreClosedError` if the store was closed."""
         if self._closed:
             raise StoreClosedError("KVCacheStore is closed")

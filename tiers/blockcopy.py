@@ -7,8 +7,15 @@ thousand times the copy itself. A block is small enough that one thread's memcpy
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray | None:

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
 import xxhash
 
-from kvstore.errors import StoreClosedError
+from kvstore.errors import ConfigError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
-from tiers.blockcopy import copy_block
+from tiers.blockcopy import copy_block, host_memory_bytes
 
 
 class CPUTier(Tier):
@@ -41,8 +42,14 @@ class CPUTier(Tier):
             raise ValueError(f"CPUTier needs at least one slot, got {num_slots}")
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
-        self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
-        self._slab.view(torch.uint8).zero_()  # fault every page in now, not on the hot path
+        num_bytes = num_slots * math.prod(block_shape) * dtype.itemsize
+        if num_bytes > host_memory_bytes():  # refuse before zero-filling into an OOM kill
+            raise ConfigError(f"CPU tier of {num_bytes} bytes exceeds this machine's RAM ({host_memory_bytes()})")
+        try:
+            self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
+            self._slab.view(torch.uint8).zero_()  # fault every page in now, not on the hot path
+        except (RuntimeError, MemoryError) as exc:
+            raise ConfigError(f"CPU tier of {num_bytes} bytes cannot be allocated: {exc}") from None
         self._num_slots = num_slots
         self._block_bytes = self._slab[0].numel() * self._slab.element_size()
         self._lower = lower

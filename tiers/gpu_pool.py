@@ -12,7 +12,6 @@ join the tail in reverse order, so a sequence's tail is evicted before its prefi
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from kvstore.errors import DiskFullError, KVStoreError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
-from tiers.blockcopy import copy_block
+from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 
 
@@ -38,7 +37,7 @@ def _memory_bytes(device: torch.device) -> int:
     """Total memory of `device` (physical memory for the host)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host_memory_bytes()
 
 
 class NoFreeBlocksError(KVStoreError, RuntimeError):

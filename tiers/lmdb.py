@@ -30,6 +30,7 @@ from kvstore.errors import ConfigError, CorruptRecordError, DiskFullError, Store
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.blockcopy import copy_block
+from tiers.lmdb_env import acquire_env, begin, release_env
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVS1"
@@ -45,47 +46,6 @@ _DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
 def record_bytes_on_disk(value_len: int) -> int:
     """Bytes a record of `value_len` occupies in LMDB: overflow pages plus index entries."""
     return -(-(value_len + 16) // _PAGE) * _PAGE + _ENTRY_OVERHEAD
-
-
-# -- one Environment per file per process (LMDB forbids opening a file twice in a process) --
-_ENVS: dict[str, list] = {}  # realpath -> [env, refcount, pid]
-_ENVS_LOCK = threading.Lock()
-
-
-def _acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environment]:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"disk_path {path!r} cannot be made a directory: {exc}") from None
-    real = os.path.realpath(path)
-    with _ENVS_LOCK:
-        entry = _ENVS.get(real)
-        if entry is not None and entry[2] == os.getpid():
-            entry[1] += 1
-            if entry[0].info()["map_size"] < map_size:
-                entry[0].set_mapsize(map_size)
-            return real, entry[0]
-        try:
-            env = lmdb.open(
-                real, map_size=map_size, max_dbs=len(_DB_NAMES), max_readers=1024,
-                sync=sync, metasync=sync, readahead=True, meminit=False, lock=True,
-            )
-        except lmdb.Error as exc:
-            raise ConfigError(f"disk_path {path!r} holds no usable LMDB store: {exc}") from None
-        env.reader_check()  # slots left by processes killed mid-read pin freed pages
-        _ENVS[real] = [env, 1, os.getpid()]
-        return real, env
-
-
-def _release_env(real: str) -> None:
-    with _ENVS_LOCK:
-        entry = _ENVS.get(real)
-        if entry is None or entry[2] != os.getpid():
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            del _ENVS[real]
-            entry[0].close()
 
 
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -120,10 +80,16 @@ def _disk_full_reason(exc: BaseException, path: str, num_bytes: int) -> str | No
 
 
 class ScrubResult(NamedTuple):
-    """What `LMDBTier.scrub` found: records that validated, and damaged ones it deleted."""
+    """What `LMDBTier.scrub` found: records of this namespace that validated, damaged ones it
+    deleted, and records of other stores sharing the directory (left alone)."""
 
     num_ok: int
     num_corrupt: int
+    num_foreign: int = 0
+
+
+class UnverifiableRecordError(CorruptRecordError):
+    """A sound record without the token ids this reader verifies: a miss, not deleted."""
 
 
 class LMDBTier(Tier):
@@ -140,25 +106,33 @@ class LMDBTier(Tier):
         *,
         verify_tokens: bool = True,
         sync: bool = True,
+        namespace: bytes = b"",
     ) -> None:
         self._shape = list(block_shape)
+        self._namespace = bytes(namespace)
         self._dtype = dtype
         self._dtype_name = dtype_name(dtype)
         self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self._capacity_bytes = capacity_bytes
         self._verify_tokens = verify_tokens
-        self._path, self._env = _acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
-        self._dbs = {name: self._env.open_db(name) for name in _DB_NAMES}
+        self._path, self._env = acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
+        self._pid = os.getpid()
+        try:
+            self._dbs = {name: self._env.open_db(name) for name in _DB_NAMES}
+        except lmdb.Error as exc:  # e.g. a foreign LMDB whose main database has a key "meta"
+            release_env(self._path)
+            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
         self._blocks, self._atime, self._lru, self._meta = (self._dbs[n] for n in _DB_NAMES)
         self._pending: list[BlockHash] = []
         self._lock = threading.Lock()
         self._closed = False
         self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self._num_unverifiable = 0
 
     # -- encoding --------------------------------------------------------------------------
     def _header(self, key: BlockKey, checksum: bytes) -> bytes:
         return msgpack.packb(
-            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "dtype": self._dtype_name,
+            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
              "shape": self._shape, "n": self._block_bytes,
              "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
             use_bin_type=True,
@@ -180,13 +154,16 @@ class LMDBTier(Tier):
         payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
         copy_block(payload.view(self._dtype).view(self._shape), src)
         tokens = key.tokens if self._verify_tokens else b""
-        header = self._header(key, self._checksum(key.block_hash, tokens, memoryview(buf)[off:]))
+        header = self._header(key, self._checksum(key.block_hash, self._namespace + tokens, memoryview(buf)[off:]))
         buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
         buf[_PREFIX.size : off] = header
         return buf
 
-    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
-        """Validate a record and return its payload; raise `CorruptRecordError` if damaged."""
+    @staticmethod
+    def parse(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str, object], memoryview]:
+        """A record's header and payload, checked for self-consistency only (magic, format,
+        key, payload length, checksum over key, namespace tag, tokens and payload); raise
+        `CorruptRecordError` if damaged. Says nothing about whether it is this tier's."""
         mv = memoryview(value)
         if len(mv) < _PREFIX.size:
             raise CorruptRecordError("record shorter than its prefix")
@@ -200,20 +177,47 @@ class LMDBTier(Tier):
         payload = mv[_PREFIX.size + hlen :]
         if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
             raise CorruptRecordError("unknown record format")
-        if hdr.get("key") != bytes(key.block_hash):
+        if hdr.get("key") != bytes(block_hash):
             raise CorruptRecordError("record stored under another key")
-        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape:
-            raise CorruptRecordError("record layout differs from this tier's")
-        if hdr.get("n") != self._block_bytes or len(payload) != self._block_bytes:
+        if hdr.get("n") != len(payload):
             raise CorruptRecordError("payload length mismatch")
-        tokens = hdr.get("tok")
-        if not isinstance(tokens, bytes):
-            raise CorruptRecordError("bad token field")
-        if self._verify_tokens and key.tokens and tokens != key.tokens:
-            raise CorruptRecordError("token ids differ (hash collision or damage)")
-        if self._checksum(key.block_hash, tokens, payload) != hdr.get("xxh"):
+        tokens, ns = hdr.get("tok"), hdr.get("ns", b"")
+        if not isinstance(tokens, bytes) or not isinstance(ns, bytes):
+            raise CorruptRecordError("bad token or namespace field")
+        if LMDBTier._checksum(block_hash, ns + tokens, payload) != hdr.get("xxh"):
             raise CorruptRecordError("checksum mismatch")
+        return hdr, payload
+
+    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
+        """Validate a record as this tier's block `key` and return its payload; raise
+        `CorruptRecordError` if damaged (`UnverifiableRecordError` if it is sound but has no
+        token ids to check against `key.tokens`)."""
+        hdr, payload = self.parse(value, key.block_hash)
+        if hdr.get("ns", self._namespace) != self._namespace:
+            raise CorruptRecordError("record of another namespace under this key")
+        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or len(payload) != self._block_bytes:
+            raise CorruptRecordError("record layout differs from this tier's")
+        tokens = hdr["tok"]
+        if self._verify_tokens and key.tokens and tokens != key.tokens:
+            if not tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
+                raise UnverifiableRecordError("record carries no token ids to verify")
+            raise CorruptRecordError("token ids differ (hash collision or damage)")
         return payload
+
+    @staticmethod
+    def _read_header(value: memoryview) -> dict[str, object] | None:
+        """A record's msgpack header, or None if it cannot be read."""
+        try:
+            _, hlen = _PREFIX.unpack(value[: _PREFIX.size])
+            hdr = msgpack.unpackb(value[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+        except Exception:  # garbage of any kind: nothing can be read
+            return None
+        return hdr if isinstance(hdr, dict) else None
+
+    def _owner(self, value: memoryview) -> bytes | None:
+        """The namespace tag in a record's header; None if unreadable or absent (older records)."""
+        ns = (self._read_header(value) or {}).get("ns")
+        return ns if isinstance(ns, bytes) else None
 
     def _copy_out(self, payload: memoryview, dst: torch.Tensor) -> None:
         src = np.frombuffer(payload, dtype=np.uint8)
@@ -238,13 +242,13 @@ class LMDBTier(Tier):
 
     def __len__(self) -> int:
         self._check_open()
-        with self._env.begin() as txn:
+        with begin(self._env, ) as txn:
             return txn.stat(self._blocks)["entries"]
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
         n, end = start, len(block_hashes)
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
             while n < end and txn.get(block_hashes[n]) is not None:
                 n += 1
         return n - start
@@ -253,13 +257,16 @@ class LMDBTier(Tier):
         self._check_open()
         n = 0
         corrupt: list[BlockHash] = []
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
             for key, dst in zip(keys, dsts):
                 value = txn.get(key.block_hash)
                 if value is None:
                     break
                 try:
                     payload = self.decode(value, key)
+                except UnverifiableRecordError:
+                    self._num_unverifiable += 1
+                    break
                 except CorruptRecordError:
                     corrupt.append(key.block_hash)
                     break
@@ -277,7 +284,7 @@ class LMDBTier(Tier):
         self._check_open()
         if len(keys) != len(srcs):
             raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
             missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
         records: dict[BlockHash, bytearray] = {}
         for i in missing:  # encode outside the write transaction; last duplicate wins
@@ -311,7 +318,7 @@ class LMDBTier(Tier):
         with self._lock:
             pending, self._pending = self._pending, []
         try:
-            with self._env.begin(write=True) as txn:
+            with begin(self._env, write=True) as txn:
                 tick, used = self._read_meta(txn)
                 tick = self._touch_in(txn, pending + touched, tick)
                 fresh = [(h, v) for h, v in records.items() if txn.get(h, db=self._blocks) is None]
@@ -401,7 +408,7 @@ class LMDBTier(Tier):
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
         n = 0
-        with self._env.begin(write=True) as txn:
+        with begin(self._env, write=True) as txn:
             tick, used = self._read_meta(txn)
             for h in block_hashes:
                 value = txn.get(h, db=self._blocks)
@@ -423,7 +430,7 @@ class LMDBTier(Tier):
         A damaged record's length need not be the length it was accounted at (a truncated or
         overwritten value), so subtracting it would leave the accounting off for good.
         """
-        with self._env.begin(write=True, buffers=True) as txn:
+        with begin(self._env, write=True, buffers=True) as txn:
             tick, _ = self._read_meta(txn)
             for h in block_hashes:
                 old = txn.get(h, db=self._atime)
@@ -435,11 +442,18 @@ class LMDBTier(Tier):
             used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
             self._write_meta(txn, tick, used)
 
-    def clear(self) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete this namespace's records (their owner is in each header); with
+        `all_namespaces`, every record in the directory, whoever wrote it."""
         self._check_open()
-        with self._env.begin(write=True) as txn:
-            for db in (self._blocks, self._atime, self._lru, self._meta):
-                txn.drop(db, delete=False)
+        if all_namespaces:
+            with begin(self._env, write=True) as txn:
+                for db in (self._blocks, self._atime, self._lru, self._meta):
+                    txn.drop(db, delete=False)
+        else:
+            with begin(self._env, db=self._blocks, buffers=True) as txn:
+                mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self._owner(v) == self._namespace]
+            self._discard_damaged(mine)
         with self._lock:
             self._pending.clear()
 
@@ -451,15 +465,21 @@ class LMDBTier(Tier):
                 self.flush()
         finally:
             self._closed = True
-            _release_env(self._path)
+            if os.getpid() == self._pid:
+                release_env(self._path)
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"disk tier at {self._path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreClosedError(
+                f"disk tier at {self._path} was opened by process {self._pid} before a fork; LMDB handles do not "
+                "cross fork(): open a new KVCacheStore in this process"
+            )
 
     def check_integrity(self) -> None:
         self._check_open()
-        with self._env.begin(buffers=False) as txn:
+        with begin(self._env, buffers=False) as txn:
             _, used = self._read_meta(txn)
             total = 0
             n_blocks = 0
@@ -479,18 +499,26 @@ class LMDBTier(Tier):
                 raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
 
     def scrub(self) -> ScrubResult:
-        """Validate every record (header, key, layout, checksum); delete the damaged ones.
+        """Validate every record (header, key, checksum; layout for this namespace's); delete
+        the damaged ones. Sound records of other stores sharing the directory are counted and
+        left alone.
 
         Reads in one snapshot, then deletes in one write transaction. Token ids are checked
         against the record's own header only (the caller's tokens are not known here).
         """
         self._check_open()
         damaged: list[BlockHash] = []
-        num_ok = 0
-        with self._env.begin(db=self._blocks, buffers=True) as txn:
+        num_ok = num_foreign = 0
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
             for h, value in txn.cursor():
                 key = BlockKey(BlockHash(bytes(h)))
                 try:
+                    hdr, _ = self.parse(value, key.block_hash)  # damaged for every reader
+                    if hdr.get("ns", self._namespace) != self._namespace or (
+                        "ns" not in hdr and (hdr.get("dtype"), hdr.get("shape")) != (self._dtype_name, self._shape)
+                    ):
+                        num_foreign += 1  # sound, another store's: not ours to judge or delete
+                        continue
                     self.decode(value, key)
                 except CorruptRecordError:
                     damaged.append(key.block_hash)
@@ -499,11 +527,11 @@ class LMDBTier(Tier):
         if damaged:
             self._num_corrupt += len(damaged)
             self._discard_damaged(damaged)
-        return ScrubResult(num_ok, len(damaged))
+        return ScrubResult(num_ok, len(damaged), num_foreign)
 
     def stats(self) -> TierStats:
         self._check_open()
-        with self._env.begin() as txn:
+        with begin(self._env, ) as txn:
             _, used = self._read_meta(txn)
             num = txn.stat(self._blocks)["entries"]
         return TierStats(

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from kvstore import ConfigError, ExtraKeys, InvalidInputError, KVCacheStore, StoreConfig
 from kvstore.manager import ComputedBlocks, KVCacheManager
 from tests.conftest import POOL_DEVICE
-from tiers import lmdb as lmdb_tier
+from tiers import lmdb_env
 from tiers.gpu_pool import NoFreeBlocksError
 
 from .conftest import Figures
@@ -306,7 +306,7 @@ def test_hostile_pool_configs(tmp_path: Path, figures: Figures) -> None:
             store = KVCacheStore(cfg)
         except ConfigError:
             num["ConfigError"] += 1
-            assert not lmdb_tier._ENVS, "a refused config left an LMDB environment open"
+            assert not lmdb_env._ENVS, "a refused config left an LMDB environment open"
             return
         with store:
             tokens = np.arange(3 * B, dtype=np.uint32)

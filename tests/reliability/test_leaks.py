@@ -15,7 +15,7 @@ import torch
 
 from kvstore import KVLayout
 from tests.conftest import POOL_DEVICE
-from tiers import lmdb as lmdb_tier
+from tiers import lmdb_env
 from tiers.cpu import CPUTier
 
 from .budget import BUDGET
@@ -132,7 +132,7 @@ def test_reopen_many_times_keeps_fds_and_maps_flat(tmp_path: Path, figures: Figu
     gc.collect()
     assert _num_fds() - fds <= 0, f"file descriptors grew from {fds} to {_num_fds()}"
     assert _num_maps() - maps <= 2, f"memory mappings grew from {maps} to {_num_maps()}"
-    assert not lmdb_tier._ENVS, "an LMDB environment outlived every store using it"
+    assert not lmdb_env._ENVS, "an LMDB environment outlived every store using it"
     figures.set("reopen_cycles", BUDGET.reopen_cycles)
     figures.set("fd_growth", _num_fds() - fds)
     figures.set("map_growth", _num_maps() - maps)

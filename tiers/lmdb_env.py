@@ -1,0 +1,140 @@
+"""One LMDB environment per directory per process, shared by reference count.
+
+LMDB forbids opening one file twice in a process, so every disk tier on a directory shares
+one `lmdb.Environment`. This module opens it (turning every way an open can fail into a
+`ConfigError` that leaves other stores untouched), grows its map only when the address
+space can take it, checks the data file against its meta page (a truncated file would
+otherwise kill the process with SIGBUS on first touch), and drops, in a forked child, the
+handles the parent opened (LMDB handles must not cross `fork()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+
+import lmdb
+
+from kvstore.errors import ConfigError
+
+# Largest map an open accepts: far beyond any disk, inside a 47-bit user address space.
+MAX_MAP_BYTES = 1 << 46
+
+
+@dataclass
+class _Entry:
+    env: lmdb.Environment
+    refs: int
+    pid: int
+
+
+_ENVS: dict[str, _Entry] = {}  # realpath -> entry
+_LOCK = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: close the parent's handles so the child can open its own."""
+    global _LOCK
+    _LOCK = threading.Lock()  # the parent may have held it while forking
+    for entry in list(_ENVS.values()):
+        with contextlib.suppress(lmdb.Error):
+            entry.env.close()  # unmaps and closes this process's copies of the fds only
+    _ENVS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _check_address_space(map_size: int, path: str) -> None:
+    """Reserve (and release) `map_size` bytes of address space, or raise `ConfigError`."""
+    try:
+        probe = mmap.mmap(-1, map_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
+                          prot=0)  # PROT_NONE: address space only
+    except (OSError, OverflowError, ValueError, MemoryError) as exc:
+        raise ConfigError(
+            f"disk tier at {path!r}: a map of {map_size} bytes does not fit this process's address space ({exc}); "
+            "lower disk_bytes"
+        ) from None
+    probe.close()
+
+
+def _check_data_file(env: lmdb.Environment, real: str) -> None:
+    """The data file must hold every page its meta page says is in use."""
+    info, stat = env.info(), env.stat()
+    need = (info["last_pgno"] + 1) * stat["psize"]
+    try:
+        size = os.path.getsize(os.path.join(real, "data.mdb"))
+    except OSError:
+        return  # a subdir-less layout or a file that is not there: LMDB itself reports it
+    if size < need:
+        raise ConfigError(
+            f"disk tier at {real!r}: data.mdb holds {size} bytes but its meta page uses {need}: the file was "
+            "truncated; move it away (or delete it) to start an empty disk tier"
+        )
+
+
+def acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environment]:
+    """The process's environment for `path` (opened, or its map grown to `map_size`).
+
+    Raises `ConfigError` (leaving every open store as it was) for a path that cannot be a
+    directory or holds no usable LMDB, a map the address space cannot take, or a data file
+    shorter than its meta page says.
+    """
+    if not 0 < map_size <= MAX_MAP_BYTES:
+        raise ConfigError(f"disk tier at {path!r}: map size {map_size} outside (0, {MAX_MAP_BYTES}]")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"disk_path {path!r} cannot be made a directory: {exc}") from None
+    real = os.path.realpath(path)
+    with _LOCK:
+        entry = _ENVS.get(real)
+        if entry is not None and entry.pid == os.getpid():
+            if entry.env.info()["map_size"] < map_size:
+                _check_address_space(map_size, path)
+                try:
+                    entry.env.set_mapsize(map_size)
+                except (lmdb.Error, MemoryError, OverflowError) as exc:
+                    raise ConfigError(f"disk tier at {path!r}: cannot grow the map to {map_size}: {exc}") from None
+            entry.refs += 1
+            return real, entry.env
+        _check_address_space(map_size, path)
+        try:
+            env = lmdb.open(
+                real, map_size=map_size, max_dbs=4, max_readers=1024,
+                sync=sync, metasync=sync, readahead=True, meminit=False, lock=True,
+            )
+        except (lmdb.Error, MemoryError, OverflowError, ValueError) as exc:
+            raise ConfigError(f"disk_path {path!r} holds no usable LMDB store: {exc}") from None
+        try:
+            _check_data_file(env, real)
+            env.reader_check()  # slots left by processes killed mid-read pin freed pages
+        except BaseException:
+            env.close()
+            raise
+        _ENVS[real] = _Entry(env, 1, os.getpid())
+        return real, env
+
+
+def release_env(real: str) -> None:
+    """Drop one reference; the last one closes the environment."""
+    with _LOCK:
+        entry = _ENVS.get(real)
+        if entry is None or entry.pid != os.getpid():
+            return
+        entry.refs -= 1
+        if entry.refs == 0:
+            del _ENVS[real]
+            entry.env.close()
+
+
+def begin(env: lmdb.Environment, **kwargs: object) -> lmdb.Transaction:
+    """`env.begin(**kwargs)`, adopting a map another process grew meanwhile."""
+    try:
+        return env.begin(**kwargs)
+    except lmdb.MapResizedError:
+        env.set_mapsize(0)  # 0: take the size the file now has
+        return env.begin(**kwargs)
