@@ -12,12 +12,13 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
-from kvstore.store import KVCacheStore, LoadResult, RetrieveResult, StoreStats
+from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockHash",
+    "CloseResult",
     "ConfigError",
     "CorruptRecordError",
     "DiskFullError",

@@ -23,6 +23,9 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+MAX_DISK_BYTES = 1 << 44  # 16 TiB: the LMDB map (twice the budget) stays inside the address space
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Canonical short name of a supported torch dtype ('bfloat16', ...)."""
     name = str(dtype).removeprefix("torch.")
@@ -187,7 +190,15 @@ class StoreConfig:
             raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
         if self.disk_path is not None:
-            object.__setattr__(self, "disk_path", os.fspath(self.disk_path))
+            try:
+                path = os.fspath(self.disk_path)
+            except TypeError:
+                raise ConfigError(f"StoreConfig.disk_path must be a path, got {self.disk_path!r}") from None
+            if not isinstance(path, str) or not path or "\x00" in path:
+                raise ConfigError(f"StoreConfig.disk_path must be a non-empty path without NUL bytes, got {path!r}")
+            object.__setattr__(self, "disk_path", path)
+        if self.disk_bytes > MAX_DISK_BYTES:
+            raise ConfigError(f"StoreConfig.disk_bytes={self.disk_bytes} is above the maximum, {MAX_DISK_BYTES}")
         if 0 < self.cpu_bytes < self.block_bytes:
             raise ConfigError(
                 f"StoreConfig.cpu_bytes={self.cpu_bytes} holds no block of {self.block_bytes} "

@@ -134,11 +134,17 @@ def as_token_array(tokens: object) -> np.ndarray:
     else: non-integers, more than one dimension, or values outside [0, 2**32).
     """
     if isinstance(tokens, torch.Tensor):
+        if tokens.layout != torch.strided or tokens.is_quantized or getattr(tokens, "is_nested", False):
+            kind = "quantized" if tokens.is_quantized else "nested" if getattr(tokens, "is_nested", False) else str(
+                tokens.layout)
+            raise InvalidTokensError(f"tokens must be a dense integer tensor, got a {kind} tensor")
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise InvalidTokensError(f"tokens must be integers, got a tensor of {tokens.dtype}")
         if tokens.device.type == "meta":
             raise InvalidTokensError("tokens must hold data, got a meta tensor")
         arr = tokens.detach().to("cpu").numpy()
+    elif isinstance(tokens, np.ma.MaskedArray):
+        raise InvalidTokensError("tokens must not be a masked array: a masked entry has no token id")
     elif isinstance(tokens, np.ndarray):
         arr = tokens
     elif isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
@@ -159,8 +165,13 @@ def as_token_array(tokens: object) -> np.ndarray:
             arr = arr.astype(np.uint32)
     if arr.ndim != 1:
         raise InvalidTokensError(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.dtype == object and all(isinstance(t, int) for t in arr.tolist()):
-        raise InvalidTokensError("tokens must lie in [0, 2**32), got an integer beyond 64 bits")
+    if arr.dtype == object:
+        items = arr.tolist() if arr.ndim == 1 else []
+        if arr.ndim == 1 and all(isinstance(t, (int, np.integer)) for t in items):
+            bad = [int(t) for t in items if not 0 <= int(t) < _TOKEN_MAX]
+            if bad:
+                raise InvalidTokensError(f"tokens must lie in [0, 2**32), got {bad[0]}")
+            return np.asarray([int(t) for t in items], dtype="<u4")
     if arr.dtype.kind not in "iu":
         raise InvalidTokensError(f"tokens must be integers, got dtype {arr.dtype}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _TOKEN_MAX):

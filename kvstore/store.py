@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,9 @@ from kvstore.validate import check_blocks, check_device, check_disjoint, check_k
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.cpu import CPUTier
 from tiers.gpu_pool import BlockPool, DemotionPolicy
-from tiers.lmdb import LMDBTier
+from tiers.lmdb import LMDBTier, ScrubResult
+
+logger = logging.getLogger(__name__)
 
 
 class RetrieveResult(NamedTuple):
@@ -38,6 +41,13 @@ class RetrieveResult(NamedTuple):
     num_tokens: int
     kv: torch.Tensor | None
     blocks_per_tier: dict[TierKind, int]
+
+
+class CloseResult(NamedTuple):
+    """What `close()` persisted: blocks copied down a tier, and blocks a full tier refused."""
+
+    num_spilled: int
+    num_refused: int
 
 
 class LoadResult(NamedTuple):
@@ -127,7 +137,7 @@ class KVCacheStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close()  # never raises for a full disk
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
@@ -387,26 +397,55 @@ class KVCacheStore:
             for tier in self._tiers:
                 tier.check_integrity()
 
-    def clear(self) -> None:
-        """Delete every block from every tier (the disk tier too)."""
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete this store's blocks from every tier. The disk tier may be shared: only this
+        namespace's records go, unless `all_namespaces` (every record in `disk_path`, whoever
+        wrote it: a whole-directory wipe)."""
         with self._lock:
             self.check_open()
             for tier in self._tiers:
-                tier.clear()
+                if isinstance(tier, LMDBTier):
+                    tier.clear(all_namespaces=all_namespaces)
+                else:
+                    tier.clear()
 
-    def close(self) -> None:
-        """Flush and release every tier. Idempotent; other calls then raise `StoreClosedError`."""
+    def scrub(self) -> ScrubResult | None:
+        """Validate every disk record; delete damaged ones (of any namespace: they are garbage
+        to every reader). Sound records of other namespaces are left alone. None without a
+        disk tier."""
+        with self._lock:
+            self.check_open()
+            disk = self._tiers[-1]
+            return disk.scrub() if isinstance(disk, LMDBTier) else None
+
+    def close(self) -> CloseResult:
+        """Persist what fits (with `persist_on_close`) and release every tier. Idempotent;
+        other calls then raise `StoreClosedError`.
+
+        Never raises for a full disk: blocks a full lower tier refuses are counted in the
+        result and logged, most recently used blocks having gone first.
+        """
         with self._lock:
             if self._closed:
-                return
+                return CloseResult(0, 0)
             self._closed = True
+            spilled = refused = 0
             try:
                 if self.config.persist_on_close:
                     for tier in self._tiers:  # fastest first: the pool spills into CPU, CPU to disk
-                        tier.spill()
+                        before = getattr(tier, "num_spill_refused", 0)
+                        try:
+                            spilled += tier.spill()
+                        except DiskFullError as exc:
+                            logger.warning("kvstrata: close() could not persist %s blocks: %s", tier.kind.value, exc)
+                            refused += len(tier)
+                        refused += getattr(tier, "num_spill_refused", 0) - before
+                if refused:
+                    logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d", spilled, refused)
             finally:
                 for tier in self._tiers:
                     tier.close()
+            return CloseResult(spilled, refused)
 
     @property
     def closed(self) -> bool:

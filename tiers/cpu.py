@@ -9,10 +9,12 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from kvstore.errors import ConfigError, StoreClosedError
+from kvstore.errors import ConfigError, DiskFullError, StoreClosedError
 from kvstore.hashing import BlockHash
 from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
 from tiers.blockcopy import copy_block, host_memory_bytes
+
+_SPILL_CHUNK = 64  # blocks per lower-tier write when spilling
 
 
 class CPUTier(Tier):
@@ -63,6 +65,7 @@ class CPUTier(Tier):
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._closed = False
         self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self.num_spill_refused = 0  # blocks a full lower tier refused during spills
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -123,7 +126,11 @@ class CPUTier(Tier):
             self._lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
         self._make_room(len(new) - len(self._free))
         slots = [self._free.pop() for _ in new]
-        self._copy_in([self._slab[s] for s in slots], [srcs[i] for i in new])
+        try:
+            self._copy_in([self._slab[s] for s in slots], [srcs[i] for i in new])
+        except BaseException:
+            self._free.extend(reversed(slots))  # a failed copy takes no slot
+            raise
         for slot, i in zip(slots, new):
             self._slot_tokens[slot] = keys[i].tokens if self._verify_tokens else b""
             if self._checksum:
@@ -179,7 +186,23 @@ class CPUTier(Tier):
         order = self._drop_damaged([*self._lru, *self._refs])
         slots = [self._index[h] for h in order]
         keys = [BlockKey(h, self._slot_tokens[s]) for h, s in zip(order, slots)]
-        return self._lower.put(keys, [self._slab[s] for s in slots])
+        srcs = [self._slab[s] for s in slots]
+        # Most recently used first, in chunks: a lower tier that fills up refuses a chunk whole,
+        # so the refused chunk goes block by block and the spill ends at the first refusal.
+        written, end = 0, len(keys)
+        while end > 0:
+            start = max(0, end - _SPILL_CHUNK)
+            try:
+                written += self._lower.put(keys[start:end], srcs[start:end])
+            except DiskFullError:
+                for i in range(end - 1, start - 1, -1):
+                    try:
+                        written += self._lower.put([keys[i]], [srcs[i]])
+                    except DiskFullError:
+                        self.num_spill_refused += i + 1
+                        return written
+            end = start
+        return written
 
     def _sum(self, slot: int) -> int:
         return xxhash.xxh3_64_intdigest(self._slab[slot].view(torch.uint8).numpy())

@@ -252,8 +252,15 @@ class BlockPool(Tier):
         if overflow and self.lower is not None:  # no free block for them: straight down
             self.lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
         blocks = self.allocate(len(new))
-        for block, i in zip(blocks, new):
-            copy_block(self.block_view(block.block_id), srcs[i])
+        try:
+            for block, i in zip(blocks, new):
+                copy_block(self.block_view(block.block_id), srcs[i])
+        except BaseException:
+            for block in blocks:  # a failed copy takes no block: back to the queue's head
+                block.ref_cnt = 0
+                self.free_queue.append(block)
+                self.free_queue.move_to_head(block)
+            raise
         self.cache_blocks(blocks, [keys[i].block_hash for i in new], [keys[i].tokens for i in new])
         for block in blocks:  # unreferenced, in eviction order
             block.ref_cnt = 0

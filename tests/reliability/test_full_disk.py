@@ -166,3 +166,30 @@ def test_file_system_full_on_tmpfs(small_tmpfs: Path, tmp_path: Path, figures: F
 def test_file_size_limit(tmp_path: Path, figures: Figures) -> None:
     """EFBIG from RLIMIT_FSIZE in a child: the file-system-full path wherever mount is denied."""
     _fill_and_check(str(tmp_path / "disk"), tmp_path / "report.json", figures, "rlimit")
+
+
+def test_close_on_a_nearly_full_disk_persists_what_fits(small_tmpfs: Path) -> None:
+    """Correctness issue, item 6: `close()` spilling a CPU tier larger than the free space
+    used to persist nothing (one put failing whole) and raised `DiskFullError` from
+    `__exit__`. Now the most recently used blocks go first, the rest are counted, and close
+    returns its report instead of raising."""
+    from kvstore import CloseResult
+
+    from .kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
+
+    path = str(small_tmpfs / "disk")
+    rng = np.random.default_rng([BUDGET.seed, 66])
+    prompts = [rng.integers(0, 50_000, size=8 * BLOCK, dtype=np.uint32) for _ in range(500)]  # ~16 MiB of KV
+    store = open_store(path, cpu_bytes=4200 * LAYOUT.block_bytes(BLOCK), disk_bytes=64 << 20)
+    for tokens in prompts:
+        store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+    result = store.close()
+    assert isinstance(result, CloseResult)
+    assert result.num_spilled > 0 and result.num_refused > 0, result
+    with open_store(path, disk_bytes=64 << 20) as reopened:
+        newest = prompts[-1]
+        res = reopened.retrieve(newest)
+        assert res.num_tokens == len(newest)  # the most recently stored survived
+        check_kv(newest, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert reopened.lookup(prompts[0]) < len(prompts[0])  # the oldest did not fit
+        reopened.check_integrity()
