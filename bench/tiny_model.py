@@ -84,3 +84,29 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyLlamaSpec | None = 
 def words(token_ids: list[int]) -> str:
     """The text that the tiny tokenizer turns back into exactly `token_ids`."""
     return " ".join(f"{WORD_PREFIX}{t}" for t in token_ids)
+
+
+def build_tiny_lora(path: str | os.PathLike[str], seed: int, spec: TinyLlamaSpec | None = None, rank: int = 8) -> str:
+    """Write a random LoRA adapter (PEFT format: q_proj and v_proj of every layer) for the
+    tiny Llama under `path`; return the path. Different seeds give different adapters."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = spec or TinyLlamaSpec()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    head_dim = spec.hidden_size // spec.num_heads
+    outs = {"q_proj": spec.hidden_size, "v_proj": spec.num_kv_heads * head_dim}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module, out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, spec.hidden_size, generator=gen) * 0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.5
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted(outs), "task_type": "CAUSAL_LM", "base_model_name_or_path": None}
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return path

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstore import ExtraKeys
+
 
 @dataclass(frozen=True)
 class BlockTransfer:
@@ -25,6 +27,7 @@ class BlockTransfer:
     token_ids: np.ndarray
     first_block: int
     block_ids: tuple[int, ...]
+    extra_keys: ExtraKeys | None = None
 
 
 @dataclass
@@ -40,6 +43,8 @@ class _Request:
     token_ids: Sequence[int]  # a live view: grows as the request decodes
     num_saved_blocks: int  # leading blocks the store holds or a planned save will write
     load: tuple[int, int] | None  # block range to load in the next step
+    extra_keys: ExtraKeys | None = None  # salt, adapter, multimodal inputs
+    cacheable: bool = True  # False: nothing of it is saved (it cannot be keyed safely)
 
 
 class TransferPlanner:
@@ -50,31 +55,37 @@ class TransferPlanner:
     most once while tracked, and only once the step computing its last token is scheduled.
     """
 
-    def __init__(self, block_size: int, lookup: Callable[[Sequence[int]], int]) -> None:
+    def __init__(self, block_size: int, lookup: Callable[[Sequence[int], ExtraKeys | None], int]) -> None:
         self.block_size = block_size
         self._lookup = lookup
-        self._pending: dict[str, tuple[int, int]] = {}  # req_id -> (local computed, store hit)
+        # req_id -> (local computed, store hit, extra keys, cacheable)
+        self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool]] = {}
         self._requests: dict[str, _Request] = {}
 
     def num_new_matched_tokens(
-        self, req_id: str, token_ids: Sequence[int], num_computed: int
+        self, req_id: str, token_ids: Sequence[int], num_computed: int,
+        extra_keys: ExtraKeys | None = None, *, cacheable: bool = True, may_load: bool = True,
     ) -> int:
         """Tokens the store can add beyond the `num_computed` the engine already has.
 
-        Looks up the longest cached prefix that leaves at least one token to compute (the
-        engine needs it for logits). Records the lookup for `on_alloc`; calling again
+        Looks up the longest cached prefix under `extra_keys` that leaves at least one token
+        to compute (the engine needs it for logits). A request that is not `cacheable` is
+        neither looked up nor later saved; one that may not load (it asked to skip reading
+        prefix caches) is still saved. Records the lookup for `on_alloc`; calling again
         replaces it.
         """
         b = self.block_size
         limit = (len(token_ids) - 1) // b * b if token_ids else 0
-        hit = self._lookup(token_ids[:limit]) if limit > num_computed else 0
-        self._pending[req_id] = (num_computed, hit)
+        hit = 0
+        if cacheable and may_load and limit > num_computed:
+            hit = self._lookup(token_ids[:limit], extra_keys)
+        self._pending[req_id] = (num_computed, hit, extra_keys, cacheable)
         return max(0, hit - num_computed)
 
     def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
         """Start tracking a request the engine scheduled; plan its load if it has one."""
         b = self.block_size
-        num_computed, hit = self._pending.pop(req_id, (0, 0))
+        num_computed, hit, extra_keys, cacheable = self._pending.pop(req_id, (0, 0, None, True))
         load = None
         if num_external_tokens > 0:
             end = num_computed + num_external_tokens
@@ -84,7 +95,7 @@ class TransferPlanner:
                     f"block-aligned store hit of {hit} tokens (a bug)"
                 )
             load = (num_computed // b, end // b)
-        self._requests[req_id] = _Request(token_ids, hit // b, load)
+        self._requests[req_id] = _Request(token_ids, hit // b, load, extra_keys, cacheable)
 
     def forget(self, req_id: str) -> None:
         """Stop tracking a request (finished or preempted); unknown ids are ignored."""
@@ -116,14 +127,18 @@ class TransferPlanner:
             if state.load is not None:
                 first, end = state.load
                 tokens = np.asarray(state.token_ids[: end * b], dtype=np.uint32)
-                plan.loads.append(BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end])))
+                plan.loads.append(
+                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end]), state.extra_keys)
+                )
                 state.load = None
+            if not state.cacheable:
+                continue
             done = min((num_computed + num_new) // b, len(state.token_ids) // b, len(block_ids))
             if done > state.num_saved_blocks:
                 first = state.num_saved_blocks
                 tokens = np.asarray(state.token_ids[: done * b], dtype=np.uint32)
                 plan.saves.append(
-                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done]))
+                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done]), state.extra_keys)
                 )
                 state.num_saved_blocks = done
         return plan

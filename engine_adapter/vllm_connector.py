@@ -35,8 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from engine_adapter.paged_blocks import PagedKVBlocks, opaque_layout
 from engine_adapter.shared_store import acquire_store, find_store, release_store
 from engine_adapter.transfer_plan import StepPlan, TransferPlanner
+from engine_adapter.vllm_keys import request_keys
 from engine_adapter.vllm_settings import ConnectorSettings
-from kvstore import KVCacheStore, StoreConfig
+from engine_adapter.weights_identity import weights_identity
+from kvstore import ExtraKeys, KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError, DiskFullError
 
 if TYPE_CHECKING:
@@ -57,16 +59,27 @@ class TierConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-def _weights_fingerprint(model: str) -> list[object]:
-    """Names, sizes and mtimes of a local checkpoint's weight files ([] for a hub name)."""
-    if not os.path.isdir(model):
-        return []
-    out: list[object] = []
-    for name in sorted(os.listdir(model)):
-        if name.endswith((".safetensors", ".bin", ".pt")):
-            st = os.stat(os.path.join(model, name))
-            out.append([name, st.st_size, st.st_mtime_ns])
-    return out
+# Keys of a HF config that describe where or by what it was saved, not the model.
+_CONFIG_NOISE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
+
+
+def model_identity(vllm_config: VllmConfig) -> dict[str, object]:
+    """Everything of vLLM's config that changes the KV a model computes, host-independent:
+    the weights' content digests, the effective HF config (after `hf_overrides`: RoPE,
+    layers, ...), model dtype, quantization, KV cache dtype and scaling."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    hf_config = model.hf_config.to_dict() if hasattr(model.hf_config, "to_dict") else dict(vars(model.hf_config))
+    for key in _CONFIG_NOISE:
+        hf_config.pop(key, None)
+    return {
+        "weights": weights_identity(model.model, model.revision),
+        "hf_config": hf_config,
+        "model_dtype": str(model.dtype),
+        "quantization": model.quantization,
+        "override_attention_dtype": getattr(model, "override_attention_dtype", None),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", None)),
+        "calculate_kv_scales": getattr(cache, "calculate_kv_scales", None),
+    }
 
 
 def store_config_for(
@@ -86,13 +99,10 @@ def store_config_for(
         raise ConfigError(f"TierKVConnector needs one KV cache group, got {len(groups)}")
     spec = groups[0].kv_cache_spec
     layer_names = list(groups[0].layer_names)
-    model = vllm_config.model_config
     identity = {
         "engine": "vllm",
         "vllm": vllm.__version__,
-        "model": model.model,
-        "revision": model.revision,
-        "weights": _weights_fingerprint(model.model),
+        "model": model_identity(vllm_config),
         "layout": str(kv_cache_config.kv_cache_layout),
         "spec": type(spec).__name__,
         "num_kv_heads": spec.num_kv_heads,
@@ -210,7 +220,7 @@ class TierKVConnector(KVConnectorBase_V1):
             n = len(load.block_ids)
             staging = paged.staging(n)
             result = self.store.retrieve_into(
-                load.token_ids, list(staging), first_block=load.first_block
+                load.token_ids, list(staging), first_block=load.first_block, extra_keys=load.extra_keys
             )
             paged.scatter(staging, load.block_ids[: result.num_blocks])
             for tier, count in result.blocks_per_tier.items():
@@ -240,7 +250,8 @@ class TierKVConnector(KVConnectorBase_V1):
             paged.gather(save.block_ids, staging)
             try:
                 written = self.store.store_blocks(
-                    save.token_ids, list(staging), first_block=save.first_block
+                    save.token_ids, list(staging), first_block=save.first_block,
+                    extra_keys=save.extra_keys,
                 )
             except DiskFullError as exc:  # a cache: a refused write is a later miss
                 logger.warning("kvstrata: save refused: %s", exc)
@@ -267,15 +278,26 @@ class TierKVConnector(KVConnectorBase_V1):
             self._store = None
 
     # ==============================  scheduler side  ==============================
-    def _lookup(self, token_ids: Sequence[int]) -> int:
-        return self.store.lookup(token_ids)
+    def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
+        return self.store.lookup(token_ids, extra_keys=extra_keys)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens kvstrata holds beyond vLLM's own `num_computed_tokens`; loaded synchronously."""
+        """Tokens kvstrata holds beyond vLLM's own `num_computed_tokens`, under the request's
+        extra keys (salt, LoRA, multimodal inputs); loaded synchronously. A request that
+        cannot be keyed safely is a miss and is never saved."""
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+        keys = request_keys(request, self._block_size, generate_block_hash_extra_keys)
+        if not keys.cacheable:
+            self._count("unkeyable_requests", 1)
+            logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
+        skip = getattr(request, "get_skip_reading_prefix_cache", None)
+        may_load = not (skip() if callable(skip) else False)
         n = self._planner.num_new_matched_tokens(
-            request.request_id, request.all_token_ids, num_computed_tokens
+            request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
+            cacheable=keys.cacheable, may_load=may_load,
         )
         return n, False
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,8 +14,10 @@ import torch
 from engine_adapter.paged_blocks import PagedKVBlocks, opaque_layout
 from engine_adapter.shared_store import acquire_store, find_store, release_store
 from engine_adapter.transfer_plan import TransferPlanner
+from engine_adapter.vllm_keys import RequestKeys, request_keys
 from engine_adapter.vllm_settings import ConnectorSettings, parse_bytes
-from kvstore import ConfigError, HashAlgo, KVCacheStore, StoreConfig
+from engine_adapter.weights_identity import weights_identity
+from kvstore import ConfigError, ExtraKeys, HashAlgo, KVCacheStore, MultiModalInput, StoreConfig
 
 # -- settings ---------------------------------------------------------------------------
 
@@ -114,7 +119,7 @@ def test_planner_loads_the_hit_beyond_local_and_saves_new_full_blocks(tmp_path: 
     s = _Store(tmp_path)
     tokens = list(range(10, 30))  # 5 blocks of 4
     s.put(tokens[:12])  # the store holds blocks 0-2
-    planner = TransferPlanner(4, s.store.lookup)
+    planner = TransferPlanner(4, lambda t, k: s.store.lookup(t, extra_keys=k))
     assert planner.num_new_matched_tokens("r", tokens, num_computed=4) == 8
     planner.on_alloc("r", tokens, num_external_tokens=8)
     ids = [40, 41, 42, 43, 44]
@@ -135,13 +140,13 @@ def test_planner_leaves_one_token_to_compute(tmp_path: Path) -> None:
     s = _Store(tmp_path)
     tokens = list(range(10, 26))  # exactly 4 blocks, all stored
     s.put(tokens)
-    planner = TransferPlanner(4, s.store.lookup)
+    planner = TransferPlanner(4, lambda t, k: s.store.lookup(t, extra_keys=k))
     assert planner.num_new_matched_tokens("r", tokens, 0) == 12  # not 16: the last block stays
 
 
 def test_planner_rejects_unaligned_loads(tmp_path: Path) -> None:
     s = _Store(tmp_path)
-    planner = TransferPlanner(4, s.store.lookup)
+    planner = TransferPlanner(4, lambda t, k: s.store.lookup(t, extra_keys=k))
     planner.num_new_matched_tokens("r", list(range(20)), 0)
     with pytest.raises(RuntimeError, match="a bug"):
         planner.on_alloc("r", list(range(20)), num_external_tokens=3)
@@ -160,3 +165,82 @@ def test_shared_store_is_reference_counted(tmp_path: Path) -> None:
     assert find_store(config) is None
     with pytest.raises(RuntimeError, match="closed"):
         a.lookup([1, 2, 3, 4])
+
+
+# -- isolation keys (correctness issue, item 1) ------------------------------------------
+
+
+def _request(**fields: object) -> SimpleNamespace:
+    """A request as the connector sees it: the attributes vLLM's `Request` carries."""
+    base: dict[str, object] = {"prompt_embeds": None, "cache_salt": None, "lora_request": None,
+                               "mm_features": [], "all_token_ids": list(range(32))}
+    base.update(fields)
+    return SimpleNamespace(**base)
+
+
+def test_request_keys_follow_vllms_extra_keys() -> None:
+    assert request_keys(_request(), 4) == RequestKeys(None)
+    salted = request_keys(_request(cache_salt="tenant-A"), 4)
+    assert salted.cacheable and salted.extra_keys == ExtraKeys(cache_salt="tenant-A")
+    lora = SimpleNamespace(lora_name="ad", lora_path="/a", lora_int_id=3)
+    keys = request_keys(_request(lora_request=lora), 4).extra_keys
+    assert keys is not None and "ad" in str(keys.lora_id) and "/a" in str(keys.lora_id)
+    other = SimpleNamespace(lora_name="ad", lora_path="/b", lora_int_id=3)  # same name, new path
+    assert request_keys(_request(lora_request=other), 4).extra_keys != keys
+    image = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=4, length=8))
+    mm = request_keys(_request(mm_features=[image]), 4).extra_keys
+    assert mm is not None and mm.mm_inputs == (MultiModalInput("img-1", 4, 8),)
+
+
+def test_request_keys_refuse_what_they_cannot_key() -> None:
+    assert not request_keys(_request(prompt_embeds=torch.zeros(32, 8)), 4).cacheable
+    nameless = SimpleNamespace(identifier=None, mm_position=SimpleNamespace(offset=0, length=4))
+    assert not request_keys(_request(mm_features=[nameless]), 4).cacheable
+
+    def vllm_keys(request: object, start: int, end: int, mm_index: int) -> tuple[tuple[object, ...] | None, int]:
+        return ((("cache_salt", "s"),) if start == 0 else (("new_feature", 1),)), mm_index
+
+    refused = request_keys(_request(cache_salt="s"), 4, vllm_keys)
+    assert not refused.cacheable and "new_feature" in str(refused.refusal)
+
+
+def test_planner_keys_lookups_and_transfers_by_extra_keys(tmp_path: Path) -> None:
+    s = _Store(tmp_path)
+    tokens = list(range(10, 30))
+    a, b = ExtraKeys(cache_salt="tenant-A"), ExtraKeys(cache_salt="tenant-B")
+    s.store.store_blocks(tokens[:12], [s.block] * 3, extra_keys=a)
+    planner = TransferPlanner(4, lambda t, k: s.store.lookup(t, extra_keys=k))
+    assert planner.num_new_matched_tokens("b", tokens, 0, b) == 0  # another tenant: a miss
+    assert planner.num_new_matched_tokens("a", tokens, 0, a) == 12
+    planner.on_alloc("a", tokens, 12)
+    plan = planner.build([("a", 12, 8)], lambda _: [1, 2, 3, 4, 5])
+    assert plan.loads[0].extra_keys == a and plan.saves[0].extra_keys == a
+    assert planner.num_new_matched_tokens("x", tokens, 0, None, cacheable=False) == 0
+    planner.on_alloc("x", tokens, 0)
+    assert planner.build([("x", 0, 20)], lambda _: [1, 2, 3, 4, 5]).saves == []  # never saved
+
+
+# -- content-derived weights identity (correctness issue, item 2) --------------------------
+
+
+def test_weights_identity_follows_content_not_paths_or_mtimes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"hidden_size": 8}')
+    weights = ckpt / "model.safetensors"
+    weights.write_bytes(b"A" * 4096)
+    first = weights_identity(str(ckpt), None)
+    copy = tmp_path / "copied-on-another-host"
+    shutil.copytree(ckpt, copy)  # new path, new mtimes
+    assert weights_identity(str(copy), None) == first
+    st = weights.stat()
+    weights.write_bytes(b"B" * 4096)  # same size, and the old mtime put back
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert weights_identity(str(ckpt), None) != first
+    (copy / "config.json").write_text('{"hidden_size": 9}')  # configs count too
+    assert weights_identity(str(copy), None) != first
+    with pytest.raises(ConfigError, match="pin"):
+        weights_identity("some-org/some-model-not-in-any-cache", "main")
+    assert weights_identity("some-org/m", "0123456789abcdef0123456789abcdef01234567")[2] == (
+        "0123456789abcdef0123456789abcdef01234567")

