@@ -10,12 +10,12 @@ write-through copies), total time, and the hit rate. The baseline for copy cost 
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 import torch
 
+from bench.args import Parser, int_in, positive_int
 from bench.common import print_table, timeit, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.manager import KVCacheManager
@@ -109,9 +109,9 @@ def run(num_requests: int = 200, block_size: int = 16, layers: int = 8) -> dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench demotion", description=__doc__)
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--layers", type=int, default=8)
+    p = Parser(prog="kvstrata bench demotion", description=__doc__)
+    p.add_argument("--requests", type=positive_int, default=200)
+    p.add_argument("--layers", type=int_in(1, 512), default=8)
     args = p.parse_args(argv)
     write_results("demotion", run(args.requests, layers=args.layers))
 

@@ -8,13 +8,13 @@ extra_keys))`, seeded with the hash of "vllm-none-hash" (the block_size 16 defau
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import pickle
 from collections.abc import Callable
 
 import numpy as np
 
+from bench.args import Parser, positive_int
 from bench.common import print_table, timeit, write_results
 from kvstore.hashing import block_hashes
 
@@ -70,9 +70,9 @@ def run(num_tokens: int = 32768, block_sizes: tuple[int, ...] = (16, 64, 256), r
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench hashing", description=__doc__)
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--repeat", type=int, default=5)
+    p = Parser(prog="kvstrata bench hashing", description=__doc__)
+    p.add_argument("--tokens", type=positive_int, default=32768)
+    p.add_argument("--repeat", type=positive_int, default=5)
     args = p.parse_args(argv)
     write_results("hashing", run(args.tokens, repeat=args.repeat))
 

@@ -9,7 +9,6 @@ cost of hashing that prompt; store/retrieve GB/s of the pool, CPU and disk tiers
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from bench import hashing, tiers, transfer
+from bench.args import Parser, directory, positive_int
 from bench.common import print_table, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.hashing import block_hashes
@@ -67,11 +67,11 @@ def lookup_cost(num_tokens: int = 32768, block_size: int = 16, repeat: int = 20)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench micro", description=__doc__)
-    p.add_argument("--mib", type=int, default=64, help="MiB of KV per block size for the bandwidth parts")
+    p = Parser(prog="kvstrata bench micro", description=__doc__)
+    p.add_argument("--mib", type=positive_int, default=64, help="MiB of KV per block size for the bandwidth parts")
     p.add_argument("--sizes", default=",".join(tiers.SIZES))
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=None, help="directory on the disk to measure")
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--workdir", type=directory, default=None, help="directory on the disk to measure")
     args = p.parse_args(argv)
     sizes = tiers.parse_sizes(args.sizes)
     result = {

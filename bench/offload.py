@@ -15,7 +15,6 @@ documents. Results: a table on stdout, JSON and a PNG plot under results/.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.args import Parser, directory, int_in, int_list, positive_int
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
 from engine_adapter.model import LlamaModel
@@ -33,6 +33,7 @@ from engine_adapter.weights import init_random_weights
 from kvstore import KVCacheStore, StoreConfig
 
 BLOCK_SIZE = 16
+MAX_LENGTH = 131072  # the model shape's context window (Llama-3.1: 128K)
 PLACEMENTS = ("recompute", "pool", "cpu", "disk_cold", "disk_warm")
 
 
@@ -145,21 +146,19 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata offload", description=__doc__)
-    p.add_argument("--lengths", default="1024,2048,4096",
-                   help="comma list of context lengths (up to 32768 on CPU, 131072 on CUDA)")
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--docs", type=int, default=2)
-    p.add_argument("--questions", type=int, default=3)
-    p.add_argument("--question-tokens", type=int, default=32)
+    p = Parser(prog="kvstrata offload", description=__doc__)
+    p.add_argument("--lengths", type=int_list(BLOCK_SIZE, MAX_LENGTH), default=[1024, 2048, 4096],
+                   help=f"comma list of context lengths, {BLOCK_SIZE} to {MAX_LENGTH}")
+    p.add_argument("--layers", type=int_in(1, 128), default=1)
+    p.add_argument("--docs", type=positive_int, default=2)
+    p.add_argument("--questions", type=int_in(2, 1000), default=3, help="per document; the first caches it")
+    p.add_argument("--question-tokens", type=int_in(1, 4096), default=32)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--workdir", default=None, help="where the disk tier lives (default: system tmp)")
+    p.add_argument("--workdir", type=directory, default=None, help="where the disk tier lives (default: system tmp)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device of the model and the block pool (default: cuda when present)")
     args = p.parse_args(argv)
-    if args.questions < 2:
-        raise SystemExit("--questions must be >= 2")
-    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    lengths = args.lengths
     write_results("offload", run(lengths, args.layers, args.docs, args.questions, args.question_tokens,
                                  args.dtype, args.workdir, args.device))
 

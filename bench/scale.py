@@ -9,7 +9,6 @@ reference is the ~250 bytes of metadata per block that vLLM's design quotes.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import shutil
 import tempfile
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.args import Parser, int_in
 from bench.common import print_table, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
@@ -106,9 +106,9 @@ def run(max_blocks: int = 10**6, max_disk: int = 10**5) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench scale", description=__doc__)
-    p.add_argument("--max-blocks", type=int, default=10**6)
-    p.add_argument("--max-disk", type=int, default=10**5)
+    p = Parser(prog="kvstrata bench scale", description=__doc__)
+    p.add_argument("--max-blocks", type=int_in(1000), default=10**6)
+    p.add_argument("--max-disk", type=int_in(1000), default=10**5)
     args = p.parse_args(argv)
     write_results("scale", run(args.max_blocks, args.max_disk))
 

@@ -12,7 +12,6 @@ over baseline GB/s. `retrieve` allocates its result (its page faults are part of
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import tempfile
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.args import Parser, directory, positive_int
 from bench.common import drop_file_cache, print_table, timeit, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
@@ -179,11 +179,12 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench tiers", description=__doc__)
-    p.add_argument("--mib", type=int, default=64, help="MiB of KV per block size")
+    p = Parser(prog="kvstrata bench tiers", description=__doc__)
+    p.add_argument("--mib", type=positive_int, default=64, help="MiB of KV per block size")
     p.add_argument("--sizes", default=",".join(SIZES), help="comma list of " + ",".join(SIZES))
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--workdir", default=None, help="directory on the disk to measure (default: system tmp)")
+    p.add_argument("--repeat", type=positive_int, default=3)
+    p.add_argument("--workdir", type=directory, default=None,
+                   help="directory on the disk to measure (default: system tmp)")
     args = p.parse_args(argv)
     write_results("tiers", run(args.mib, parse_sizes(args.sizes), args.repeat, args.workdir))
 

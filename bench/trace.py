@@ -14,7 +14,6 @@ i.e. 64 MiB per 512-token block). Three configurations per pool size:
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.args import Parser, existing_file, nonneg_int, positive_int
 from bench.common import RESULTS_DIR, print_table, save_plot, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
@@ -167,13 +167,13 @@ def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_ki
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench trace", description=__doc__)
-    p.add_argument("--trace", default=str(DEFAULT_TRACE.resolve()))
+    p = Parser(prog="kvstrata bench trace", description=__doc__)
+    p.add_argument("--trace", type=existing_file, default=str(DEFAULT_TRACE.resolve()))
     p.add_argument("--fractions", default="1/32,1/16,1/8,1/4", help="pool sizes as fractions of unique blocks")
-    p.add_argument("--cpu-x", type=int, default=4, help="CPU tier size in pools")
-    p.add_argument("--disk-x", type=int, default=16, help="disk tier size in pools")
-    p.add_argument("--token-kib", type=int, default=128, help="KV KiB per token for byte accounting")
-    p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--cpu-x", type=nonneg_int, default=4, help="CPU tier size in pools")
+    p.add_argument("--disk-x", type=nonneg_int, default=16, help="disk tier size in pools")
+    p.add_argument("--token-kib", type=positive_int, default=128, help="KV KiB per token for byte accounting")
+    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
     args = p.parse_args(argv)
     result = run(args.trace, parse_fractions(args.fractions), args.cpu_x, args.disk_x, args.token_kib, args.limit)
     write_results(f"trace_{Path(args.trace).stem}", result)

@@ -9,11 +9,10 @@ then a host `copy_`). Block sizes 16 KiB to 4 MiB.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 from tqdm import tqdm
 
+from bench.args import Parser, positive_int
 from bench.common import print_table, write_results
 from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS, parse_sizes
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -106,10 +105,10 @@ def run(mib: int = 64, sizes: list[str] | None = None, repeat: int = 3) -> dict[
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench transfer", description=__doc__)
-    p.add_argument("--mib", type=int, default=64)
+    p = Parser(prog="kvstrata bench transfer", description=__doc__)
+    p.add_argument("--mib", type=positive_int, default=64)
     p.add_argument("--sizes", default=",".join(SIZES))
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--repeat", type=positive_int, default=3)
     args = p.parse_args(argv)
     write_results("transfer", run(args.mib, parse_sizes(args.sizes), args.repeat))
 

@@ -61,6 +61,7 @@ from typing import NamedTuple
 import numpy as np
 from tqdm import tqdm
 
+from bench.args import Parser, directory
 from bench.common import print_table, write_results
 from engine_adapter.model import LlamaModel
 from engine_adapter.model_config import LlamaConfig
@@ -318,7 +319,7 @@ def report(result: dict[str, object]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="kvstrata bench workload", description=__doc__,
+    p = Parser(prog="kvstrata bench workload", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
     p.add_argument("--size", choices=sorted(PRESETS), default="default",
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="WORKLOAD.PARAM=VALUE",
                    help="override one parameter, e.g. gsp.num_groups=16 (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", default=None, help="where the disk tiers live (default: system tmp)")
+    p.add_argument("--workdir", type=directory, default=None, help="where the disk tiers live (default: system tmp)")
     args = p.parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = sorted(set(workloads) - set(WORKLOADS))

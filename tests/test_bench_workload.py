@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import common, workload
-from kvstore import cli
+from bench import cli, common, workload
 
 
 def test_every_workload_at_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, hashing, tiers
-from kvstore import cli
+from bench import cli, common, hashing, tiers
 
 
 @pytest.fixture(autouse=True)

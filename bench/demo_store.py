@@ -7,13 +7,13 @@ again from disk, and prints tokens per tier and GB/s for each step.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 
 import numpy as np
 import torch
 
+from bench.args import Parser, directory, int_in, nonneg_int
 from bench.common import print_table
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
@@ -63,11 +63,11 @@ def _row(name: str, res, nbytes: int, dt: float, kv: torch.Tensor) -> list[objec
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvstrata demo-store", description=__doc__)
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--cpu-mib", type=int, default=64)
-    p.add_argument("--disk-path", default="kvstrata_data/demo")
+    p = Parser(prog="kvstrata demo-store", description=__doc__)
+    p.add_argument("--tokens", type=int_in(16, 1 << 22), default=16384, help="context length (>= one block of 16)")
+    p.add_argument("--layers", type=int_in(1, 512), default=4)
+    p.add_argument("--cpu-mib", type=nonneg_int, default=64)
+    p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo")
     p.add_argument("--keep", action="store_true", help="reuse an existing disk tier")
     args = p.parse_args(argv)
     rows = run(args.tokens, args.layers, args.cpu_mib, args.disk_path, fresh=not args.keep)

@@ -11,11 +11,11 @@ equals the recomputed one.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 
 import numpy as np
 
+from bench.args import Parser, directory, int_in
 from bench.common import print_table
 from engine_adapter.model import LlamaModel
 from engine_adapter.model_config import LlamaConfig
@@ -86,10 +86,10 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvstrata demo", description=__doc__)
-    p.add_argument("--doc-tokens", type=int, default=4096)
-    p.add_argument("--question-tokens", type=int, default=24)
-    p.add_argument("--disk-path", default="kvstrata_data/demo")
+    p = Parser(prog="kvstrata demo", description=__doc__)
+    p.add_argument("--doc-tokens", type=int_in(16, 16000), default=4096)
+    p.add_argument("--question-tokens", type=int_in(1, 256), default=24)
+    p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo")
     p.add_argument("--keep", action="store_true", help="reuse an existing disk tier (the first question hits disk)")
     args = p.parse_args(argv)
     rows = run(args.doc_tokens, args.question_tokens, args.disk_path, fresh=not args.keep)
