@@ -15,7 +15,6 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NewType
 
 import msgpack
 import numpy as np
@@ -24,9 +23,7 @@ import xxhash
 
 from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import InvalidInputError, InvalidTokensError
-
-BlockHash = NewType("BlockHash", bytes)
-"""Digest identifying one full block together with its whole prefix and namespace."""
+from tiers.base import BlockHash  # a digest of one full block with its whole prefix and namespace
 
 HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
 _TOKEN_MAX = 2**32

@@ -13,11 +13,12 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, NewType
 
 import torch
 
-from kvstore.hashing import BlockHash
+BlockHash = NewType("BlockHash", bytes)
+"""Opaque key of one block (to the store: a digest of the block with its whole prefix)."""
 
 
 class TierKind(str, enum.Enum):

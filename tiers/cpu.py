@@ -9,10 +9,9 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from kvstore.errors import ConfigError, DiskFullError, StoreClosedError
-from kvstore.hashing import BlockHash
-from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
+from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats, plan_put
 from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 
 _SPILL_CHUNK = 64  # blocks per lower-tier write when spilling
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvstore.hashing import BlockHash
+from tiers.base import BlockHash
 
 
 class PoolBlock:

@@ -16,10 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore.errors import DiskFullError, KVStoreError, StoreClosedError
-from kvstore.hashing import BlockHash
-from tiers.base import BlockKey, Tier, TierKind, TierStats, plan_put
+from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats, plan_put
 from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 
 

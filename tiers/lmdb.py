@@ -25,11 +25,9 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.config import dtype_name
-from kvstore.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
-from kvstore.hashing import BlockHash
-from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats
 from tiers.blockcopy import copy_block
+from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, release_env
 
 FORMAT_VERSION = 1
@@ -111,7 +109,7 @@ class LMDBTier(Tier):
         self._shape = list(block_shape)
         self._namespace = bytes(namespace)
         self._dtype = dtype
-        self._dtype_name = dtype_name(dtype)
+        self._dtype_name = str(dtype).removeprefix("torch.")
         self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self._capacity_bytes = capacity_bytes
         self._verify_tokens = verify_tokens

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import lmdb
 
-from kvstore.errors import ConfigError
+from tiers.errors import ConfigError
 
 # Largest map an open accepts: far beyond any disk, inside a 47-bit user address space.
 MAX_MAP_BYTES = 1 << 46
