@@ -17,10 +17,10 @@ import numpy as np
 
 from bench.args import Parser, directory, int_in
 from bench.common import print_table
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import LlamaConfig
-from engine_adapter.runner import KVStrataLLM
-from engine_adapter.weights import init_random_weights
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import LlamaConfig
+from engine_adapter.runner.runner import KVStrataLLM
+from engine_adapter.runner.weights import init_random_weights
 from kvstore import KVCacheStore, StoreConfig
 
 BLOCK_SIZE = 16

@@ -17,8 +17,8 @@ import torch
 
 from bench.args import Parser, int_in, positive_int
 from bench.common import print_table, timeit, write_results
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.manager import KVCacheManager
 
 
 def _workload(num_requests: int, block_size: int, seed: int = 0) -> list[list[int]]:

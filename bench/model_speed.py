@@ -1,4 +1,4 @@
-"""Prefill and decode speed of `engine_adapter.model` with a Llama-3-8B attention shape.
+"""Prefill and decode speed of `engine_adapter.runner.model` with a Llama-3-8B attention shape.
 
 The model has Llama-3-8B's layer shape (hidden 4096, 32 query heads, 8 KV heads of 128,
 MLP 14336, llama3 RoPE) but only `--layers` layers and a small vocabulary, with random
@@ -14,11 +14,11 @@ from typing import NamedTuple
 
 import torch
 
-from engine_adapter.forward_batch import ForwardBatch, RequestChunk
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import Llama3RopeScaling, LlamaConfig
-from engine_adapter.paged_attention import allocate_kv_cache
-from engine_adapter.weights import init_random_weights
+from engine_adapter.runner.forward_batch import ForwardBatch, RequestChunk
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import Llama3RopeScaling, LlamaConfig
+from engine_adapter.runner.paged_attention import allocate_kv_cache
+from engine_adapter.runner.weights import init_random_weights
 
 BLOCK_SIZE = 16
 

@@ -27,9 +27,9 @@ from tqdm import tqdm
 from bench.args import Parser, directory, int_in, int_list, positive_int
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
-from engine_adapter.model import LlamaModel
-from engine_adapter.runner import KVStrataLLM
-from engine_adapter.weights import init_random_weights
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.runner import KVStrataLLM
+from engine_adapter.runner.weights import init_random_weights
 from kvstore import KVCacheStore, StoreConfig
 
 BLOCK_SIZE = 16

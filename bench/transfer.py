@@ -15,8 +15,8 @@ from tqdm import tqdm
 from bench.args import Parser, positive_int
 from bench.common import print_table, write_results
 from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS, parse_sizes
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.manager import KVCacheManager
 from tiers.blockcopy import copy_block
 
 

@@ -70,7 +70,7 @@ def _run_engine(args: argparse.Namespace, with_connector: bool, workdir: str) ->
     if with_connector:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector",
-            kv_connector_module_path="engine_adapter.vllm_connector",
+            kv_connector_module_path="engine_adapter.vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config={
                 "cpu_bytes": args.cpu_bytes,

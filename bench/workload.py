@@ -63,10 +63,10 @@ from tqdm import tqdm
 
 from bench.args import Parser, directory
 from bench.common import print_table, write_results
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import LlamaConfig
-from engine_adapter.runner import KVStrataLLM
-from engine_adapter.weights import init_random_weights
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import LlamaConfig
+from engine_adapter.runner.runner import KVStrataLLM
+from engine_adapter.runner.weights import init_random_weights
 from kvstore import KVCacheStore, StoreConfig
 
 BLOCK_SIZE = 16

@@ -14,16 +14,16 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     ConfigError,
-    DiskFullError,
     InvalidInputError,
     LayoutMismatchError,
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.tier_factory import build_tiers
+from kvstore.tier_stack import TierStack
 from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
 from tiers.base import BlockKey, Tier, TierKind, TierStats
-from tiers.cpu import CPUTier
-from tiers.gpu_pool import BlockPool, DemotionPolicy
+from tiers.gpu_pool import BlockPool
 from tiers.lmdb import LMDBTier, ScrubResult
 
 logger = logging.getLogger(__name__)
@@ -89,48 +89,13 @@ class KVCacheStore:
             raise ConfigError(f"KVCacheStore needs a StoreConfig, got {type(config).__name__}")
         self.config = config
         self._seed = namespace_seed(config.identity(), config.hash_algo)
-        self.pool: BlockPool | None = None
-        self._tiers: list[Tier] = []
-        try:
-            self._open_tiers()
-        except BaseException:
-            for tier in reversed(self._tiers):  # a failed open leaks nothing
-                tier.close()
-            raise
+        tiers = build_tiers(config, self._seed)
+        self.pool: BlockPool | None = tiers[0] if isinstance(tiers[0], BlockPool) else None
+        self._stack = TierStack(tiers, write_through=config.write_through)
         self._lock = threading.RLock()
         self._closed = False
         self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
         self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
-        self._num_promotion_failures = 0
-
-    def _open_tiers(self) -> None:
-        """Open the configured tiers fastest-first into `_tiers` (each as soon as it opens)."""
-        config = self.config
-        shape, dtype = config.block_shape, config.layout.dtype
-        disk = cpu = None
-        if config.disk_path is not None:
-            disk = LMDBTier(
-                str(config.disk_path), config.disk_bytes, shape, dtype,
-                verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=self._seed,
-            )
-            self._tiers.append(disk)
-        if config.cpu_bytes:
-            cpu = CPUTier(config.cpu_blocks, shape, dtype, lower=disk, verify_tokens=config.verify_tokens,
-                          checksum=config.cpu_checksums)
-            self._tiers.insert(0, cpu)
-        if config.pool_blocks:
-            try:
-                self.pool = BlockPool(
-                    config.pool_blocks, shape, dtype, device=config.pool_device,
-                    lower=cpu if cpu is not None else disk,
-                    verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion),
-                )
-            except (RuntimeError, AssertionError, ValueError) as exc:  # no such device, no memory
-                raise ConfigError(
-                    f"StoreConfig.pool_blocks={config.pool_blocks} on pool_device={config.pool_device!r} "
-                    f"cannot be allocated: {exc}"
-                ) from None
-            self._tiers.insert(0, self.pool)
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
@@ -141,7 +106,13 @@ class KVCacheStore:
 
     @property
     def tiers(self) -> tuple[Tier, ...]:
-        return tuple(self._tiers)
+        return self._stack.tiers
+
+    @property
+    def stack(self) -> TierStack:
+        """The tier stack: the block-level API (locate / load / put / pin / unpin) for engines
+        that page KV in their own blocks. Hold `lock` while using it."""
+        return self._stack
 
     @property
     def seed(self) -> BlockHash:
@@ -190,19 +161,10 @@ class KVCacheStore:
         with self._lock:
             self.check_open()
             self._num_store_calls += 1
-            self._put(keys, srcs)
-            return len(self.locate(hashes)) * b
-
-    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        """Write blocks (prefix order) into the top tier, tail first; with `write_through`
-        into the disk tier too. Returns how many the top tier newly wrote."""
-        if not keys:
-            return 0
-        written = self._tiers[0].put(keys[::-1], srcs[::-1])
-        self._num_blocks_stored += written
-        if self.config.write_through and len(self._tiers) > 1:
-            self._tiers[-1].put(keys[::-1], srcs[::-1])
-        return written
+            self._num_blocks_stored += self._stack.put(keys, srcs)
+            if len(keys) <= self._stack.top.capacity_blocks:
+                return len(keys) * b  # the top tier took every block (no second lookup)
+            return len(self._stack.locate(hashes)) * b  # more than the top tier holds: some may be gone
 
     def retrieve(
         self,
@@ -236,55 +198,21 @@ class KVCacheStore:
             self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(arr)
-            plan = self.locate(hashes)
+            plan = self._stack.locate(hashes)
             if not plan:
                 return RetrieveResult(0, None, {})
             given = out is not None
             if out is None:
                 out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
-            num_ok, counts = self.load_planned(keys, dsts, plan)
-            self._promote(keys, dsts, plan, num_ok)
+            num_ok, counts = self._stack.load(keys, dsts, plan)
+            self._stack.promote(keys, dsts, plan, num_ok)
             self._num_tokens_hit += num_ok * b
             if num_ok == 0:
                 return RetrieveResult(0, None, {})
             if given or num_ok == len(plan):
                 return RetrieveResult(num_ok * b, out[:, :, : num_ok * b], counts)
             return RetrieveResult(num_ok * b, out[:, :, : num_ok * b].clone(), counts)
-
-    def load_planned(
-        self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]
-    ) -> tuple[int, dict[TierKind, int]]:
-        """Copy block i of `keys` into `dsts[i]` from tier `plan[i]` (one `get_into` per run of
-        one tier); stop at the first block missing or failing validation. Returns the blocks
-        copied and how many each tier served. Call with `lock` held."""
-        counts: dict[TierKind, int] = {}
-        num_ok = 0
-        while num_ok < len(plan):
-            end = num_ok
-            while end < len(plan) and plan[end] == plan[num_ok]:
-                end += 1
-            tier = self._tiers[plan[num_ok]]
-            got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
-            if got:
-                counts[tier.kind] = counts.get(tier.kind, 0) + got
-            num_ok += got
-            if num_ok < end:
-                break
-        return num_ok, counts
-
-    def _promote(self, keys: list[BlockKey], dsts: list[torch.Tensor], plan: list[int], num_ok: int) -> None:
-        """Copy lower-tier hits into the top tier, prefix first, without evicting this
-        request's own top-tier blocks; then make the whole prefix most recently used."""
-        top = self._tiers[0]
-        budget = top.capacity_blocks - sum(1 for i in range(num_ok) if plan[i] == 0)
-        lower = [i for i in range(num_ok) if plan[i] != 0][: max(0, budget)]
-        try:
-            if lower:
-                top.put([keys[i] for i in reversed(lower)], [dsts[i] for i in reversed(lower)])
-        except DiskFullError:
-            self._num_promotion_failures += 1
-        top.touch([k.block_hash for k in reversed(keys[:num_ok])])
 
     def lookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """The `num_tokens` that `retrieve` would return now; moves no KV data, changes nothing.
@@ -296,28 +224,7 @@ class KVCacheStore:
         with self._lock:
             self.check_open()
             self._num_lookup_calls += 1
-            return len(self.locate(hashes)) * self.config.block_size
-
-    def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
-        """Index of the fastest tier holding each block of the longest cached prefix.
-
-        Each tier is asked once per run of consecutive blocks it holds (one LMDB read
-        transaction per disk run), and only where no faster tier holds the block.
-        """
-        plan: list[int] = []
-        run_end = [0] * len(self._tiers)
-        pos, n = 0, len(hashes)
-        while pos < n:
-            for index, tier in enumerate(self._tiers):
-                if run_end[index] <= pos:
-                    run_end[index] = pos + tier.match_prefix(hashes, pos)
-                if run_end[index] > pos:
-                    plan.append(index)
-                    pos += 1
-                    break
-            else:
-                break
-        return plan
+            return len(self._stack.locate(hashes)) * self.config.block_size
 
     # -- housekeeping ----------------------------------------------------------------------
     def stats(self) -> StoreStats:
@@ -331,8 +238,8 @@ class KVCacheStore:
                 num_blocks_stored=self._num_blocks_stored,
                 num_tokens_requested=self._num_tokens_requested,
                 num_tokens_hit=self._num_tokens_hit,
-                num_promotion_failures=self._num_promotion_failures,
-                tiers=tuple(t.stats() for t in self._tiers),
+                num_promotion_failures=self._stack.num_promotion_failures,
+                tiers=tuple(t.stats() for t in self._stack.tiers),
             )
 
     # -- block-level API, for engines that page KV in their own blocks ---------------------
@@ -359,7 +266,9 @@ class KVCacheStore:
         with self._lock:
             self.check_open()
             self._num_store_calls += 1
-            return self._put(keys, list(srcs))
+            written = self._stack.put(keys, list(srcs))
+            self._num_blocks_stored += written
+            return written
 
     def retrieve_into(
         self,
@@ -384,9 +293,9 @@ class KVCacheStore:
             self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(keys) * b
-            plan = self.locate([k.block_hash for k in keys])
-            num_ok, counts = self.load_planned(keys, dsts, plan)
-            self._promote(keys, list(dsts), plan, num_ok)
+            plan = self._stack.locate([k.block_hash for k in keys])
+            num_ok, counts = self._stack.load(keys, dsts, plan)
+            self._stack.promote(keys, list(dsts), plan, num_ok)
             self._num_tokens_hit += num_ok * b
             return LoadResult(num_ok, counts)
 
@@ -394,8 +303,7 @@ class KVCacheStore:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""
         with self._lock:
             self.check_open()
-            for tier in self._tiers:
-                tier.check_integrity()
+            self._stack.check_integrity()
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this store's blocks from every tier. The disk tier may be shared: only this
@@ -403,7 +311,7 @@ class KVCacheStore:
         wrote it: a whole-directory wipe)."""
         with self._lock:
             self.check_open()
-            for tier in self._tiers:
+            for tier in self._stack.tiers:
                 if isinstance(tier, LMDBTier):
                     tier.clear(all_namespaces=all_namespaces)
                 else:
@@ -415,7 +323,7 @@ class KVCacheStore:
         disk tier."""
         with self._lock:
             self.check_open()
-            disk = self._tiers[-1]
+            disk = self._stack.tiers[-1]
             return disk.scrub() if isinstance(disk, LMDBTier) else None
 
     def close(self) -> CloseResult:
@@ -432,19 +340,11 @@ class KVCacheStore:
             spilled = refused = 0
             try:
                 if self.config.persist_on_close:
-                    for tier in self._tiers:  # fastest first: the pool spills into CPU, CPU to disk
-                        before = getattr(tier, "num_spill_refused", 0)
-                        try:
-                            spilled += tier.spill()
-                        except DiskFullError as exc:
-                            logger.warning("kvstrata: close() could not persist %s blocks: %s", tier.kind.value, exc)
-                            refused += len(tier)
-                        refused += getattr(tier, "num_spill_refused", 0) - before
+                    spilled, refused = self._stack.spill()
                 if refused:
                     logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d", spilled, refused)
             finally:
-                for tier in self._tiers:
-                    tier.close()
+                self._stack.close()
             return CloseResult(spilled, refused)
 
     @property

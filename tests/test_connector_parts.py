@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapter.paged_blocks import PagedKVBlocks, opaque_layout
-from engine_adapter.shared_store import acquire_store, find_store, release_store
-from engine_adapter.transfer_plan import TransferPlanner
-from engine_adapter.vllm_keys import RequestKeys, request_keys
-from engine_adapter.vllm_settings import ConnectorSettings, parse_bytes
-from engine_adapter.weights_identity import weights_identity
+from engine_adapter.vllm.keys import RequestKeys, request_keys
+from engine_adapter.vllm.paged_blocks import PagedKVBlocks, opaque_layout
+from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes
+from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
+from engine_adapter.vllm.transfer_plan import TransferPlanner
+from engine_adapter.vllm.weights_identity import weights_identity
 from kvstore import ConfigError, ExtraKeys, HashAlgo, KVCacheStore, MultiModalInput, StoreConfig
 
 # -- settings ---------------------------------------------------------------------------

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.manager import KVCacheManager
 from tiers.base import TierKind
 from tiers.cpu import CPUTier
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.manager import KVCacheManager
 from tests.conftest import POOL_DEVICE, make_kv
 from tiers.base import TierKind
 from tiers.free_queue import FreeBlockQueue, PoolBlock

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_adapter.forward_batch import ForwardBatch, RequestChunk
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import Llama3RopeScaling, LlamaConfig
-from engine_adapter.paged_attention import allocate_kv_cache
-from engine_adapter.weights import CheckpointError, init_random_weights, load_hf_weights
+from engine_adapter.runner.forward_batch import ForwardBatch, RequestChunk
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import Llama3RopeScaling, LlamaConfig
+from engine_adapter.runner.paged_attention import allocate_kv_cache
+from engine_adapter.runner.weights import CheckpointError, init_random_weights, load_hf_weights
 from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError
 
 BLOCK_SIZE = 4
@@ -120,7 +120,7 @@ def test_logits_match_transformers(config: LlamaConfig) -> None:
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_load_local_safetensors_checkpoint(tmp_path: Path, tied: bool) -> None:
-    from engine_adapter.weights import load_hf_checkpoint
+    from engine_adapter.runner.weights import load_hf_checkpoint
 
     config = LlamaConfig(**{**TINY.__dict__, "tie_word_embeddings": tied})
     hf = hf_model(config)
@@ -137,7 +137,7 @@ def test_load_local_safetensors_checkpoint(tmp_path: Path, tied: bool) -> None:
 
 
 def test_load_rejects_incomplete_checkpoints(tmp_path: Path) -> None:
-    from engine_adapter.weights import load_hf_checkpoint
+    from engine_adapter.runner.weights import load_hf_checkpoint
 
     with pytest.raises(CheckpointError, match=r"no config\.json"):
         load_hf_checkpoint(tmp_path)

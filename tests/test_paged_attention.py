@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from engine_adapter.forward_batch import NO_BLOCK, ForwardBatch, RequestChunk
-from engine_adapter.paged_attention import (
+from engine_adapter.runner.forward_batch import NO_BLOCK, ForwardBatch, RequestChunk
+from engine_adapter.runner.paged_attention import (
     allocate_kv_cache,
     attend,
     attend_chunked,

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import LlamaConfig
-from engine_adapter.runner import KVStrataLLM
-from engine_adapter.weights import init_random_weights
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import LlamaConfig
+from engine_adapter.runner.runner import KVStrataLLM
+from engine_adapter.runner.weights import init_random_weights
 from kvstore import ConfigError, InvalidInputError, KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
 from tests.conftest import POOL_DEVICE
 from tiers.base import TierKind
@@ -125,9 +125,9 @@ _CHILD = textwrap.dedent(
     import torch
     from tests.conftest import POOL_DEVICE
     from tests.test_runner import CONFIG, store_config
-    from engine_adapter.model import LlamaModel
-    from engine_adapter.runner import KVStrataLLM
-    from engine_adapter.weights import init_random_weights
+    from engine_adapter.runner.model import LlamaModel
+    from engine_adapter.runner.runner import KVStrataLLM
+    from engine_adapter.runner.weights import init_random_weights
     from kvstore import KVCacheStore
 
     path, prompt = Path(sys.argv[1]), json.loads(sys.argv[2])

@@ -10,6 +10,7 @@ import torch
 
 from kvstore.errors import StoreClosedError
 from kvstore.hashing import BlockHash
+from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT
 from tiers.base import BlockKey, Tier
 from tiers.cpu import CPUTier
@@ -168,8 +169,10 @@ def test_closed_tier_raises(tier_factory: Callable[[int], Tier]) -> None:
 
 
 def test_cpu_demotes_to_lower_tier(tmp_path: Path) -> None:
+    """Through a tier stack: the CPU tier sees only the `Below` view the stack gives it."""
     disk = LMDBTier(str(tmp_path / "db"), 1 << 20, SHAPE, LAYOUT.dtype, sync=False)
-    cpu = CPUTier(2, SHAPE, LAYOUT.dtype, lower=disk)
+    cpu = CPUTier(2, SHAPE, LAYOUT.dtype)
+    TierStack([cpu, disk], write_through=False)
     try:
         put(cpu, [2, 1, 0])  # 2 is most evictable and overflows straight to disk
         assert disk.match_prefix([key(2).block_hash]) == 1

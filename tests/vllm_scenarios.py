@@ -35,7 +35,7 @@ def run(spec: dict) -> dict:
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="TierKVConnector",
-            kv_connector_module_path="engine_adapter.vllm_connector",
+            kv_connector_module_path="engine_adapter.vllm.connector",
             kv_role="kv_both",
             kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy="recompute",

@@ -13,7 +13,7 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NewType
+from typing import NamedTuple, NewType, Protocol
 
 import torch
 
@@ -67,6 +67,20 @@ class TierStats:
     num_corrupt: int
 
 
+class Below(Protocol):
+    """What a tier sees of the tiers below it, given by the store's tier stack (a tier never
+    holds another tier): where its evicted, overflowing or spilled blocks go."""
+
+    def demote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        """Store the blocks (eviction order) one tier down; return how many it wrote. Raises
+        `DiskFullError` (nothing written) if that tier cannot make room."""
+        ...
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        """Whether the tier below already holds the block."""
+        ...
+
+
 class Tier(abc.ABC):
     """A store of fixed-size KV blocks with LRU eviction.
 
@@ -75,6 +89,8 @@ class Tier(abc.ABC):
     """
 
     kind: TierKind
+    below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
+    num_spill_refused: int = 0  # blocks a full tier below refused during spills
 
     @property
     @abc.abstractmethod
@@ -122,6 +138,15 @@ class Tier(abc.ABC):
         0 for a tier with nothing below it. Used to persist on shutdown.
         """
         return 0
+
+    def pin(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Protect the leading held blocks from eviction until `unpin`; return how many were
+        pinned. A tier that never evicts under a reader pins nothing (returns 0)."""
+        return 0
+
+    def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
+        """Undo `pin` for the given blocks; blocks deleted meanwhile are skipped."""
+        return None
 
     @abc.abstractmethod
     def clear(self) -> None:

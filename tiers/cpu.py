@@ -21,7 +21,7 @@ class CPUTier(Tier):
 
     Invariant: every slot is either free or holds exactly one indexed block; an indexed block
     is either pinned (ref count > 0, not evictable) or in the LRU order. Evicted blocks are
-    demoted to `lower` (if any) before their slot is reused. With `checksum`, each slot's
+    demoted through `below` (if the stack gave one) before their slot is reused. With `checksum`, each slot's
     xxh3-64 is taken when it is written and checked before it is read or demoted: a slot
     damaged in memory is then a miss and is dropped, never returned nor copied down.
     """
@@ -34,7 +34,6 @@ class CPUTier(Tier):
         block_shape: tuple[int, ...],
         dtype: torch.dtype,
         *,
-        lower: Tier | None = None,
         verify_tokens: bool = True,
         pin_memory: bool | None = None,
         checksum: bool = False,
@@ -53,7 +52,6 @@ class CPUTier(Tier):
             raise ConfigError(f"CPU tier of {num_bytes} bytes cannot be allocated: {exc}") from None
         self._num_slots = num_slots
         self._block_bytes = self._slab[0].numel() * self._slab.element_size()
-        self._lower = lower
         self._verify_tokens = verify_tokens
         self._index: dict[BlockHash, int] = {}
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # first = least recent
@@ -120,9 +118,9 @@ class CPUTier(Tier):
             raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
         self.touch([k.block_hash for k in keys])
         overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + len(self._lru))
-        if overflow and self._lower is not None:
+        if overflow and self.below is not None:
             # More new blocks than this tier can ever hold: the most evictable skip it.
-            self._lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
+            self.below.demote([keys[i] for i in overflow], [srcs[i] for i in overflow])
         self._make_room(len(new) - len(self._free))
         slots = [self._free.pop() for _ in new]
         try:
@@ -162,12 +160,12 @@ class CPUTier(Tier):
             if len(victims) == num_needed:
                 break
             victims.append(h)
-        if self._lower is not None:
+        if self.below is not None:
             victims = self._drop_damaged(victims)  # the dropped ones freed their slots
             slots = [self._index[h] for h in victims]
             toks = [self._slot_tokens[s] for s in slots]
             # Raises DiskFullError before anything here changed: the victims stay.
-            self._lower.put(
+            self.below.demote(
                 [BlockKey(h, t) for h, t in zip(victims, toks)], [self._slab[s] for s in slots]
             )
         for h in victims:
@@ -175,12 +173,13 @@ class CPUTier(Tier):
         self._num_evictions += len(victims)
 
     def spill(self) -> int:
-        """Copy every block not yet in `lower` down to it (LRU order); keep them here too.
+        """Copy every block not yet below down to it, most recently used first; keep them here.
 
-        Returns how many blocks `lower` wrote. Used to persist the tier on shutdown.
+        Returns how many blocks the tier below wrote. Used to persist the tier on shutdown.
         """
         self._check_open()
-        if self._lower is None or not self._index:
+        below = self.below
+        if below is None or not self._index:
             return 0
         order = self._drop_damaged([*self._lru, *self._refs])
         slots = [self._index[h] for h in order]
@@ -192,11 +191,11 @@ class CPUTier(Tier):
         while end > 0:
             start = max(0, end - _SPILL_CHUNK)
             try:
-                written += self._lower.put(keys[start:end], srcs[start:end])
+                written += below.demote(keys[start:end], srcs[start:end])
             except DiskFullError:
                 for i in range(end - 1, start - 1, -1):
                     try:
-                        written += self._lower.put([keys[i]], [srcs[i]])
+                        written += below.demote([keys[i]], [srcs[i]])
                     except DiskFullError:
                         self.num_spill_refused += i + 1
                         return written

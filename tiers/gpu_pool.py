@@ -60,7 +60,6 @@ class BlockPool(Tier):
         dtype: torch.dtype,
         *,
         device: torch.device | str | None = None,
-        lower: Tier | None = None,
         verify_tokens: bool = True,
         demotion: DemotionPolicy = DemotionPolicy.ON_EVICT,
     ) -> None:
@@ -79,7 +78,6 @@ class BlockPool(Tier):
         self.blocks = [PoolBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, PoolBlock] = {}
-        self.lower = lower
         self.demotion = DemotionPolicy(demotion)
         self._verify_tokens = verify_tokens
         self._block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
@@ -167,8 +165,9 @@ class BlockPool(Tier):
         return BlockKey(block.block_hash, block.tokens)
 
     def _demote(self, blocks: Sequence[PoolBlock]) -> None:
-        """Copy blocks (eviction order) to `lower`; a full disk loses them, never fails here."""
-        if self.lower is None or not blocks:
+        """Copy blocks (eviction order) down through `below`; a full disk loses them, never fails here."""
+        below = self.below
+        if below is None or not blocks:
             return
         keys = [self._key(b) for b in blocks]
         try:
@@ -183,10 +182,10 @@ class BlockPool(Tier):
                         chunk = blocks[start : start + step]
                         ids = torch.tensor([b.block_id for b in chunk], device=self.device)
                         staged = self.kv_cache.index_select(2, ids).movedim(2, 0).contiguous()
-                        self.lower.put(keys[start : start + step], list(staged))
+                        below.demote(keys[start : start + step], list(staged))
                 self._copy_stream.synchronize()
             else:
-                self.lower.put(keys, [self.block_view(b.block_id) for b in blocks])
+                below.demote(keys, [self.block_view(b.block_id) for b in blocks])
             self.num_demoted += len(blocks)
         except DiskFullError:
             self.num_demotion_failures += len(blocks)
@@ -194,10 +193,9 @@ class BlockPool(Tier):
     def _evict(self, blocks: Sequence[PoolBlock]) -> None:
         if not blocks:
             return
-        if self.demotion is DemotionPolicy.WRITE_THROUGH and self.lower is not None:
-            hashes = [b.block_hash for b in blocks]
-            missing = [b for b, h in zip(blocks, hashes) if not self.lower.match_prefix([h])]  # type: ignore[list-item]
-            self._demote(missing)
+        below = self.below
+        if self.demotion is DemotionPolicy.WRITE_THROUGH and below is not None:
+            self._demote([b for b in blocks if b.block_hash is not None and not below.holds(b.block_hash)])
         else:
             self._demote(blocks)
         for block in blocks:
@@ -248,8 +246,8 @@ class BlockPool(Tier):
             raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
         self.touch([k.block_hash for k in keys])
         overflow, new = plan_put(keys, self.cached.__contains__, len(self.free_queue))
-        if overflow and self.lower is not None:  # no free block for them: straight down
-            self.lower.put([keys[i] for i in overflow], [srcs[i] for i in overflow])
+        if overflow and self.below is not None:  # no free block for them: straight down
+            self.below.demote([keys[i] for i in overflow], [srcs[i] for i in overflow])
         blocks = self.allocate(len(new))
         try:
             for block, i in zip(blocks, new):
@@ -285,9 +283,9 @@ class BlockPool(Tier):
         return n
 
     def spill(self) -> int:
-        """Copy every cached block down to `lower` (LRU order first); keep them here too."""
+        """Copy every cached block down through `below` (LRU order first); keep them here too."""
         self._check_open()
-        if self.lower is None:
+        if self.below is None:
             return 0
         order = [b for b in self.free_queue if b.block_hash is not None]
         order += [b for b in self.blocks if b.ref_cnt > 0 and b.block_hash is not None]

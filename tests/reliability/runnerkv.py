@@ -8,8 +8,8 @@ import numpy as np
 import torch
 import xxhash
 
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import ExtraKeys, KVLayout
-from kvstore.manager import KVCacheManager
 from tiers.gpu_pool import BlockPool, NoFreeBlocksError
 
 from .kvgen import block_bytes

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_adapter.runner.block_manager import ComputedBlocks, KVCacheManager
 from kvstore import (
     ConfigError,
     ExtraKeys,
@@ -29,7 +30,6 @@ from kvstore import (
     StoreConfig,
 )
 from kvstore.hashing import as_token_array
-from kvstore.manager import ComputedBlocks, KVCacheManager
 from tiers import lmdb_env
 from tiers.base import TierKind
 from tiers.cpu import CPUTier

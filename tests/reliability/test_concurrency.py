@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore
-from kvstore.manager import KVCacheManager
 from tests.conftest import POOL_DEVICE
 
 from . import procs

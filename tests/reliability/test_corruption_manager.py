@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore
-from kvstore.manager import KVCacheManager
 from tests.conftest import POOL_DEVICE
 from tiers.base import BlockKey
 from tiers.cpu import CPUTier

@@ -21,8 +21,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine_adapter.runner.block_manager import ComputedBlocks, KVCacheManager
 from kvstore import ConfigError, ExtraKeys, InvalidInputError, KVCacheStore, StoreConfig
-from kvstore.manager import ComputedBlocks, KVCacheManager
 from tests.conftest import POOL_DEVICE
 from tiers import lmdb_env
 from tiers.gpu_pool import NoFreeBlocksError

@@ -95,7 +95,7 @@ def test_salts_never_share_pool_blocks_through_the_manager(tmp_path: Path, figur
     """Tenants with the same tokens and different `cache_salt`s, served through one
     `KVCacheManager`: none is ever offered another's pool (or lower-tier) blocks, each reuses
     its own, and a salted `store()` is found by the same salt's requests only."""
-    from kvstore.manager import KVCacheManager
+    from engine_adapter.runner.block_manager import KVCacheManager
 
     from .runnerkv import serve
 

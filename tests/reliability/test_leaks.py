@@ -191,7 +191,7 @@ def test_pool_and_manager_memory_flat_and_released_on_close(tmp_path: Path, demo
     """Manager requests (add, allocate, commit, decode, free) interleaved with store/retrieve on
     a pool-fronted store: anonymous RSS flat once every tier is full, no request state left
     behind, and `close()` releases the pool's 40 MiB KV tensor (its mapping gone)."""
-    from kvstore.manager import KVCacheManager
+    from engine_adapter.runner.block_manager import KVCacheManager
 
     from .runnerkv import serve
 

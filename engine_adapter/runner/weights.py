@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from engine_adapter.model import LlamaModel
-from engine_adapter.model_config import LlamaConfig
+from engine_adapter.runner.model import LlamaModel
+from engine_adapter.runner.model_config import LlamaConfig
 from kvstore.errors import ConfigError
 
 # Checkpoint entries that carry no weights of ours (old HF files saved RoPE buffers).

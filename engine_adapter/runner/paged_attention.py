@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine_adapter.forward_batch import ForwardBatch
+from engine_adapter.runner.forward_batch import ForwardBatch
 from kvstore.config import KVLayout
 from kvstore.errors import InvalidInputError, LayoutMismatchError
 

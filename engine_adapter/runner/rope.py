@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine_adapter.model_config import LlamaConfig
+from engine_adapter.runner.model_config import LlamaConfig
 
 
 def inverse_frequencies(config: LlamaConfig) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Module and parameter names follow Hugging Face's `LlamaForCausalLM` with the `model.`
 prefix dropped (`layers.0.self_attn.q_proj.weight`, `norm.weight`, `lm_head.weight`), so a
-HF state dict maps by name (see `engine_adapter.weights`).
+HF state dict maps by name (see `engine_adapter.runner.weights`).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_adapter.forward_batch import ForwardBatch
-from engine_adapter.model_config import LlamaConfig
-from engine_adapter.paged_attention import check_kv_cache, paged_attention
-from engine_adapter.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from engine_adapter.runner.forward_batch import ForwardBatch
+from engine_adapter.runner.model_config import LlamaConfig
+from engine_adapter.runner.paged_attention import check_kv_cache, paged_attention
+from engine_adapter.runner.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from kvstore.errors import InvalidInputError
 
 
@@ -106,7 +106,7 @@ class LlamaModel(nn.Module):
     """Embeddings, `num_layers` decoder layers, final norm and LM head.
 
     Construction allocates parameters in `config.dtype` on `device`, uninitialized; fill
-    them with `engine_adapter.weights.init_random_weights` or `load_hf_checkpoint`.
+    them with `engine_adapter.runner.weights.init_random_weights` or `load_hf_checkpoint`.
     With `tie_word_embeddings` the LM head shares the embedding matrix.
     """
 

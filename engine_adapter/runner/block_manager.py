@@ -17,7 +17,7 @@ import numpy as np
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes
 from kvstore.store import KVCacheStore
-from tiers.base import Tier, TierKind
+from tiers.base import TierKind
 from tiers.gpu_pool import BlockPool, NoFreeBlocksError, PoolBlock
 
 
@@ -139,7 +139,7 @@ class KVCacheManager:
             num_ok = self._num_tokens_match(req, pool_blocks)
             if num_ok < len(pool_blocks):  # other token ids under our hash: a miss from there
                 pool_blocks, hashes = pool_blocks[:num_ok], hashes[:num_ok]
-            plan = self.store.locate(hashes)
+            plan = self.store.stack.locate(hashes)
         return ComputedBlocks(len(plan) * self.block_size, pool_blocks, plan[len(pool_blocks) :])
 
     def _current(
@@ -221,8 +221,8 @@ class KVCacheManager:
                 if lower:
                     self._load_lower(req, len(req.blocks) - len(new_blocks), len(lower), per_tier)
             finally:
-                for tier, hashes in pinned:
-                    tier.unpin(hashes)  # type: ignore[attr-defined]
+                for index, hashes in pinned:
+                    self.store.stack.unpin(index, hashes)
             return Allocation(req.num_computed_tokens, new_blocks, per_tier)
 
     def _check_computed(self, computed: object) -> None:
@@ -263,16 +263,14 @@ class KVCacheManager:
             and self._num_tokens_match(req, computed.pool_blocks) == n
         )
 
-    def _pin_planned(self, req: _Request, first: int, plan: list[int]) -> list[tuple[Tier, list[BlockHash]]]:
-        """Pin the planned blocks in tiers that support pinning (the CPU tier)."""
+    def _pin_planned(self, req: _Request, first: int, plan: list[int]) -> list[tuple[int, list[BlockHash]]]:
+        """Pin the planned blocks in their tiers (those that evict under a reader pin them).
+        Exactly the blocks pinned are returned: one gone since the plan (evicted, or deleted as
+        damaged) is skipped, and the ones after it are still unpinned later."""
         pinned = []
         for index in sorted(set(plan)):
-            tier = self.store.tiers[index]
-            if hasattr(tier, "pin"):
-                hashes = [req.hashes[first + i] for i, t in enumerate(plan) if t == index]
-                # Exactly the blocks pinned: one gone since the plan (evicted, or deleted as
-                # damaged) is skipped, and the ones after it are still unpinned later.
-                pinned.append((tier, [h for h in hashes if tier.pin([h])]))
+            hashes = [req.hashes[first + i] for i, t in enumerate(plan) if t == index]
+            pinned.append((index, self.store.stack.pin(index, hashes)))
         return pinned
 
     def _load_lower(self, req: _Request, first: int, count: int, per_tier: dict[TierKind, int]) -> None:
@@ -280,12 +278,12 @@ class KVCacheManager:
         request's blocks, re-planned now (allocation may have moved blocks down a tier);
         stop at the first block missing or failing validation."""
         end = first + count
-        plan = self.store.locate(req.hashes[:end])[first:]
+        plan = self.store.stack.locate(req.hashes[:end])[first:]
         end = first + next((i for i, t in enumerate(plan) if t == 0), len(plan))  # lower tiers only
         arr = np.asarray(req.token_ids[: end * self.block_size], dtype="<u4")
         keys = self.store.block_keys(arr, req.hashes[:end])
         views = [self.pool.block_view(b.block_id) for b in req.blocks[first:end]]
-        got, counts = self.store.load_planned(keys[first:end], views, plan[: end - first])
+        got, counts = self.store.stack.load(keys[first:end], views, plan[: end - first])
         for kind, n in counts.items():
             per_tier[kind] = per_tier.get(kind, 0) + n
         pos = first + got

@@ -16,11 +16,11 @@ from typing import NamedTuple
 
 import torch
 
-from engine_adapter.forward_batch import ForwardBatch, RequestChunk
-from engine_adapter.model import LlamaModel
+from engine_adapter.runner.block_manager import ComputedBlocks, KVCacheManager
+from engine_adapter.runner.forward_batch import ForwardBatch, RequestChunk
+from engine_adapter.runner.model import LlamaModel
 from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError
 from kvstore.hashing import ExtraKeys, as_token_array
-from kvstore.manager import ComputedBlocks, KVCacheManager
 from kvstore.store import KVCacheStore
 
 

@@ -1,0 +1,1 @@
+"""vLLM integration: `TierKVConnector` (scheduler and worker sides) and its parts."""

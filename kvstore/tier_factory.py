@@ -1,0 +1,63 @@
+"""One factory from `StoreConfig` to the ordered tiers, fastest first.
+
+A new tier is one file under `tiers/` plus one entry in `_BUILDERS`: a function that opens it
+from the config, or returns None when the config does not enable it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvstore.config import StoreConfig
+from kvstore.errors import ConfigError
+from tiers.base import BlockHash, Tier
+from tiers.cpu import CPUTier
+from tiers.gpu_pool import BlockPool, DemotionPolicy
+from tiers.lmdb import LMDBTier
+
+
+def _pool(config: StoreConfig, seed: BlockHash) -> Tier | None:
+    if not config.pool_blocks:
+        return None
+    try:
+        return BlockPool(config.pool_blocks, config.block_shape, config.layout.dtype, device=config.pool_device,
+                         verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion))
+    except (RuntimeError, AssertionError, ValueError) as exc:  # no such device, no memory
+        raise ConfigError(
+            f"StoreConfig.pool_blocks={config.pool_blocks} on pool_device={config.pool_device!r} "
+            f"cannot be allocated: {exc}"
+        ) from None
+
+
+def _cpu(config: StoreConfig, seed: BlockHash) -> Tier | None:
+    if not config.cpu_bytes:
+        return None
+    return CPUTier(config.cpu_blocks, config.block_shape, config.layout.dtype, verify_tokens=config.verify_tokens,
+                   checksum=config.cpu_checksums)
+
+
+def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
+    if config.disk_path is None:
+        return None
+    return LMDBTier(str(config.disk_path), config.disk_bytes, config.block_shape, config.layout.dtype,
+                    verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed)
+
+
+# Fastest first. The order is the tier stack's: demotion goes down it, promotion up.
+_BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk)
+
+
+def build_tiers(config: StoreConfig, seed: BlockHash) -> list[Tier]:
+    """Open every tier `config` enables, fastest first. A failure closes the ones already
+    opened and re-raises (a failed open leaks nothing)."""
+    opened: list[Tier] = []
+    try:
+        for build in reversed(_BUILDERS):  # the slowest first: the disk refuses bad paths cheaply
+            tier = build(config, seed)
+            if tier is not None:
+                opened.insert(0, tier)
+    except BaseException:
+        for tier in opened:
+            tier.close()
+        raise
+    return opened

@@ -1,0 +1,158 @@
+"""The tier stack: the one place that moves bytes between tiers.
+
+Tiers are independent (none holds another); the stack hands each the `Below` view of the tier
+under it, and decides everything between them: where a lookup is served from (`locate`),
+copying blocks out (`load`), writing new blocks (`put`: into the top tier, and with
+write-through into the bottom one too), promotion of lower-tier hits into the top tier,
+pinning, and spilling down on shutdown. Callers hold the store's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from tiers.base import BlockHash, BlockKey, Tier, TierKind
+from tiers.errors import DiskFullError
+
+logger = logging.getLogger(__name__)
+
+
+class _Below:
+    """What tier `index` sees of the stack below it."""
+
+    def __init__(self, lower: Tier) -> None:
+        self._lower = lower
+
+    def demote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        return self._lower.put(keys, srcs)
+
+    def holds(self, block_hash: BlockHash) -> bool:
+        return self._lower.match_prefix([block_hash]) == 1
+
+
+class TierStack:
+    """Ordered tiers, fastest first, and the policy between them.
+
+    Invariant: a block is written only through `put`, `promote` or a tier's own demotion
+    into the next tier down; never from a lower tier into a higher one except by `promote`.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, write_through: bool) -> None:
+        if not tiers:
+            raise ValueError("a tier stack needs at least one tier")
+        self.tiers = tuple(tiers)
+        self.write_through = write_through
+        for upper, lower in zip(self.tiers, self.tiers[1:]):
+            upper.below = _Below(lower)
+        self.num_promotion_failures = 0
+
+    @property
+    def top(self) -> Tier:
+        return self.tiers[0]
+
+    # -- reads -----------------------------------------------------------------------------
+    def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Index of the fastest tier holding each block of the longest cached prefix.
+
+        Each tier is asked once per run of consecutive blocks it holds (one LMDB read
+        transaction per disk run), and only where no faster tier holds the block. Changes
+        nothing.
+        """
+        plan: list[int] = []
+        run_end = [0] * len(self.tiers)
+        pos, n = 0, len(hashes)
+        while pos < n:
+            for index, tier in enumerate(self.tiers):
+                if run_end[index] <= pos:
+                    run_end[index] = pos + tier.match_prefix(hashes, pos)
+                if run_end[index] > pos:
+                    plan.append(index)
+                    pos += 1
+                    break
+            else:
+                break
+        return plan
+
+    def load(
+        self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]
+    ) -> tuple[int, dict[TierKind, int]]:
+        """Copy block i of `keys` into `dsts[i]` from tier `plan[i]` (one `get_into` per run of
+        one tier); stop at the first block missing or failing validation. Returns the blocks
+        copied and how many each tier served."""
+        counts: dict[TierKind, int] = {}
+        num_ok = 0
+        while num_ok < len(plan):
+            end = num_ok
+            while end < len(plan) and plan[end] == plan[num_ok]:
+                end += 1
+            tier = self.tiers[plan[num_ok]]
+            got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+            if got:
+                counts[tier.kind] = counts.get(tier.kind, 0) + got
+            num_ok += got
+            if num_ok < end:
+                break
+        return num_ok, counts
+
+    # -- writes ----------------------------------------------------------------------------
+    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        """Write blocks (prefix order) into the top tier, tail first (a sequence's tail is
+        evicted before its prefix); with write-through into the bottom tier too. Returns how
+        many the top tier newly wrote. Raises `DiskFullError` if the tiers cannot make room."""
+        if not keys:
+            return 0
+        written = self.top.put(keys[::-1], srcs[::-1])
+        if self.write_through and len(self.tiers) > 1:
+            self.tiers[-1].put(keys[::-1], srcs[::-1])
+        return written
+
+    def promote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], plan: Sequence[int],
+                num_ok: int) -> None:
+        """Copy the lower-tier hits among the first `num_ok` blocks into the top tier, prefix
+        first, without evicting this request's own top-tier blocks; then make the whole
+        prefix most recently used. `srcs[i]` must hold exactly block i's validated bytes."""
+        top = self.top
+        budget = top.capacity_blocks - sum(1 for i in range(num_ok) if plan[i] == 0)
+        lower = [i for i in range(num_ok) if plan[i] != 0][: max(0, budget)]
+        try:
+            if lower:
+                top.put([keys[i] for i in reversed(lower)], [srcs[i] for i in reversed(lower)])
+        except DiskFullError:
+            self.num_promotion_failures += 1
+        top.touch([k.block_hash for k in reversed(keys[:num_ok])])
+
+    def pin(self, index: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Pin the given blocks in tier `index`; return exactly those pinned (a block gone
+        meanwhile is skipped, and those after it are still pinned)."""
+        tier = self.tiers[index]
+        return [h for h in hashes if tier.pin([h])]
+
+    def unpin(self, index: int, hashes: Sequence[BlockHash]) -> None:
+        self.tiers[index].unpin(hashes)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def spill(self) -> tuple[int, int]:
+        """Copy every tier's blocks one tier down, fastest first (the pool into the CPU tier,
+        then the CPU tier to disk). Returns (blocks written, blocks a full tier refused);
+        never raises for a full disk."""
+        spilled = refused = 0
+        for tier in self.tiers:
+            before = tier.num_spill_refused
+            try:
+                spilled += tier.spill()
+            except DiskFullError as exc:
+                logger.warning("kvstrata: could not persist %s blocks: %s", tier.kind.value, exc)
+                refused += len(tier)
+            refused += tier.num_spill_refused - before
+        return spilled, refused
+
+    def check_integrity(self) -> None:
+        for tier in self.tiers:
+            tier.check_integrity()
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
