@@ -9,6 +9,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -78,13 +79,16 @@ def drop_file_cache(path: str | Path) -> bool:
         os.close(fd)
 
 
-def save_plot(fig: object, ax: object, path: Path, title: str) -> None:
-    """Title, grid and legend on `ax`, then write `fig` to `path` as PNG and close it."""
+def save_plot(fig: Any, ax: Any, path: Path, title: str) -> None:
+    """Title, grid and legend on `ax`, then write `fig` to `path` as PNG and close it.
+
+    `fig`/`ax` are matplotlib's Figure and Axes (typed Any: matplotlib is an optional import).
+    """
     import matplotlib.pyplot as plt
 
-    ax.set_title(title, fontsize=10)  # type: ignore[attr-defined]
-    ax.grid(True, alpha=0.3)  # type: ignore[attr-defined]
-    ax.legend(fontsize=8)  # type: ignore[attr-defined]
-    fig.tight_layout()  # type: ignore[attr-defined]
-    fig.savefig(path, dpi=120)  # type: ignore[attr-defined]
-    plt.close(fig)  # type: ignore[arg-type]
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from bench.args import Parser, directory, int_in, nonneg_int
 from bench.common import print_table
-from kvstore import KVCacheStore, KVLayout, StoreConfig
+from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
 from tiers.base import TierKind
+
+T = TypeVar("T")
 
 
 def run(tokens: int, layers: int, cpu_mib: int, disk_path: str, fresh: bool) -> list[list[object]]:
@@ -33,7 +37,7 @@ def run(tokens: int, layers: int, cpu_mib: int, disk_path: str, fresh: bool) -> 
           f"= {nbytes / 2**20:.0f} MiB of KV; CPU tier {cpu_mib} MiB; disk tier at {disk_path}")
     rows: list[list[object]] = []
 
-    def step(name: str, fn):  # type: ignore[no-untyped-def]
+    def step(name: str, fn: Callable[[], T]) -> tuple[T, float]:
         t0 = time.perf_counter()
         res = fn()
         dt = time.perf_counter() - t0
@@ -55,7 +59,7 @@ def run(tokens: int, layers: int, cpu_mib: int, disk_path: str, fresh: bool) -> 
     return rows
 
 
-def _row(name: str, res, nbytes: int, dt: float, kv: torch.Tensor) -> list[object]:  # type: ignore[no-untyped-def]
+def _row(name: str, res: RetrieveResult, nbytes: int, dt: float, kv: torch.Tensor) -> list[object]:
     exact = res.kv is not None and torch.equal(res.kv.view(torch.int16), kv[:, :, : res.num_tokens].view(torch.int16))
     per = {k: v * 16 for k, v in res.blocks_per_tier.items()}
     return [name, res.num_tokens, per.get(TierKind.CPU, 0), per.get(TierKind.DISK, 0),

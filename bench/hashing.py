@@ -32,8 +32,8 @@ def vllm_reference_chain(tokens: list[int], block_size: int) -> list[bytes]:
 
 def _vllm_chain() -> tuple[str, Callable[[list[int], int], object]]:
     try:  # pragma: no cover - only with vLLM installed
-        from vllm.utils.hashing import sha256 as vllm_sha256  # type: ignore[import-not-found]
-        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash  # type: ignore[import-not-found]
+        from vllm.utils.hashing import sha256 as vllm_sha256  # type: ignore[import-not-found]  # optional extra
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash  # type: ignore[import-not-found]  # ditto
 
         init_none_hash(vllm_sha256)
 

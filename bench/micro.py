@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ def lookup_cost(num_tokens: int = 32768, block_size: int = 16, repeat: int = 20)
                             disk_sync=False),
     }
 
-    def per_block(fn) -> float:  # type: ignore[no-untyped-def]
+    def per_block(fn: Callable[[], object]) -> float:
         fn()
         t0 = time.perf_counter()
         for _ in range(repeat):

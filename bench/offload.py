@@ -49,7 +49,7 @@ def _place(store: KVCacheStore, where: str) -> None:
         cpu.spill()
         cpu.clear()
     if where == "disk_cold":
-        drop_file_cache(Path(store.config.disk_path) / "data.mdb")  # type: ignore[arg-type]
+        drop_file_cache(Path(str(store.config.disk_path)) / "data.mdb")
 
 
 def run(lengths: list[int], layers: int, docs: int, questions: int, question_tokens: int, dtype: str,
@@ -137,7 +137,7 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
     xs = sorted(results)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for p, style in zip(PLACEMENTS, ("k--o", "-o", "-s", "-^", "-v")):
-        ax.plot(xs, [results[x]["ttft_s"][p] * 1e3 for x in xs], style, label=p.replace("_", " "))  # type: ignore[index]
+        ax.plot(xs, [results[x]["ttft_s"][p] * 1e3 for x in xs], style, label=p.replace("_", " "))  # type: ignore[index]  # JSON-shaped dict
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context tokens")

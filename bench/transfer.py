@@ -9,6 +9,8 @@ then a host `copy_`). Block sizes 16 KiB to 4 MiB.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from tqdm import tqdm
 
@@ -25,7 +27,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, repeat: int) -> float:  # type: ignore[no-untyped-def]
+def _time(fn: Callable[[], object], repeat: int) -> float:
     import time
 
     best = float("inf")

@@ -56,7 +56,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 from tqdm import tqdm
@@ -296,7 +296,7 @@ def run(workloads: list[str], params: dict[str, dict[str, int]], seed: int,
 
 
 def report(result: dict[str, object]) -> None:
-    res: dict[str, dict] = result["workloads"]  # type: ignore[assignment]
+    res = cast("dict[str, dict[str, Any]]", result["workloads"])
     hits = [[w, r["num_requests"], r["prompt_tokens"], f"{r['hit_rate']:.1%}",
              *(f"{r['hit_rate_by_tier'][t]:.1%}" for t in TIERS), f"{r['findable_hit_rate']:.1%}",
              "/".join(str(r["store_blocks"][k]) for k in ("working_set_blocks", "pool_blocks", "cpu_blocks")),
@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     result = run(workloads, resolve_params(args.size, args.set), args.seed, args.workdir)
     report(result)
     write_results("workload", {"size": args.size, **result})
-    bad = [w for w, r in result["workloads"].items() if not r["outputs_identical"]]  # type: ignore[union-attr]
+    per_workload = cast("dict[str, dict[str, Any]]", result["workloads"])
+    bad = [w for w, r in per_workload.items() if not r["outputs_identical"]]
     if bad:
         raise AssertionError(f"cached generation differs from the no-cache baseline in {bad}")
 

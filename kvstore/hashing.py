@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import array
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -23,7 +23,7 @@ import xxhash
 
 from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import InvalidInputError, InvalidTokensError
-from tiers.base import BlockHash  # a digest of one full block with its whole prefix and namespace
+from tiers.base import BlockHash as BlockHash  # a digest of one full block with its prefix and namespace
 
 HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
 _TOKEN_MAX = 2**32
@@ -178,7 +178,7 @@ def as_token_array(tokens: object) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
-def _digest_fn(algo: HashAlgo):  # type: ignore[no-untyped-def]
+def _digest_fn(algo: HashAlgo) -> Callable[[bytes], bytes]:
     if algo is HashAlgo.XXH3_128:
         return xxhash.xxh3_128_digest
     return lambda data: hashlib.sha256(data).digest()
@@ -190,7 +190,7 @@ def _canonical_namespace(namespace: object) -> bytes:
     if isinstance(namespace, str):
         return namespace.encode()
     if isinstance(namespace, (list, tuple)):
-        return msgpack.packb(list(namespace), use_bin_type=True)
+        return bytes(msgpack.packb(list(namespace), use_bin_type=True))
     raise InvalidInputError(f"namespace must be str, bytes or a list of them, got {namespace!r}")
 
 

@@ -118,7 +118,7 @@ def check_device(device: object) -> torch.device:
     if device is None:
         return torch.device("cpu")
     try:
-        dev = torch.device(device)  # type: ignore[call-overload]
+        dev: torch.device = torch.device(device)  # type: ignore[call-overload]  # validated here: any object
         if dev.type == "meta":
             raise RuntimeError("meta tensors hold no data")
         if dev not in _DEVICES:
@@ -153,4 +153,4 @@ def check_blocks(config: StoreConfig, blocks: Sequence[object], tokens_len: int,
         if destination:
             check_writable(block, f"destination block {i}")
     if destination:
-        check_disjoint(blocks, "destination blocks")  # type: ignore[arg-type]
+        check_disjoint([b for b in blocks if isinstance(b, torch.Tensor)], "destination blocks")

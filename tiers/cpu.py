@@ -155,7 +155,7 @@ class CPUTier(Tier):
     def _make_room(self, num_needed: int) -> None:
         if num_needed <= 0:
             return
-        victims = []
+        victims: list[BlockHash] = []
         for h in self._lru:
             if len(victims) == num_needed:
                 break
@@ -203,7 +203,7 @@ class CPUTier(Tier):
         return written
 
     def _sum(self, slot: int) -> int:
-        return xxhash.xxh3_64_intdigest(self._slab[slot].view(torch.uint8).numpy())
+        return xxhash.xxh3_64_intdigest(self._slab[slot].view(torch.uint8).numpy().data)
 
     def _drop_damaged(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
         """With checksums on, drop the given blocks whose slots fail theirs; return the rest."""

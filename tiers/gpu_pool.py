@@ -81,7 +81,9 @@ class BlockPool(Tier):
         self.demotion = DemotionPolicy(demotion)
         self._verify_tokens = verify_tokens
         self._block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copy_stream = (  # torch.cuda.Stream's constructor is unannotated
+            torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]  # see above
+        )
         self._closed = False
         self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
         self.num_demoted = self.num_demotion_failures = 0

@@ -129,7 +129,7 @@ class LMDBTier(Tier):
 
     # -- encoding --------------------------------------------------------------------------
     def _header(self, key: BlockKey, checksum: bytes) -> bytes:
-        return msgpack.packb(
+        return msgpack.packb(  # type: ignore[no-any-return]  # msgpack is untyped: packb returns bytes
             {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
              "shape": self._shape, "n": self._block_bytes,
              "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
@@ -203,7 +203,7 @@ class LMDBTier(Tier):
         return payload
 
     @staticmethod
-    def _read_header(value: memoryview) -> dict[str, object] | None:
+    def _read_header(value: memoryview | bytes) -> dict[str, object] | None:
         """A record's msgpack header, or None if it cannot be read."""
         try:
             _, hlen = _PREFIX.unpack(value[: _PREFIX.size])
@@ -212,7 +212,7 @@ class LMDBTier(Tier):
             return None
         return hdr if isinstance(hdr, dict) else None
 
-    def _owner(self, value: memoryview) -> bytes | None:
+    def _owner(self, value: memoryview | bytes) -> bytes | None:
         """The namespace tag in a record's header; None if unreadable or absent (older records)."""
         ns = (self._read_header(value) or {}).get("ns")
         return ns if isinstance(ns, bytes) else None
@@ -240,8 +240,8 @@ class LMDBTier(Tier):
 
     def __len__(self) -> int:
         self._check_open()
-        with begin(self._env, ) as txn:
-            return txn.stat(self._blocks)["entries"]
+        with begin(self._env) as txn:
+            return int(txn.stat(self._blocks)["entries"])
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
@@ -529,7 +529,7 @@ class LMDBTier(Tier):
 
     def stats(self) -> TierStats:
         self._check_open()
-        with begin(self._env, ) as txn:
+        with begin(self._env) as txn:
             _, used = self._read_meta(txn)
             num = txn.stat(self._blocks)["entries"]
         return TierStats(

@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import lmdb
 
@@ -131,10 +132,14 @@ def release_env(real: str) -> None:
             entry.env.close()
 
 
-def begin(env: lmdb.Environment, **kwargs: object) -> lmdb.Transaction:
-    """`env.begin(**kwargs)`, adopting a map another process grew meanwhile."""
-    try:
-        return env.begin(**kwargs)
-    except lmdb.MapResizedError:
-        env.set_mapsize(0)  # 0: take the size the file now has
-        return env.begin(**kwargs)
+def begin(env: lmdb.Environment, *, db: Any = None, write: bool = False, buffers: bool = False) -> Any:
+    """`env.begin(...)`, adopting a map another process grew meanwhile. Returns the
+    transaction (`lmdb.Transaction`, whose value type depends on `buffers`)."""
+    for attempt in range(2):
+        try:
+            return env.begin(db=db, write=write, buffers=True) if buffers else env.begin(db=db, write=write)
+        except lmdb.MapResizedError:
+            if attempt:
+                raise
+            env.set_mapsize(0)  # 0: take the size the file now has
+    raise AssertionError("unreachable")

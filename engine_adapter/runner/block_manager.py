@@ -164,9 +164,10 @@ class KVCacheManager:
             return self._num_needed(req, num_new_tokens, computed)
 
     def _num_needed(self, req: _Request, num_new_tokens: int, computed: ComputedBlocks | None) -> int:
-        first_call = computed is not None and not req.blocks
-        start = computed.num_tokens if first_call else req.num_computed_tokens  # type: ignore[union-attr]
-        held = len(computed.pool_blocks) if first_call else len(req.blocks)  # type: ignore[union-attr]
+        if computed is not None and not req.blocks:  # the first call: from the cached prefix
+            start, held = computed.num_tokens, len(computed.pool_blocks)
+        else:
+            start, held = req.num_computed_tokens, len(req.blocks)
         total = -(-(start + num_new_tokens) // self.block_size)
         return max(0, total - held)
 
@@ -178,8 +179,9 @@ class KVCacheManager:
 
     def _can_allocate(self, req: _Request, num_new_tokens: int, computed: ComputedBlocks | None) -> bool:
         need = self._num_needed(req, num_new_tokens, computed)
-        first_call = computed is not None and not req.blocks
-        shared_free = sum(1 for b in computed.pool_blocks if b.ref_cnt == 0) if first_call else 0  # type: ignore[union-attr]
+        shared_free = 0
+        if computed is not None and not req.blocks:  # pool hits at ref 0 leave the free queue
+            shared_free = sum(1 for b in computed.pool_blocks if b.ref_cnt == 0)
         return need + shared_free <= len(self.pool.free_queue)
 
     def allocate_slots(

@@ -32,7 +32,7 @@ def _check_positive(owner: str, name: str, value: object, kind: type = int) -> N
     bad_type = isinstance(value, bool) or not isinstance(
         value, (int, float) if kind is float else int
     )
-    if bad_type or value <= 0:  # type: ignore[operator]
+    if bad_type or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"{owner}.{name} must be a positive {kind.__name__}, got {value!r}")
 
 
@@ -95,7 +95,7 @@ class LlamaConfig:
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         _check_positive("LlamaConfig", "head_dim", self.head_dim)
-        if self.head_dim % 2:  # type: ignore[operator]
+        if int(self.head_dim or 0) % 2:  # checked positive just above
             raise ConfigError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
@@ -122,7 +122,7 @@ class LlamaConfig:
     @property
     def kv_layout(self) -> KVLayout:
         """The layout of one token's KV, as the store and the block pool see it."""
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)  # type: ignore[arg-type]
+        return KVLayout(self.num_layers, self.num_kv_heads, int(self.head_dim or 0), self.dtype)
 
     @classmethod
     def from_hf_dict(

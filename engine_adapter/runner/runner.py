@@ -71,6 +71,7 @@ class KVStrataLLM:
             raise ConfigError(f"pool on {store.pool.device} but model on {model.device}")
         self.model = model
         self.store = store
+        self.pool = store.pool  # checked present above
         self.manager = KVCacheManager(store)
         self.block_size = store.config.block_size
         self.prefix_caching = prefix_caching
@@ -88,7 +89,7 @@ class KVStrataLLM:
 
     def _forward(self, chunks: list[RequestChunk]) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, device=self.model.device)
-        return self.model(batch, self.store.pool.kv_cache)  # type: ignore[union-attr]
+        return self.model(batch, self.pool.kv_cache)
 
     def _prefill(self, rid: str, stats: RequestStats) -> torch.Tensor:
         mgr = self.manager
@@ -134,7 +135,7 @@ class KVStrataLLM:
         return -(-n // self.block_size)
 
     def _take_wave(self, prompts: list[list[int]], pending: list[int], max_new: int) -> list[int]:
-        budget = self.store.pool.num_blocks  # type: ignore[union-attr]
+        budget = self.pool.num_blocks
         wave, used = [], 0
         for i in pending:
             need = self._blocks_for(len(prompts[i]) + max_new)

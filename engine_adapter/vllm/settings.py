@@ -113,4 +113,4 @@ class ConnectorSettings:
                 values[name] = extra[name]
             elif env is not None and env != "":
                 values[name] = env
-        return cls(**values)  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]  # raw strings: __post_init__ parses each
