@@ -14,7 +14,8 @@ from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT
 from tiers.base import BlockKey, Tier
 from tiers.cpu import CPUTier
-from tiers.lmdb import LMDBTier, record_bytes_on_disk
+from tiers.lmdb import LMDBTier
+from tiers.lmdb_record import record_bytes_on_disk
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 BLOCK_BYTES = LAYOUT.block_bytes(BLOCK)

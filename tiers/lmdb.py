@@ -1,9 +1,7 @@
 """Disk tier: LMDB under `disk_path`, checksummed records, byte-bounded LRU eviction.
 
-Record = b"KVS1" | u32 header length | msgpack header | raw block bytes. The header names
-the format version, the key, the layout (dtype, shape), the payload length, the block's
-token ids and an xxh3-64 checksum over key, tokens and payload. Any mismatch on read is a
-miss and the record is deleted. The LRU order lives in LMDB itself (sub-databases `atime`
+Records are `tiers/lmdb_record.py`'s; one that fails validation on read is a miss and is
+deleted. The LRU order lives in LMDB itself (sub-databases `atime`
 hash->tick and `lru` tick->hash), so a reopened store finds everything committed and
 evicts in the same order. Reads never take LMDB's writer lock: their recency updates are
 buffered and applied in the next write transaction.
@@ -11,70 +9,24 @@ buffered and applied in the next write transaction.
 
 from __future__ import annotations
 
-import errno
 import os
-import resource
 import struct
 import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import lmdb
-import msgpack
-import numpy as np
 import torch
-import xxhash
 
 from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats
-from tiers.blockcopy import copy_block
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
-from tiers.lmdb_env import acquire_env, begin, release_env
+from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
+from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
 
-FORMAT_VERSION = 1
-_MAGIC = b"KVS1"
-_PREFIX = struct.Struct("<4sI")
 _U64 = struct.Struct("<Q")
 _TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
-_PAGE = 4096
-_ENTRY_OVERHEAD = 128  # atime + lru entries and B-tree slack per block
 _MAX_PENDING_TOUCHES = 4096
 _DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
-
-
-def record_bytes_on_disk(value_len: int) -> int:
-    """Bytes a record of `value_len` occupies in LMDB: overflow pages plus index entries."""
-    return -(-(value_len + 16) // _PAGE) * _PAGE + _ENTRY_OVERHEAD
-
-
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_FULL_TEXTS = ("No space left", "quota exceeded", "File too large")
-
-
-def _disk_full_reason(exc: BaseException, path: str, num_bytes: int) -> str | None:
-    """Why a failed LMDB write was for want of room, or None if it was not.
-
-    LMDB reports a short write as EIO ("Input/output error"): that is what a file system
-    that fills, or a file-size limit, does mid-commit. EIO counts as full only when the free
-    space or the RLIMIT_FSIZE headroom is below `num_bytes` (plus slack) right after.
-    """
-    text = str(exc)
-    if getattr(exc, "errno", None) in _FULL_ERRNOS or any(t in text for t in _FULL_TEXTS):
-        return "file system full"
-    if "Input/output error" not in text:
-        return None
-    need = num_bytes + (4 << 20)
-    try:
-        st = os.statvfs(path)
-        if st.f_bavail * st.f_frsize < need:
-            return "file system full (LMDB saw a short write)"
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY:
-            size = os.path.getsize(os.path.join(path, "data.mdb"))
-            if size + need > limit:
-                return f"file size limit of {limit} bytes reached (LMDB saw a short write)"
-    except OSError:
-        return None
-    return None
 
 
 class ScrubResult(NamedTuple):
@@ -84,10 +36,6 @@ class ScrubResult(NamedTuple):
     num_ok: int
     num_corrupt: int
     num_foreign: int = 0
-
-
-class UnverifiableRecordError(CorruptRecordError):
-    """A sound record without the token ids this reader verifies: a miss, not deleted."""
 
 
 class LMDBTier(Tier):
@@ -106,13 +54,10 @@ class LMDBTier(Tier):
         sync: bool = True,
         namespace: bytes = b"",
     ) -> None:
-        self._shape = list(block_shape)
-        self._namespace = bytes(namespace)
-        self._dtype = dtype
-        self._dtype_name = str(dtype).removeprefix("torch.")
-        self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+        self._namespace = self.codec.namespace
+        self._block_bytes = self.codec.block_bytes
         self._capacity_bytes = capacity_bytes
-        self._verify_tokens = verify_tokens
         self._path, self._env = acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
         self._pid = os.getpid()
         try:
@@ -126,108 +71,6 @@ class LMDBTier(Tier):
         self._closed = False
         self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
         self._num_unverifiable = 0
-
-    # -- encoding --------------------------------------------------------------------------
-    def _header(self, key: BlockKey, checksum: bytes) -> bytes:
-        return msgpack.packb(  # type: ignore[no-any-return]  # msgpack is untyped: packb returns bytes
-            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
-             "shape": self._shape, "n": self._block_bytes,
-             "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
-            use_bin_type=True,
-        )
-
-    @staticmethod
-    def _checksum(block_hash: bytes, tokens: bytes, payload: memoryview | bytes) -> bytes:
-        h = xxhash.xxh3_64()
-        h.update(block_hash)
-        h.update(tokens)
-        h.update(payload)
-        return h.digest()
-
-    def encode(self, key: BlockKey, src: torch.Tensor) -> bytearray:
-        """Build the record for one block (one copy of the KV bytes)."""
-        hlen = len(self._header(key, bytes(8)))
-        off = _PREFIX.size + hlen
-        buf = bytearray(off + self._block_bytes)
-        payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
-        copy_block(payload.view(self._dtype).view(self._shape), src)
-        tokens = key.tokens if self._verify_tokens else b""
-        header = self._header(key, self._checksum(key.block_hash, self._namespace + tokens, memoryview(buf)[off:]))
-        buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
-        buf[_PREFIX.size : off] = header
-        return buf
-
-    @staticmethod
-    def parse(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str, object], memoryview]:
-        """A record's header and payload, checked for self-consistency only (magic, format,
-        key, payload length, checksum over key, namespace tag, tokens and payload); raise
-        `CorruptRecordError` if damaged. Says nothing about whether it is this tier's."""
-        mv = memoryview(value)
-        if len(mv) < _PREFIX.size:
-            raise CorruptRecordError("record shorter than its prefix")
-        magic, hlen = _PREFIX.unpack(mv[: _PREFIX.size])
-        if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
-            raise CorruptRecordError("bad magic or header length")
-        try:
-            hdr = msgpack.unpackb(mv[_PREFIX.size : _PREFIX.size + hlen], raw=False)
-        except Exception as exc:  # msgpack raises many types on garbage
-            raise CorruptRecordError(f"undecodable header: {exc}") from None
-        payload = mv[_PREFIX.size + hlen :]
-        if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
-            raise CorruptRecordError("unknown record format")
-        if hdr.get("key") != bytes(block_hash):
-            raise CorruptRecordError("record stored under another key")
-        if hdr.get("n") != len(payload):
-            raise CorruptRecordError("payload length mismatch")
-        tokens, ns = hdr.get("tok"), hdr.get("ns", b"")
-        if not isinstance(tokens, bytes) or not isinstance(ns, bytes):
-            raise CorruptRecordError("bad token or namespace field")
-        if LMDBTier._checksum(block_hash, ns + tokens, payload) != hdr.get("xxh"):
-            raise CorruptRecordError("checksum mismatch")
-        return hdr, payload
-
-    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
-        """Validate a record as this tier's block `key` and return its payload; raise
-        `CorruptRecordError` if damaged (`UnverifiableRecordError` if it is sound but has no
-        token ids to check against `key.tokens`)."""
-        hdr, payload = self.parse(value, key.block_hash)
-        if hdr.get("ns", self._namespace) != self._namespace:
-            raise CorruptRecordError("record of another namespace under this key")
-        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or len(payload) != self._block_bytes:
-            raise CorruptRecordError("record layout differs from this tier's")
-        tokens = hdr["tok"]
-        if self._verify_tokens and key.tokens and tokens != key.tokens:
-            if not tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
-                raise UnverifiableRecordError("record carries no token ids to verify")
-            raise CorruptRecordError("token ids differ (hash collision or damage)")
-        return payload
-
-    @staticmethod
-    def _read_header(value: memoryview | bytes) -> dict[str, object] | None:
-        """A record's msgpack header, or None if it cannot be read."""
-        try:
-            _, hlen = _PREFIX.unpack(value[: _PREFIX.size])
-            hdr = msgpack.unpackb(value[_PREFIX.size : _PREFIX.size + hlen], raw=False)
-        except Exception:  # garbage of any kind: nothing can be read
-            return None
-        return hdr if isinstance(hdr, dict) else None
-
-    def _owner(self, value: memoryview | bytes) -> bytes | None:
-        """The namespace tag in a record's header; None if unreadable or absent (older records)."""
-        ns = (self._read_header(value) or {}).get("ns")
-        return ns if isinstance(ns, bytes) else None
-
-    def _copy_out(self, payload: memoryview, dst: torch.Tensor) -> None:
-        src = np.frombuffer(payload, dtype=np.uint8)
-        target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)
-        try:
-            view = target.view(torch.uint8).numpy()
-        except RuntimeError:  # strides that a byte view cannot express
-            target = torch.empty(self._shape, dtype=self._dtype)
-            view = target.view(torch.uint8).numpy()
-        np.copyto(view, src.reshape(view.shape))
-        if target is not dst:
-            dst.copy_(target)
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -261,14 +104,14 @@ class LMDBTier(Tier):
                 if value is None:
                     break
                 try:
-                    payload = self.decode(value, key)
+                    payload = self.codec.decode(value, key)
                 except UnverifiableRecordError:
                     self._num_unverifiable += 1
                     break
                 except CorruptRecordError:
                     corrupt.append(key.block_hash)
                     break
-                self._copy_out(payload, dst)
+                self.codec.copy_out(payload, dst)
                 n += 1
         if corrupt:
             self._num_corrupt += len(corrupt)
@@ -287,7 +130,7 @@ class LMDBTier(Tier):
         records: dict[BlockHash, bytearray] = {}
         for i in missing:  # encode outside the write transaction; last duplicate wins
             records.pop(keys[i].block_hash, None)
-            records[keys[i].block_hash] = self.encode(keys[i], srcs[i])
+            records[keys[i].block_hash] = self.codec.encode(keys[i], srcs[i])
         for attempt in range(4):
             try:
                 written = self._write(records, [k.block_hash for k in keys], extra=attempt)
@@ -298,7 +141,7 @@ class LMDBTier(Tier):
                 self._env.reader_check()
                 continue
             except lmdb.Error as exc:
-                reason = _disk_full_reason(exc, self._path, sum(map(len, records.values())))
+                reason = disk_full_reason(exc, self._path, sum(map(len, records.values())))
                 if reason is not None:
                     raise DiskFullError(
                         f"disk tier at {self._path}: {reason}; nothing was written ({exc})"
@@ -397,7 +240,7 @@ class LMDBTier(Tier):
         try:
             self._write({}, [], extra=0)
         except lmdb.Error as exc:
-            full = _disk_full_reason(exc, self._path, 0) is not None
+            full = disk_full_reason(exc, self._path, 0) is not None
             if not isinstance(exc, lmdb.MapFullError) and not full:
                 raise
             with self._lock:
@@ -450,7 +293,7 @@ class LMDBTier(Tier):
                     txn.drop(db, delete=False)
         else:
             with begin(self._env, db=self._blocks, buffers=True) as txn:
-                mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self._owner(v) == self._namespace]
+                mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
             self._discard_damaged(mine)
         with self._lock:
             self._pending.clear()
@@ -511,13 +354,13 @@ class LMDBTier(Tier):
             for h, value in txn.cursor():
                 key = BlockKey(BlockHash(bytes(h)))
                 try:
-                    hdr, _ = self.parse(value, key.block_hash)  # damaged for every reader
+                    hdr, _ = self.codec.parse(value, key.block_hash)  # damaged for every reader
                     if hdr.get("ns", self._namespace) != self._namespace or (
-                        "ns" not in hdr and (hdr.get("dtype"), hdr.get("shape")) != (self._dtype_name, self._shape)
+                        "ns" not in hdr and not self.codec.is_own_layout(hdr)
                     ):
                         num_foreign += 1  # sound, another store's: not ours to judge or delete
                         continue
-                    self.decode(value, key)
+                    self.codec.decode(value, key)
                 except CorruptRecordError:
                     damaged.append(key.block_hash)
                 else:

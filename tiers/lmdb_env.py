@@ -11,8 +11,10 @@ handles the parent opened (LMDB handles must not cross `fork()`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import resource
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -143,3 +145,34 @@ def begin(env: lmdb.Environment, *, db: Any = None, write: bool = False, buffers
                 raise
             env.set_mapsize(0)  # 0: take the size the file now has
     raise AssertionError("unreachable")
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_FULL_TEXTS = ("No space left", "quota exceeded", "File too large")
+
+
+def disk_full_reason(exc: BaseException, path: str, num_bytes: int) -> str | None:
+    """Why a failed LMDB write was for want of room, or None if it was not.
+
+    LMDB reports a short write as EIO ("Input/output error"): that is what a file system
+    that fills, or a file-size limit, does mid-commit. EIO counts as full only when the free
+    space or the RLIMIT_FSIZE headroom is below `num_bytes` (plus slack) right after.
+    """
+    text = str(exc)
+    if getattr(exc, "errno", None) in _FULL_ERRNOS or any(t in text for t in _FULL_TEXTS):
+        return "file system full"
+    if "Input/output error" not in text:
+        return None
+    need = num_bytes + (4 << 20)
+    try:
+        st = os.statvfs(path)
+        if st.f_bavail * st.f_frsize < need:
+            return "file system full (LMDB saw a short write)"
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            size = os.path.getsize(os.path.join(path, "data.mdb"))
+            if size + need > limit:
+                return f"file size limit of {limit} bytes reached (LMDB saw a short write)"
+    except OSError:
+        return None
+    return None

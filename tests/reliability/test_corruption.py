@@ -80,7 +80,7 @@ def _tampered_value(kind: str, record: bytes, other: bytes, tier: LMDBTier, key:
     other_tokens = bytes(reversed(key.tokens))
     if other_tokens == key.tokens:
         other_tokens = b"\x01" * len(key.tokens)
-    return bytes(tier.encode(BlockKey(key.block_hash, other_tokens), kv))
+    return bytes(tier.codec.encode(BlockKey(key.block_hash, other_tokens), kv))
 
 
 def _damage_file(data: bytearray, record: bytes, kind: str, rng: np.random.Generator) -> None:
@@ -157,7 +157,7 @@ def test_raw_file_damage_is_a_miss(tmp_path: Path, layout_name: str, figures: Fi
             index = int(rng.integers(len(prompts[i]) // block))
             key, kv = _key_and_block(store, prompts[i], index, layout, block)
             kind = RAW_KINDS[(r + i) % len(RAW_KINDS)]
-            records.append((bytes(_disk(store).encode(key, kv)), kind))
+            records.append((bytes(_disk(store).codec.encode(key, kv)), kind))
             damaged[i] = index
         store.close()
         data_path = path / "data.mdb"
@@ -189,9 +189,9 @@ def test_wrong_values_are_a_miss(tmp_path: Path, layout_name: str, figures: Figu
             index = int(rng.integers(len(prompts[i]) // block))
             key, kv = _key_and_block(store, prompts[i], index, layout, block)
             okey, okv = _key_and_block(store, prompts[-1], 0, layout, block)
-            record = bytes(disk.encode(key, kv))
+            record = bytes(disk.codec.encode(key, kv))
             kind = VALUE_KINDS[(r + i) % len(VALUE_KINDS)]
-            other = bytes(disk.encode(okey, okv))
+            other = bytes(disk.codec.encode(okey, okv))
             values[key.block_hash] = _tampered_value(kind, record, other, disk, key, kv, rng)
             damaged[i] = index
         store.close()
@@ -222,7 +222,7 @@ def test_damage_under_a_running_store(tmp_path: Path, figures: Figures) -> None:
             for i in range(8):
                 index = int(rng.integers(len(prompts[i]) // BLOCK))
                 key, kv = _key_and_block(store, prompts[i], index, LAYOUT, BLOCK)
-                record = bytes(disk.encode(key, kv))
+                record = bytes(disk.codec.encode(key, kv))
                 at = data.find(record)
                 assert at >= 0
                 pos = at + len(record) - 1 - int(rng.integers(LAYOUT.block_bytes(BLOCK)))

@@ -66,10 +66,10 @@ def test_damaged_disk_record_shortens_the_prefix(tmp_path: Path, kind: str, figu
             block_tokens = tokens[index * BLOCK : (index + 1) * BLOCK].tobytes()
             kv = make_kv(tokens[: (index + 1) * BLOCK], LAYOUT, BLOCK)[:, :, index * BLOCK :].contiguous()
             if kind == "payload-bit":
-                record = bytearray(disk.encode(BlockKey(h, block_tokens), kv))
+                record = bytearray(disk.codec.encode(BlockKey(h, block_tokens), kv))
                 record[-1 - int(rng.integers(LAYOUT.block_bytes(BLOCK)))] ^= 1 << int(rng.integers(8))
             else:  # valid record and checksum, but another prefix's token ids
-                record = bytearray(disk.encode(BlockKey(h, bytes(reversed(block_tokens))), kv))
+                record = bytearray(disk.codec.encode(BlockKey(h, bytes(reversed(block_tokens))), kv))
             values[h] = bytes(record)
     # close() spilled the pool to disk; damage the records there, then serve from a cold pool.
     with lmdb.open(str(tmp_path), max_dbs=4) as env, env.begin(write=True, db=env.open_db(b"blocks")) as txn:

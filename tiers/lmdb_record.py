@@ -1,0 +1,162 @@
+"""The disk tier's self-checking record: encoding, validation and the payload copy-out.
+
+Record = b"KVS1" | u32 header length | msgpack header | raw block bytes. The header names the
+format version, the key, the namespace of the store that wrote it, the layout (dtype,
+shape), the payload length, the block's token ids and an xxh3-64 checksum over key,
+namespace, tokens and payload. Any mismatch on read is a `CorruptRecordError`.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from tiers.base import BlockKey
+from tiers.blockcopy import copy_block
+from tiers.errors import CorruptRecordError
+
+FORMAT_VERSION = 1
+_MAGIC = b"KVS1"
+_PREFIX = struct.Struct("<4sI")
+_PAGE = 4096
+_ENTRY_OVERHEAD = 128  # atime + lru entries and B-tree slack per block
+
+
+def record_bytes_on_disk(value_len: int) -> int:
+    """Bytes a record of `value_len` occupies in LMDB: overflow pages plus index entries."""
+    return -(-(value_len + 16) // _PAGE) * _PAGE + _ENTRY_OVERHEAD
+
+
+
+
+class UnverifiableRecordError(CorruptRecordError):
+    """A sound record without the token ids this reader verifies: a miss, not deleted."""
+
+
+class RecordCodec:
+    """Encodes and validates the records of one layout and namespace."""
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, *, verify_tokens: bool,
+                 namespace: bytes) -> None:
+        self._shape = list(block_shape)
+        self._dtype = dtype
+        self._dtype_name = str(dtype).removeprefix("torch.")
+        self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
+        self._verify_tokens = verify_tokens
+        self._namespace = bytes(namespace)
+
+    @property
+    def namespace(self) -> bytes:
+        return self._namespace
+
+    @property
+    def block_bytes(self) -> int:
+        return self._block_bytes
+
+    def is_own_layout(self, hdr: dict[str, object]) -> bool:
+        return hdr.get("dtype") == self._dtype_name and hdr.get("shape") == self._shape
+
+    def _header(self, key: BlockKey, checksum: bytes) -> bytes:
+        return msgpack.packb(  # type: ignore[no-any-return]  # msgpack is untyped: packb returns bytes
+            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
+             "shape": self._shape, "n": self._block_bytes,
+             "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
+            use_bin_type=True,
+        )
+
+    @staticmethod
+    def _checksum(block_hash: bytes, tokens: bytes, payload: memoryview | bytes) -> bytes:
+        h = xxhash.xxh3_64()
+        h.update(block_hash)
+        h.update(tokens)
+        h.update(payload)
+        return h.digest()
+
+    def encode(self, key: BlockKey, src: torch.Tensor) -> bytearray:
+        """Build the record for one block (one copy of the KV bytes)."""
+        hlen = len(self._header(key, bytes(8)))
+        off = _PREFIX.size + hlen
+        buf = bytearray(off + self._block_bytes)
+        payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
+        copy_block(payload.view(self._dtype).view(self._shape), src)
+        tokens = key.tokens if self._verify_tokens else b""
+        header = self._header(key, self._checksum(key.block_hash, self._namespace + tokens, memoryview(buf)[off:]))
+        buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
+        buf[_PREFIX.size : off] = header
+        return buf
+
+    @staticmethod
+    def parse(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str, object], memoryview]:
+        """A record's header and payload, checked for self-consistency only (magic, format,
+        key, payload length, checksum over key, namespace tag, tokens and payload); raise
+        `CorruptRecordError` if damaged. Says nothing about whether it is this tier's."""
+        mv = memoryview(value)
+        if len(mv) < _PREFIX.size:
+            raise CorruptRecordError("record shorter than its prefix")
+        magic, hlen = _PREFIX.unpack(mv[: _PREFIX.size])
+        if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
+            raise CorruptRecordError("bad magic or header length")
+        try:
+            hdr = msgpack.unpackb(mv[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+        except Exception as exc:  # msgpack raises many types on garbage
+            raise CorruptRecordError(f"undecodable header: {exc}") from None
+        payload = mv[_PREFIX.size + hlen :]
+        if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
+            raise CorruptRecordError("unknown record format")
+        if hdr.get("key") != bytes(block_hash):
+            raise CorruptRecordError("record stored under another key")
+        if hdr.get("n") != len(payload):
+            raise CorruptRecordError("payload length mismatch")
+        tokens, ns = hdr.get("tok"), hdr.get("ns", b"")
+        if not isinstance(tokens, bytes) or not isinstance(ns, bytes):
+            raise CorruptRecordError("bad token or namespace field")
+        if RecordCodec._checksum(block_hash, ns + tokens, payload) != hdr.get("xxh"):
+            raise CorruptRecordError("checksum mismatch")
+        return hdr, payload
+
+    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
+        """Validate a record as this tier's block `key` and return its payload; raise
+        `CorruptRecordError` if damaged (`UnverifiableRecordError` if it is sound but has no
+        token ids to check against `key.tokens`)."""
+        hdr, payload = self.parse(value, key.block_hash)
+        if hdr.get("ns", self._namespace) != self._namespace:
+            raise CorruptRecordError("record of another namespace under this key")
+        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or len(payload) != self._block_bytes:
+            raise CorruptRecordError("record layout differs from this tier's")
+        tokens = hdr["tok"]
+        if self._verify_tokens and key.tokens and tokens != key.tokens:
+            if not tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
+                raise UnverifiableRecordError("record carries no token ids to verify")
+            raise CorruptRecordError("token ids differ (hash collision or damage)")
+        return payload
+
+    @staticmethod
+    def _read_header(value: memoryview | bytes) -> dict[str, object] | None:
+        """A record's msgpack header, or None if it cannot be read."""
+        try:
+            _, hlen = _PREFIX.unpack(value[: _PREFIX.size])
+            hdr = msgpack.unpackb(value[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+        except Exception:  # garbage of any kind: nothing can be read
+            return None
+        return hdr if isinstance(hdr, dict) else None
+
+    def owner(self, value: memoryview | bytes) -> bytes | None:
+        """The namespace tag in a record's header; None if unreadable or absent (older records)."""
+        ns = (self._read_header(value) or {}).get("ns")
+        return ns if isinstance(ns, bytes) else None
+
+    def copy_out(self, payload: memoryview, dst: torch.Tensor) -> None:
+        src = np.frombuffer(payload, dtype=np.uint8)
+        target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)
+        try:
+            view = target.view(torch.uint8).numpy()
+        except RuntimeError:  # strides that a byte view cannot express
+            target = torch.empty(self._shape, dtype=self._dtype)
+            view = target.view(torch.uint8).numpy()
+        np.copyto(view, src.reshape(view.shape))
+        if target is not dst:
+            dst.copy_(target)
