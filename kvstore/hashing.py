@@ -257,3 +257,32 @@ def chain_hashes(
             prev = digest(prev + buf[i * step : (i + 1) * step] + extras)
             out.append(BlockHash(prev))
     return out
+
+
+class BlockChain:
+    """The chained hashes of one growing token sequence, extended as its blocks complete, so a
+    request is hashed once. Bound to one namespace seed, block size, algorithm and extra keys.
+
+    Invariant: `hashes[i]` is the key of block i of the tokens hashed so far. Tokens given
+    later must extend those (checked byte for byte; a sequence that changed is rehashed from
+    its first block, never served stale keys).
+    """
+
+    def __init__(self, seed: BlockHash, block_size: int, algo: HashAlgo, extra_keys: ExtraKeys | None) -> None:
+        self.seed, self.block_size, self.algo, self.extra_keys = seed, block_size, algo, extra_keys
+        self.hashes: list[BlockHash] = []
+        self._hashed = b""  # the token bytes of the hashed blocks
+
+    def hashes_of(self, arr: np.ndarray) -> list[BlockHash]:
+        """Keys of every full block of `arr` (validated uint32 tokens), hashing only new blocks."""
+        num_full = len(arr) // self.block_size
+        common = min(num_full, len(self.hashes)) * self.block_size  # tokens both cover
+        if arr[:common].tobytes() != self._hashed[: common * 4]:
+            self.hashes, self._hashed = [], b""  # not the same sequence: start over
+        done = len(self.hashes)
+        if num_full > done:
+            parent = self.hashes[-1] if self.hashes else self.seed
+            new = arr[done * self.block_size : num_full * self.block_size]
+            self.hashes.extend(chain_hashes(new, self.block_size, parent, self.extra_keys, self.algo, first_block=done))
+            self._hashed += new.tobytes()
+        return self.hashes[:num_full]

@@ -18,7 +18,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     StoreClosedError,
 )
-from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
 from kvstore.tier_factory import build_tiers
 from kvstore.tier_stack import TierStack
 from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
@@ -129,12 +129,25 @@ class KVCacheStore:
         """The chained keys of `tokens`' full blocks in this store's namespace."""
         return self._hash(tokens, extra_keys)[1]
 
-    def _hash(self, tokens: object, extra_keys: ExtraKeys | None) -> tuple[np.ndarray, list[BlockHash]]:
+    def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
+        """A `BlockChain` in this store's namespace: pass it as `chain=` to `store_blocks` /
+        `retrieve_into` calls on one growing sequence, so each block is hashed once."""
+        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+            raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
+        return BlockChain(self._seed, self.config.block_size, self.config.hash_algo, extra_keys)
+
+    def _hash(self, tokens: object, extra_keys: ExtraKeys | None,
+              chain: BlockChain | None = None) -> tuple[np.ndarray, list[BlockHash]]:
         if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
             raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
         arr = as_token_array(tokens)
         cfg = self.config
-        return arr, chain_hashes(arr, cfg.block_size, self._seed, extra_keys, cfg.hash_algo)
+        if chain is None:
+            return arr, chain_hashes(arr, cfg.block_size, self._seed, extra_keys, cfg.hash_algo)
+        if not isinstance(chain, BlockChain) or (chain.seed, chain.block_size, chain.algo, chain.extra_keys) != (
+                self._seed, cfg.block_size, cfg.hash_algo, extra_keys):
+            raise InvalidInputError("chain must come from this store's chain() with the same extra_keys")
+        return arr, chain.hashes_of(arr)
 
     def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
         """`BlockKey`s of `hashes` with the token bytes of `arr` when tokens are verified."""
@@ -250,6 +263,7 @@ class KVCacheStore:
         *,
         first_block: int = 0,
         extra_keys: ExtraKeys | None = None,
+        chain: BlockChain | None = None,
     ) -> int:
         """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
 
@@ -260,7 +274,7 @@ class KVCacheStore:
         Invalid input raises an `InvalidInputError` subclass and stores nothing.
         """
         self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys)
+        arr, hashes = self._hash(tokens, extra_keys, chain)
         check_blocks(self.config, srcs, len(arr), first_block)
         keys = self.block_keys(arr, hashes)[first_block : first_block + len(srcs)]
         with self._lock:
@@ -277,6 +291,7 @@ class KVCacheStore:
         *,
         first_block: int = 0,
         extra_keys: ExtraKeys | None = None,
+        chain: BlockChain | None = None,
     ) -> LoadResult:
         """Copy cached blocks `first_block, first_block + 1, ...` of `tokens` into `dsts`.
 
@@ -285,7 +300,7 @@ class KVCacheStore:
         `first_block` are neither read nor required.
         """
         self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys)
+        arr, hashes = self._hash(tokens, extra_keys, chain)
         check_blocks(self.config, dsts, len(arr), first_block, destination=True)
         keys = self.block_keys(arr, hashes)[first_block : first_block + len(dsts)]
         b = self.config.block_size

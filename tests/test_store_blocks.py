@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvstore import KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
+from kvstore import ExtraKeys, KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
 from kvstore.errors import InvalidInputError
+from tests.conftest import make_kv
 from tiers.base import TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.uint8)
@@ -136,3 +138,25 @@ def test_bad_input_raises_and_changes_nothing(tmp_path: Path) -> None:
             store.retrieve_into(TOKENS, _empty(1), first_block=-1)
         assert store.lookup(TOKENS) == 0
         assert store.stats().num_blocks_stored == 0
+
+
+def test_block_chain_hashes_a_growing_sequence_once_with_the_same_keys(make_store: Callable[..., KVCacheStore]) -> None:
+    """Redesign: a request is hashed once. A `BlockChain` extended block by block gives the
+    keys a fresh hash of the whole prefix gives; a changed sequence is rehashed, and a chain
+    of another store or other extra keys is refused."""
+    store = make_store()
+    tokens = list(range(1000, 1000 + 6 * BLOCK))
+    kv = make_kv(len(tokens))
+    blocks = [kv[:, :, i * BLOCK : (i + 1) * BLOCK] for i in range(6)]
+    chain = store.chain()
+    for i in range(6):  # one more block per step, as an engine saves them
+        assert store.store_blocks(tokens[: (i + 1) * BLOCK], [blocks[i]], first_block=i, chain=chain) == 1
+    assert chain.hashes == store.block_hashes(tokens)
+    assert store.lookup(tokens) == 6 * BLOCK
+    other = [5, *tokens[1:]]  # same length, another first token: not an extension
+    assert store.store_blocks(other, blocks[:1], chain=chain) == 1
+    assert chain.hashes[:1] == store.block_hashes(other)[:1]
+    with pytest.raises(InvalidInputError, match="chain"):
+        store.retrieve_into(tokens, [torch.empty_like(blocks[0])], chain=chain, extra_keys=ExtraKeys(cache_salt="x"))
+    with pytest.raises(InvalidInputError, match="chain"):
+        make_store(namespace="other", disk=False).retrieve_into(tokens, [torch.empty_like(blocks[0])], chain=chain)

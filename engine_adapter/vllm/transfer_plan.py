@@ -36,6 +36,7 @@ class StepPlan:
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)  # requests whose per-request state can go
 
 
 @dataclass
