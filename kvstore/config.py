@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
@@ -70,7 +71,7 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not is_int_at_least(value, 1):
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
         dtype = self.dtype
         if isinstance(dtype, str):
@@ -106,11 +107,23 @@ class KVLayout:
         return [self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_name]
 
 
+def is_int_at_least(value: object, low: int) -> bool:
+    """Whether `value` is an int (NumPy ints included, bools not) of at least `low`."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
+
+
+def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError) -> int:
+    """`value` as an int >= `low`, else `error` naming it: the one check of every count, size
+    and index kvstrata takes from a caller."""
+    if not is_int_at_least(value, low):
+        bound = "> 0" if low == 1 else f">= {low}"
+        raise error(f"{name} must be an int {bound}, got {value!r}")
+    assert isinstance(value, (int, np.integer))
+    return int(value)
+
+
 def _positive_int(owner: str, name: str, value: object, *, allow_zero: bool = False) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{owner}.{name} must be an int {bound}, got {value!r}")
-    return value
+    return require_int(f"{owner}.{name}", value, 0 if allow_zero else 1)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvstore.config import HashAlgo, parse_hash_algo
+from kvstore.config import HashAlgo, parse_hash_algo, require_int
 from kvstore.errors import InvalidInputError, InvalidTokensError
 from tiers.base import BlockHash as BlockHash  # a digest of one full block with its prefix and namespace
 
@@ -58,8 +58,7 @@ class MultiModalInput:
         _check_utf8("MultiModalInput.content_hash", self.content_hash)
         for name in ("token_offset", "num_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidInputError(f"MultiModalInput.{name} must be an int >= 0, got {value!r}")
+            require_int(f"MultiModalInput.{name}", value, 0, InvalidInputError)
         if self.num_tokens == 0:
             raise InvalidInputError("MultiModalInput.num_tokens must be > 0")
 
@@ -219,8 +218,7 @@ def block_hashes(
         InvalidTokensError: tokens are malformed (see `as_token_array`).
         InvalidInputError: block_size is not a positive int or extra_keys is malformed.
     """
-    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
-        raise InvalidInputError(f"block_size must be a positive int, got {block_size!r}")
+    require_int("block_size", block_size, 1, InvalidInputError)
     if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
         raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
     arr = as_token_array(tokens)

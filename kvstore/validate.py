@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.config import StoreConfig
+from kvstore.config import StoreConfig, require_int
 from kvstore.errors import InvalidInputError, LayoutMismatchError
 
 _MAX_RUNS = 1 << 22  # byte runs enumerated to prove tensors disjoint
@@ -135,8 +135,7 @@ def check_blocks(config: StoreConfig, blocks: Sequence[object], tokens_len: int,
     also be writable and pairwise disjoint."""
     if isinstance(blocks, (torch.Tensor, str, bytes)) or not isinstance(blocks, Sequence):
         raise InvalidInputError(f"blocks must be a sequence of tensors, got {type(blocks).__name__}")
-    if not isinstance(first_block, int) or isinstance(first_block, bool) or first_block < 0:
-        raise InvalidInputError(f"first_block must be an int >= 0, got {first_block!r}")
+    require_int("first_block", first_block, 0, InvalidInputError)
     num_full = tokens_len // config.block_size
     if first_block + len(blocks) > num_full:
         raise LayoutMismatchError(

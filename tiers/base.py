@@ -52,6 +52,33 @@ def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], roo
     return new[:cut], new[cut:]
 
 
+@dataclass
+class TierCounters:
+    """Counters every tier keeps (since it opened)."""
+
+    num_hits: int = 0
+    num_puts: int = 0
+    num_evictions: int = 0
+    num_corrupt: int = 0
+
+
+class Occupancy(NamedTuple):
+    """How full a tier is now."""
+
+    num_blocks: int
+    capacity_blocks: int
+    used_bytes: int
+    capacity_bytes: int
+
+
+def count_held(index: object, block_hashes: Sequence[BlockHash], start: int) -> int:
+    """Consecutive `block_hashes[start:]` found in `index` (anything with `in`)."""
+    n, end = start, len(block_hashes)
+    while n < end and block_hashes[n] in index:  # type: ignore[operator]  # a dict or set
+        n += 1
+    return n - start
+
+
 @dataclass(frozen=True)
 class TierStats:
     """A snapshot of one tier's occupancy and counters."""
@@ -90,6 +117,7 @@ class Tier(abc.ABC):
 
     kind: TierKind
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
+    counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
 
     @property
@@ -105,7 +133,6 @@ class Tier(abc.ABC):
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         """Count the consecutive `block_hashes[start:]` this tier holds. Changes nothing."""
 
-    @abc.abstractmethod
     def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         """Copy the blocks of `keys` (prefix order) into `dsts`; return how many were copied.
 
@@ -113,16 +140,49 @@ class Tier(abc.ABC):
         `dsts` are block-shaped tensors of the layout's dtype on any device, possibly
         strided. Copied blocks become most recently used, prefix last. 0 for [].
         """
+        self._check_open()
+        n = self._get_into(keys, dsts)
+        self.counters.num_hits += n
+        self.touch([k.block_hash for k in reversed(keys[:n])])
+        return n
 
-    @abc.abstractmethod
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Store blocks not already held; return how many were written.
 
         `keys`/`srcs` are in eviction order. Blocks already held are only touched. Room is
-        made by evicting least recently used blocks (demoted to the next tier down where
-        there is one). Raises `DiskFullError` if the write cannot be made; then nothing
-        of this call was stored.
+        made by evicting least recently used blocks (demoted through `below` where the stack
+        gave one). Raises `DiskFullError` if the write cannot be made; then nothing of this
+        call was stored.
         """
+        self._check_open()
+        if len(keys) != len(srcs):
+            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+        written = self._put(keys, srcs)
+        self.counters.num_puts += written
+        return written
+
+    @abc.abstractmethod
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        """`get_into` without the bookkeeping (open check, hit count, recency)."""
+
+    @abc.abstractmethod
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        """`put` of validated arguments on an open tier; returns how many it wrote."""
+
+    @abc.abstractmethod
+    def _check_open(self) -> None:
+        """Raise `StoreClosedError` if the tier was closed."""
+
+    @abc.abstractmethod
+    def occupancy(self) -> Occupancy:
+        """How full the tier is; changes nothing."""
+
+    def stats(self) -> TierStats:
+        """Occupancy and counters; changes nothing."""
+        occupancy = self.occupancy()
+        c = self.counters
+        return TierStats(self.kind, *occupancy, num_hits=c.num_hits, num_puts=c.num_puts,
+                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt)
 
     @abc.abstractmethod
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -160,6 +220,4 @@ class Tier(abc.ABC):
     def check_integrity(self) -> None:
         """Raise `RuntimeError` (a bug) if an internal invariant does not hold."""
 
-    @abc.abstractmethod
-    def stats(self) -> TierStats:
-        """Occupancy and counters; changes nothing."""
+

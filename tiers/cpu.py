@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 import xxhash
 
-from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats, plan_put
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 
@@ -61,7 +61,7 @@ class CPUTier(Tier):
         self._slot_sums: list[int] = [0] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._closed = False
-        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self.counters = TierCounters()
         self.num_spill_refused = 0  # blocks a full lower tier refused during spills
 
     # -- queries ---------------------------------------------------------------------------
@@ -78,10 +78,7 @@ class CPUTier(Tier):
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        index, n, end = self._index, start, len(block_hashes)
-        while n < end and block_hashes[n] in index:
-            n += 1
-        return n - start
+        return count_held(self._index, block_hashes, start)
 
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""
@@ -89,8 +86,7 @@ class CPUTier(Tier):
         return None if slot is None else self._slab[slot]
 
     # -- data movement ---------------------------------------------------------------------
-    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        self._check_open()
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         n = 0
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for key, dst in zip(keys, dsts):
@@ -98,24 +94,19 @@ class CPUTier(Tier):
             if slot is None:
                 break
             if self._verify_tokens and key.tokens and self._slot_tokens[slot] != key.tokens:
-                self._num_corrupt += 1
+                self.counters.num_corrupt += 1
                 self._drop(key.block_hash)
                 break
             if self._checksum and self._sum(slot) != self._slot_sums[slot]:
-                self._num_corrupt += 1
+                self.counters.num_corrupt += 1
                 self._drop(key.block_hash)
                 break
             pairs.append((dst, self._slab[slot]))
             n += 1
         self._copy_in([d for d, _ in pairs], [s for _, s in pairs])
-        self._num_hits += n
-        self.touch([k.block_hash for k in reversed(keys[:n])])
         return n
 
-    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        self._check_open()
-        if len(keys) != len(srcs):
-            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         self.touch([k.block_hash for k in keys])
         overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + len(self._lru))
         if overflow and self.below is not None:
@@ -134,7 +125,6 @@ class CPUTier(Tier):
                 self._slot_sums[slot] = self._sum(slot)
             self._index[keys[i].block_hash] = slot
             self._lru[keys[i].block_hash] = None
-        self._num_puts += len(new)
         return len(new)
 
     @staticmethod
@@ -170,7 +160,7 @@ class CPUTier(Tier):
             )
         for h in victims:
             self._drop(h)
-        self._num_evictions += len(victims)
+        self.counters.num_evictions += len(victims)
 
     def spill(self) -> int:
         """Copy every block not yet below down to it, most recently used first; keep them here.
@@ -215,7 +205,7 @@ class CPUTier(Tier):
             if self._sum(slot) == self._slot_sums[slot]:
                 good.append(h)
             elif h not in self._refs:  # a pinned block is left to its holder
-                self._num_corrupt += 1
+                self.counters.num_corrupt += 1
                 self._drop(h)
         return good
 
@@ -300,15 +290,6 @@ class CPUTier(Tier):
         if any(c <= 0 for c in self._refs.values()):
             raise RuntimeError("CPU tier: non-positive pin count (a bug)")
 
-    def stats(self) -> TierStats:
-        return TierStats(
-            kind=self.kind,
-            num_blocks=len(self._index),
-            capacity_blocks=self._num_slots,
-            used_bytes=len(self._index) * self._block_bytes,
-            capacity_bytes=self._num_slots * self._block_bytes,
-            num_hits=self._num_hits,
-            num_puts=self._num_puts,
-            num_evictions=self._num_evictions,
-            num_corrupt=self._num_corrupt,
-        )
+    def occupancy(self) -> Occupancy:
+        n = len(self._index)
+        return Occupancy(n, self._num_slots, n * self._block_bytes, self._num_slots * self._block_bytes)

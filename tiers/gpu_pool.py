@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats, plan_put
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
 from tiers.free_queue import FreeBlockQueue, PoolBlock
@@ -85,7 +85,7 @@ class BlockPool(Tier):
             torch.cuda.Stream(self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]  # see above
         )
         self._closed = False
-        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self.counters = TierCounters()
         self.num_demoted = self.num_demotion_failures = 0
 
     # -- block handles ---------------------------------------------------------------------
@@ -202,7 +202,7 @@ class BlockPool(Tier):
             self._demote(blocks)
         for block in blocks:
             self._uncache(block)
-        self._num_evictions += len(blocks)
+        self.counters.num_evictions += len(blocks)
 
     def _uncache(self, block: PoolBlock) -> None:
         if block.block_hash is not None:
@@ -220,32 +220,23 @@ class BlockPool(Tier):
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        cached, n, end = self.cached, start, len(block_hashes)
-        while n < end and block_hashes[n] in cached:
-            n += 1
-        return n - start
+        return count_held(self.cached, block_hashes, start)
 
-    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        self._check_open()
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         n = 0
         for key, dst in zip(keys, dsts):
             block = self.cached.get(key.block_hash)
             if block is None:
                 break
             if self._verify_tokens and key.tokens and block.tokens and block.tokens != key.tokens:
-                self._num_corrupt += 1
+                self.counters.num_corrupt += 1
                 self.discard([key.block_hash])
                 break
             copy_block(dst, self.block_view(block.block_id))
             n += 1
-        self._num_hits += n
-        self.touch([k.block_hash for k in reversed(keys[:n])])
         return n
 
-    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        self._check_open()
-        if len(keys) != len(srcs):
-            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         self.touch([k.block_hash for k in keys])
         overflow, new = plan_put(keys, self.cached.__contains__, len(self.free_queue))
         if overflow and self.below is not None:  # no free block for them: straight down
@@ -264,7 +255,6 @@ class BlockPool(Tier):
         for block in blocks:  # unreferenced, in eviction order
             block.ref_cnt = 0
             self.free_queue.append(block)
-        self._num_puts += len(new)
         return len(new)
 
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -336,10 +326,6 @@ class BlockPool(Tier):
         if sum(b.block_hash is not None for b in self.blocks) != len(self.cached):
             raise RuntimeError("block pool: a block holds a hash the cache map lacks (a bug)")
 
-    def stats(self) -> TierStats:
-        return TierStats(
-            kind=self.kind, num_blocks=len(self.cached), capacity_blocks=self.num_blocks,
-            used_bytes=len(self.cached) * self._block_bytes, capacity_bytes=self.num_blocks * self._block_bytes,
-            num_hits=self._num_hits, num_puts=self._num_puts, num_evictions=self._num_evictions,
-            num_corrupt=self._num_corrupt,
-        )
+    def occupancy(self) -> Occupancy:
+        n = len(self.cached)
+        return Occupancy(n, self.num_blocks, n * self._block_bytes, self.num_blocks * self._block_bytes)

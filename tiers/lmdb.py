@@ -18,7 +18,7 @@ from typing import NamedTuple
 import lmdb
 import torch
 
-from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
@@ -69,7 +69,7 @@ class LMDBTier(Tier):
         self._pending: list[BlockHash] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._num_hits = self._num_puts = self._num_evictions = self._num_corrupt = 0
+        self.counters = TierCounters()
         self._num_unverifiable = 0
 
     # -- queries ---------------------------------------------------------------------------
@@ -94,8 +94,7 @@ class LMDBTier(Tier):
                 n += 1
         return n - start
 
-    def get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        self._check_open()
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         n = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
@@ -114,17 +113,12 @@ class LMDBTier(Tier):
                 self.codec.copy_out(payload, dst)
                 n += 1
         if corrupt:
-            self._num_corrupt += len(corrupt)
+            self.counters.num_corrupt += len(corrupt)
             self._discard_damaged(corrupt)
-        self._num_hits += n
-        self.touch([k.block_hash for k in reversed(keys[:n])])
         return n
 
     # -- writes ----------------------------------------------------------------------------
-    def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        self._check_open()
-        if len(keys) != len(srcs):
-            raise ValueError(f"put got {len(keys)} keys but {len(srcs)} tensors")
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
         records: dict[BlockHash, bytearray] = {}
@@ -151,7 +145,6 @@ class LMDBTier(Tier):
             raise DiskFullError(
                 f"disk tier at {self._path}: LMDB map full after evicting; nothing was written"
             )
-        self._num_puts += written
         return written
 
     def _write(self, records: dict[BlockHash, bytearray], touched: list[BlockHash], extra: int) -> int:
@@ -200,7 +193,7 @@ class LMDBTier(Tier):
             txn.delete(tick_key, db=self._lru)
             txn.delete(h, db=self._atime)
             txn.delete(h, db=self._blocks)
-        self._num_evictions += len(victims)
+        self.counters.num_evictions += len(victims)
         return max(0, used - freed)
 
     def _touch_in(self, txn: lmdb.Transaction, hashes: Sequence[BlockHash], tick: int) -> int:
@@ -366,18 +359,13 @@ class LMDBTier(Tier):
                 else:
                     num_ok += 1
         if damaged:
-            self._num_corrupt += len(damaged)
+            self.counters.num_corrupt += len(damaged)
             self._discard_damaged(damaged)
         return ScrubResult(num_ok, len(damaged), num_foreign)
 
-    def stats(self) -> TierStats:
+    def occupancy(self) -> Occupancy:
         self._check_open()
         with begin(self._env) as txn:
             _, used = self._read_meta(txn)
-            num = txn.stat(self._blocks)["entries"]
-        return TierStats(
-            kind=self.kind, num_blocks=num, capacity_blocks=self.capacity_blocks,
-            used_bytes=used, capacity_bytes=self._capacity_bytes, num_hits=self._num_hits,
-            num_puts=self._num_puts, num_evictions=self._num_evictions,
-            num_corrupt=self._num_corrupt,
-        )
+            num = int(txn.stat(self._blocks)["entries"])
+        return Occupancy(num, self.capacity_blocks, used, self._capacity_bytes)

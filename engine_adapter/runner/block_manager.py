@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvstore.config import require_int
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.hashing import BlockHash, ExtraKeys, as_token_array, chain_hashes
 from kvstore.store import KVCacheStore
@@ -61,9 +62,7 @@ class _Request:
 
 
 def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidInputError(f"{name} must be an int >= 0, got {value!r}")
-    return int(value)
+    return require_int(name, value, 0, InvalidInputError)
 
 
 def _check_id(request_id: object) -> str:
