@@ -308,7 +308,7 @@ class KVCacheStore:
             self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(keys) * b
-            plan = self._stack.locate([k.block_hash for k in keys])
+            plan = self._stack.plan_load([k.block_hash for k in keys])
             num_ok, counts = self._stack.load(keys, dsts, plan)
             self._stack.promote(keys, list(dsts), plan, num_ok)
             self._num_tokens_hit += num_ok * b

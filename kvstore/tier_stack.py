@@ -76,6 +76,25 @@ class TierStack:
                 break
         return plan
 
+    def plan_load(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """A plan for `load` when the destinations are already given: each block from the
+        fastest tier above the bottom that holds it, else from the bottom tier, which is not
+        asked beforehand (its read during `load` stops at the first block it lacks). So a
+        load from disk opens one read transaction per disk run instead of two. Changes nothing."""
+        upper = self.tiers[:-1]
+        plan: list[int] = []
+        run_end = [0] * len(upper)
+        for pos in range(len(hashes)):
+            for index, tier in enumerate(upper):
+                if run_end[index] <= pos:
+                    run_end[index] = pos + tier.match_prefix(hashes, pos)
+                if run_end[index] > pos:
+                    plan.append(index)
+                    break
+            else:
+                plan.append(len(self.tiers) - 1)
+        return plan
+
     def load(
         self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]
     ) -> tuple[int, dict[TierKind, int]]:

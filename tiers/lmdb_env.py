@@ -15,40 +15,23 @@ import errno
 import mmap
 import os
 import resource
-import threading
-from dataclasses import dataclass
 from typing import Any
 
 import lmdb
 
 from tiers.errors import ConfigError
+from tiers.registry import ProcessRegistry
 
 # Largest map an open accepts: far beyond any disk, inside a 47-bit user address space.
 MAX_MAP_BYTES = 1 << 46
 
 
-@dataclass
-class _Entry:
-    env: lmdb.Environment
-    refs: int
-    pid: int
+def _close_in_child(env: lmdb.Environment) -> None:
+    with contextlib.suppress(lmdb.Error):
+        env.close()  # unmaps and closes this process's copies of the fds only
 
 
-_ENVS: dict[str, _Entry] = {}  # realpath -> entry
-_LOCK = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    """In a forked child: close the parent's handles so the child can open its own."""
-    global _LOCK
-    _LOCK = threading.Lock()  # the parent may have held it while forking
-    for entry in list(_ENVS.values()):
-        with contextlib.suppress(lmdb.Error):
-            entry.env.close()  # unmaps and closes this process's copies of the fds only
-    _ENVS.clear()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+_ENVS: ProcessRegistry[str, lmdb.Environment] = ProcessRegistry(forget_in_child=_close_in_child)  # by realpath
 
 
 def _check_address_space(map_size: int, path: str) -> None:
@@ -93,17 +76,16 @@ def acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environ
     except (OSError, ValueError) as exc:
         raise ConfigError(f"disk_path {path!r} cannot be made a directory: {exc}") from None
     real = os.path.realpath(path)
-    with _LOCK:
-        entry = _ENVS.get(real)
-        if entry is not None and entry.pid == os.getpid():
-            if entry.env.info()["map_size"] < map_size:
-                _check_address_space(map_size, path)
-                try:
-                    entry.env.set_mapsize(map_size)
-                except (lmdb.Error, MemoryError, OverflowError) as exc:
-                    raise ConfigError(f"disk tier at {path!r}: cannot grow the map to {map_size}: {exc}") from None
-            entry.refs += 1
-            return real, entry.env
+
+    def grow(env: lmdb.Environment) -> None:
+        if env.info()["map_size"] < map_size:
+            _check_address_space(map_size, path)
+            try:
+                env.set_mapsize(map_size)
+            except (lmdb.Error, MemoryError, OverflowError) as exc:
+                raise ConfigError(f"disk tier at {path!r}: cannot grow the map to {map_size}: {exc}") from None
+
+    def open_env() -> lmdb.Environment:
         _check_address_space(map_size, path)
         try:
             env = lmdb.open(
@@ -118,20 +100,14 @@ def acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environ
         except BaseException:
             env.close()
             raise
-        _ENVS[real] = _Entry(env, 1, os.getpid())
-        return real, env
+        return env
+
+    return real, _ENVS.acquire(real, open_env, on_share=grow)
 
 
 def release_env(real: str) -> None:
     """Drop one reference; the last one closes the environment."""
-    with _LOCK:
-        entry = _ENVS.get(real)
-        if entry is None or entry.pid != os.getpid():
-            return
-        entry.refs -= 1
-        if entry.refs == 0:
-            del _ENVS[real]
-            entry.env.close()
+    _ENVS.release(real, lambda env: env.close())
 
 
 def begin(env: lmdb.Environment, *, db: Any = None, write: bool = False, buffers: bool = False) -> Any:
