@@ -155,6 +155,12 @@ class StoreConfig:
             `ConfigError` when the store opens.
         pool_demotion: "on_evict" (copy a block down when it is reused) or "write_through"
             (copy it down when it is cached).
+        remote_url: a Valkey/Redis server shared by many hosts, the slowest tier:
+            `redis://[user:password@]host:port[/db]`, `rediss://` (TLS), `unix:///path.sock`,
+            or `redis+cluster://host:port[,host:port...]`; a password may also come from
+            `KVSTRATA_REMOTE_PASSWORD`. Every stored block is written to it in the background.
+        remote_ttl_s: expire remote records after this many seconds (None: the server's LRU).
+        remote_timeout_s: bound on every remote call; a slower server is a miss.
         cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
             read or demoted; a block damaged in memory is then a miss (costs one hash per
             block written and per block read).
@@ -175,6 +181,9 @@ class StoreConfig:
     pool_device: str | None = None
     pool_demotion: str = "on_evict"
     cpu_checksums: bool = False
+    remote_url: str | None = None
+    remote_ttl_s: int | None = None
+    remote_timeout_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -222,8 +231,17 @@ class StoreConfig:
                 f"StoreConfig.disk_bytes={self.disk_bytes} is below two blocks "
                 f"({2 * self.block_bytes} bytes)"
             )
-        if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None:
-            raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes or disk_path")
+        if self.remote_url is not None:
+            from tiers.remote import check_url
+
+            check_url(self.remote_url)
+        if self.remote_ttl_s is not None:
+            require_int("StoreConfig.remote_ttl_s", self.remote_ttl_s, 1)
+        if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
+                or not 0 < self.remote_timeout_s <= 60:
+            raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
+        if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
+            raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
 
     @cached_property
     def block_bytes(self) -> int:

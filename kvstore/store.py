@@ -25,6 +25,7 @@ from kvstore.validate import check_blocks, check_device, check_disjoint, check_k
 from tiers.base import BlockKey, Tier, TierKind, TierStats
 from tiers.gpu_pool import BlockPool
 from tiers.lmdb import LMDBTier, ScrubResult
+from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +321,12 @@ class KVCacheStore:
             self.check_open()
             self._stack.check_integrity()
 
+    def flush(self) -> bool:
+        """Return once every block stored so far is visible to other hosts (the remote tier's
+        background writes sent, or dropped for a fault and counted). False on a timeout."""
+        self.check_open()
+        return self._stack.flush()
+
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this store's blocks from every tier. The disk tier may be shared: only this
         namespace's records go, unless `all_namespaces` (every record in `disk_path`, whoever
@@ -327,7 +334,7 @@ class KVCacheStore:
         with self._lock:
             self.check_open()
             for tier in self._stack.tiers:
-                if isinstance(tier, LMDBTier):
+                if isinstance(tier, (LMDBTier, RemoteTier)):
                     tier.clear(all_namespaces=all_namespaces)
                 else:
                     tier.clear()
@@ -338,8 +345,8 @@ class KVCacheStore:
         disk tier."""
         with self._lock:
             self.check_open()
-            disk = self._stack.tiers[-1]
-            return disk.scrub() if isinstance(disk, LMDBTier) else None
+            disks = [t for t in self._stack.tiers if isinstance(t, LMDBTier)]
+            return disks[0].scrub() if disks else None
 
     def close(self) -> CloseResult:
         """Persist what fits (with `persist_on_close`) and release every tier. Idempotent;

@@ -14,6 +14,7 @@ from tiers.base import BlockHash, Tier
 from tiers.cpu import CPUTier
 from tiers.gpu_pool import BlockPool, DemotionPolicy
 from tiers.lmdb import LMDBTier
+from tiers.remote import RemoteTier
 
 
 def _pool(config: StoreConfig, seed: BlockHash) -> Tier | None:
@@ -43,8 +44,15 @@ def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
                     verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed)
 
 
+def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:
+    if config.remote_url is None:
+        return None
+    return RemoteTier(config.remote_url, config.block_shape, config.layout.dtype, namespace=seed,
+                      verify_tokens=config.verify_tokens, ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s)
+
+
 # Fastest first. The order is the tier stack's: demotion goes down it, promotion up.
-_BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk)
+_BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk, _remote)
 
 
 def build_tiers(config: StoreConfig, seed: BlockHash) -> list[Tier]:

@@ -45,6 +45,10 @@ class TierStack:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = tuple(tiers)
         self.write_through = write_through
+        # Tiers below the top that every put reaches at once: the disk with `write_through`,
+        # a remote tier always (other hosts read it).
+        self._through = [t for t in self.tiers[1:]
+                         if t.kind is TierKind.REMOTE or (write_through and t.kind is TierKind.DISK)]
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             upper.below = _Below(lower)
         self.num_promotion_failures = 0
@@ -119,14 +123,20 @@ class TierStack:
     # -- writes ----------------------------------------------------------------------------
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Write blocks (prefix order) into the top tier, tail first (a sequence's tail is
-        evicted before its prefix); with write-through into the bottom tier too. Returns how
+        evicted before its prefix); with write-through into the disk tier too, and always into
+        a remote tier. Returns how
         many the top tier newly wrote. Raises `DiskFullError` if the tiers cannot make room."""
         if not keys:
             return 0
         written = self.top.put(keys[::-1], srcs[::-1])
-        if self.write_through and len(self.tiers) > 1:
-            self.tiers[-1].put(keys[::-1], srcs[::-1])
+        for tier in self._through:
+            tier.put(keys[::-1], srcs[::-1])
         return written
+
+    def flush(self) -> bool:
+        """Wait until writes queued for tiers that write in the background are done; False
+        if one timed out."""
+        return all(tier.flush() for tier in self.tiers)
 
     def promote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], plan: Sequence[int],
                 num_ok: int) -> None:

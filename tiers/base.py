@@ -27,6 +27,7 @@ class TierKind(str, enum.Enum):
     POOL = "pool"
     CPU = "cpu"
     DISK = "disk"
+    REMOTE = "remote"
 
 
 class BlockKey(NamedTuple):
@@ -198,6 +199,11 @@ class Tier(abc.ABC):
         0 for a tier with nothing below it. Used to persist on shutdown.
         """
         return 0
+
+    def flush(self) -> bool:
+        """Wait until writes this tier queued are done (True), or its time limit passed
+        (False). Tiers that write synchronously have nothing to wait for."""
+        return True
 
     def pin(self, block_hashes: Sequence[BlockHash]) -> int:
         """Protect the leading held blocks from eviction until `unpin`; return how many were

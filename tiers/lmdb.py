@@ -224,8 +224,8 @@ class LMDBTier(Tier):
         if flush:
             self.flush()
 
-    def flush(self) -> None:
-        """Apply buffered recency updates now (one write transaction).
+    def flush(self) -> bool:
+        """Apply buffered recency updates now (one write transaction); True.
 
         Best effort: on a full disk or map the updates are dropped (they only order eviction),
         so reads and `close()` never fail for want of room.
@@ -238,6 +238,7 @@ class LMDBTier(Tier):
                 raise
             with self._lock:
                 self._pending.clear()
+        return True
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()

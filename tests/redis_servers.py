@@ -1,0 +1,94 @@
+"""Real `redis-server` processes on loopback for the remote-tier tests.
+
+Skips cleanly where no `redis-server` binary is installed, except under
+`KVSTRATA_REQUIRE_REDIS=1` (CI), where a missing server is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+
+def redis_binary() -> str:
+    path = shutil.which("redis-server") or shutil.which("valkey-server")
+    if path is None:
+        if os.environ.get("KVSTRATA_REQUIRE_REDIS") == "1":
+            raise AssertionError("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
+        pytest.skip("no redis-server or valkey-server installed")
+    return path
+
+
+def free_port() -> int:
+    """A free loopback port below 55000 (a cluster node also needs port + 10000)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < 55000:
+            return port
+    raise RuntimeError("no free port below 55000")
+
+
+def _ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class RedisServer:
+    """One redis-server process; `kill()` and `start()` again on the same port."""
+
+    def __init__(self, port: int | None = None, *extra: str) -> None:
+        self.binary = redis_binary()
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="kvstrata-redis-")
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru", *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while not _ping(self.port):
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {self.port} did not start")
+            time.sleep(0.05)
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextmanager
+def redis_server(*extra: str) -> Iterator[RedisServer]:
+    server = RedisServer(None, *extra).start()
+    try:
+        yield server
+    finally:
+        server.stop()

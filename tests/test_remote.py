@@ -1,0 +1,178 @@
+"""The remote tier against real `redis-server` processes on loopback (no mocks).
+
+Two processes with different disk paths share prefixes bit-exact through the server; other
+namespaces never hit; damaged values are misses and are deleted; a killed server makes
+misses (stores still succeed locally, calls return within bounded time) and the tier
+recovers when the server is back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from kvstore import KVCacheStore, StoreConfig
+from kvstore.errors import ConfigError
+from tests.redis_servers import RedisServer, redis_server
+from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+from tiers.base import TierKind
+from tiers.remote import RemoteTier, redacted
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+def _store(url: str, disk: Path | None = None, *, namespace: str = "remote-test", **overrides: object) -> KVCacheStore:
+    kwargs: dict[str, object] = {
+        "layout": LAYOUT, "block_size": BLOCK, "namespace": namespace, "cpu_bytes": 16 * LAYOUT.block_bytes(BLOCK),
+        "disk_path": str(disk) if disk else None, "disk_bytes": 32 << 20, "disk_sync": False, "remote_url": url,
+    }
+    kwargs.update(overrides)
+    return KVCacheStore(StoreConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def _tokens(n_blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=n_blocks * BLOCK, dtype=np.uint32)
+
+
+def _remote(store: KVCacheStore) -> RemoteTier:
+    tier = store.tiers[-1]
+    assert isinstance(tier, RemoteTier)
+    return tier
+
+
+_WRITER = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
+    from tests.test_remote import _store, _tokens
+    with _store(sys.argv[1], disk=__import__("pathlib").Path(sys.argv[2])) as store:
+        for seed in range(5):
+            t = _tokens(6, seed)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+        assert store.flush()
+    print(json.dumps({"ok": True}))
+    """
+)
+
+
+def test_two_processes_with_different_disks_share_prefixes(server: RedisServer, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", _WRITER, server.url, str(tmp_path / "host-a"), str(ROOT)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with _store(server.url, tmp_path / "host-b") as store:  # another "host": empty CPU and disk tiers
+        for seed in range(5):
+            t = _tokens(6, seed)
+            res = store.retrieve(t)
+            assert res.num_tokens == len(t) and res.blocks_per_tier == {TierKind.REMOTE: 6}
+            check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        t = _tokens(6, 0)
+        local = store.retrieve(t).blocks_per_tier  # the remote hits were promoted into local tiers
+        assert TierKind.REMOTE not in local and sum(local.values()) == 6
+        store.check_integrity()
+        keys = list(redis.Redis(port=server.port).scan_iter(match="kvstrata:*"))
+        assert len(keys) == 30 and all(k.startswith(b"kvstrata:") for k in keys)
+
+
+def test_other_namespaces_and_salts_never_hit(server: RedisServer) -> None:
+    t = _tokens(4, 1)
+    with _store(server.url, namespace="model-a") as a, _store(server.url, namespace="model-b") as b:
+        a.store(t, make_kv(t, LAYOUT, BLOCK))
+        assert a.flush()
+        assert b.lookup(t) == 0 and b.retrieve(t).num_tokens == 0
+        b.clear()  # clears only model-b's keys
+        with _store(server.url, namespace="model-a") as a2:
+            assert a2.lookup(t) == len(t)
+        a.clear()
+        with _store(server.url, namespace="model-a") as a3:
+            assert a3.lookup(t) == 0
+
+
+@pytest.mark.parametrize("damage", ["flip-payload", "truncate", "append", "other-key"])
+def test_damaged_values_are_misses_and_deleted(server: RedisServer, damage: str) -> None:
+    t, other = _tokens(4, 2), _tokens(4, 3)
+    with _store(server.url, cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+        store.store(other, make_kv(other, LAYOUT, BLOCK))
+        assert store.flush()
+        raw = redis.Redis(port=server.port)
+        tier = _remote(store)
+        key = tier._key(store.block_hashes(t)[2])
+        value = raw.get(key)
+        assert value is not None
+        if damage == "flip-payload":
+            bad = value[:-5] + bytes([value[-5] ^ 0x10]) + value[-4:]
+        elif damage == "truncate":
+            bad = value[: len(value) // 2]
+        elif damage == "append":
+            bad = value + b"\x00" * 16
+        else:  # a sound record of another block under this key
+            bad = raw.get(tier._key(store.block_hashes(other)[2]))
+        raw.set(key, bad)
+        res = store.retrieve(t)
+        assert res.num_tokens == 2 * BLOCK  # stops before the damaged block
+        check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert raw.get(key) is None, "a damaged value was not deleted"
+        assert tier.stats().num_corrupt == 1
+
+
+def test_dead_server_is_a_miss_and_the_tier_recovers(tmp_path: Path) -> None:
+    server = RedisServer().start()
+    try:
+        t = _tokens(4, 4)
+        with _store(server.url, tmp_path / "d", remote_timeout_s=0.3) as store:
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            assert store.flush()
+            server.kill()
+            started = time.monotonic()
+            for seed in range(10, 20):  # stores keep working locally; the remote writes are dropped
+                u = _tokens(4, seed)
+                store.store(u, make_kv(u, LAYOUT, BLOCK))
+                res = store.retrieve(u)
+                assert res.num_tokens == len(u)
+                check_kv(u, res.kv, res.num_tokens, LAYOUT, BLOCK)
+            store.tiers[0].clear()
+            store.tiers[1].clear()  # only the dead remote could serve t now: a miss, no exception
+            assert store.retrieve(t).num_tokens == 0
+            store.flush()
+            assert time.monotonic() - started < 15, "calls against a dead server were not bounded"
+            tier = _remote(store)
+            assert tier.num_errors > 0
+            server.start()  # back on the same port (empty: it kept nothing)
+            time.sleep(5.5)  # the breaker's cooldown
+            v = _tokens(4, 30)
+            store.store(v, make_kv(v, LAYOUT, BLOCK))
+            assert store.flush()
+        with _store(server.url, tmp_path / "fresh") as fresh:
+            res = fresh.retrieve(v)
+            assert res.blocks_per_tier == {TierKind.REMOTE: 4}
+            check_kv(v, res.kv, res.num_tokens, LAYOUT, BLOCK)
+    finally:
+        server.stop()
+
+
+def test_bad_urls_are_config_errors_and_passwords_are_redacted() -> None:
+    for url in ("http://h:1", "redis//nohost", "redis://", 7):
+        with pytest.raises(ConfigError):
+            StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, remote_url=url)  # type: ignore[arg-type]
+    assert "s3cret" not in redacted("redis://user:s3cret@host:6379/0")
+    with pytest.raises(ConfigError) as info:
+        StoreConfig(LAYOUT, block_size=BLOCK, remote_url="redis+clusterx://u:s3cret@h:1")
+    assert "s3cret" not in str(info.value)
+    assert json.dumps  # keep the import honest for the writer script's output
