@@ -92,3 +92,46 @@ def redis_server(*extra: str) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+class RedisCluster:
+    """A cluster of `num_masters` redis-server processes (no replicas) on loopback."""
+
+    def __init__(self, num_masters: int = 3) -> None:
+        self.servers = [RedisServer(None, "--cluster-enabled", "yes", "--cluster-node-timeout", "1000",
+                                    "--cluster-config-file", f"nodes-{i}.conf") for i in range(num_masters)]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
+
+    def start(self) -> RedisCluster:
+        for s in self.servers:
+            s.start()
+        cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+        if cli is None:
+            raise RuntimeError("redis-cli is needed to create a cluster")
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        deadline = time.monotonic() + 20
+        while True:  # wait until every node reports the cluster up
+            states = [subprocess.run([cli, "-p", str(s.port), "cluster", "info"], capture_output=True, text=True,
+                                     timeout=10).stdout for s in self.servers]
+            if all("cluster_state:ok" in st for st in states):
+                return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster did not come up: {states}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+@contextmanager
+def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
+    cluster = RedisCluster(num_masters)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()

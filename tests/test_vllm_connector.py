@@ -59,6 +59,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _connector(tmp_path: Path, **overrides: object) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     config = {
         "disk_path": str(tmp_path / "kv"),
         "disk_bytes": "256MiB",
@@ -203,3 +204,23 @@ def test_lora_adapters_never_share_kvstrata_blocks(model: str, tmp_path: Path) -
     assert a1["output"] != base["output"]  # the adapter changes the model
     plain = _run({**spec, "rounds": [[0], [0]], "reset_between": False})
     assert a2["output"] == plain["rounds"][1][0]["output"]
+
+
+def test_two_engines_on_different_disks_share_kv_through_redis(model: str, tmp_path: Path) -> None:
+    """Remote tier through vLLM: engine A (its own disk) computes a prompt; engine B, another
+    process with another disk and an empty CPU tier, loads the whole prefix from the shared
+    redis-server, with the same output as vLLM's own prefix-cache hit."""
+    from tests.redis_servers import redis_server
+
+    prompt = _prompt(6, 600)
+    with redis_server() as server:
+        a = _run({"model": model, "prompts": [prompt],
+                  "connector": _connector(tmp_path / "a", remote_url=server.url)})
+        b = _run({"model": model, "prompts": [prompt],
+                  "connector": _connector(tmp_path / "b", remote_url=server.url)})
+    hit = (len(prompt) - 1) // BLOCK * BLOCK
+    assert a["rounds"][0][0]["num_cached_tokens"] == 0
+    assert b["rounds"][0][0]["num_cached_tokens"] == hit
+    assert _sum(b["stats"], "load_tokens_remote") == hit
+    plain = _run({"model": model, "prompts": [prompt], "rounds": 2})
+    assert b["rounds"][0][0]["output"] == plain["rounds"][1][0]["output"]

@@ -63,7 +63,9 @@ def _connect(url: str, timeout_s: float) -> Any:
     """A redis-py client (`Redis` or `RedisCluster`) for `url`; the password comes from the
     URL or `KVSTRATA_REMOTE_PASSWORD`."""
     import redis
+    from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
 
     password = os.environ.get(PASSWORD_ENV) or None
     common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
@@ -75,7 +77,7 @@ def _connect(url: str, timeout_s: float) -> Any:
                  for h in hosts]
         return RedisCluster(startup_nodes=nodes, username=parts.username or None,
                             password=parts.password or password, ssl=scheme.startswith("rediss"),
-                            require_full_coverage=False, cluster_error_retry_attempts=1, **common)
+                            require_full_coverage=False, retry=Retry(NoBackoff(), 1), **common)
     client = redis.Redis.from_url(url, **common)
     if password and not client.connection_pool.connection_kwargs.get("password"):
         client.connection_pool.connection_kwargs["password"] = password

@@ -60,6 +60,9 @@ class ConnectorSettings:
         disk_sync: fsync every LMDB commit (only matters for power loss).
         verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
         stats_path: if set, the worker keeps a JSON file of its load/save counters here.
+        remote_url: a Valkey/Redis server (or cluster, `redis+cluster://...`) shared by engines
+            on many hosts (`KVSTRATA_REMOTE_URL`); the namespace is content-derived, so hosts
+            that load the same weights share keys.
     """
 
     cpu_bytes: int = 1 << 30
@@ -71,6 +74,7 @@ class ConnectorSettings:
     disk_sync: bool = False
     verify_tokens: bool = True
     stats_path: str | None = None
+    remote_url: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -87,8 +91,10 @@ class ConnectorSettings:
                 set_(self, name, os.fspath(value))
         if not isinstance(self.namespace, str):
             raise ConfigError(f"namespace must be a str, got {self.namespace!r}")
-        if self.cpu_bytes == 0 and self.disk_path is None:
-            raise ConfigError("the connector enables no tier: set cpu_bytes > 0 or disk_path")
+        if self.remote_url is not None and not isinstance(self.remote_url, str):
+            raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
+        if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
+            raise ConfigError("the connector enables no tier: set cpu_bytes > 0, disk_path or remote_url")
 
     @classmethod
     def from_sources(

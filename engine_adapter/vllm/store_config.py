@@ -83,4 +83,5 @@ def store_config_for(
         verify_tokens=settings.verify_tokens,
         disk_sync=settings.disk_sync,
         write_through=settings.write_through and settings.disk_path is not None,
+        remote_url=settings.remote_url,
     )
