@@ -20,6 +20,7 @@ BENCHMARKS = {
     "trace": "bench.trace",
     "micro": "bench.micro",
     "scale": "bench.scale",
+    "remote": "bench.remote",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
 }

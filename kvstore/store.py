@@ -212,10 +212,13 @@ class KVCacheStore:
             self.check_open()
             self._num_retrieve_calls += 1
             self._num_tokens_requested += len(arr)
-            plan = self._stack.locate(hashes)
+            given = out is not None
+            # With the caller's buffer, the slowest tier is read without a lookup first (one
+            # round trip to a remote server, one transaction on disk); else the hit's length
+            # sizes the allocation.
+            plan = self._stack.plan_load(hashes) if given else self._stack.locate(hashes)
             if not plan:
                 return RetrieveResult(0, None, {})
-            given = out is not None
             if out is None:
                 out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
             dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]

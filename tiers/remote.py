@@ -36,6 +36,7 @@ SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 PASSWORD_ENV = "KVSTRATA_REMOTE_PASSWORD"
 _FAILURES_TO_OPEN = 3  # consecutive failures that open the circuit breaker
 _WARN_EVERY_S = 10.0
+_BATCH_BYTES = 64 << 20  # records per pipelined write (one round trip)
 
 
 def redacted(url: str) -> str:
@@ -59,7 +60,7 @@ def check_url(url: object) -> str:
     return url
 
 
-def _connect(url: str, timeout_s: float) -> Any:
+def connect(url: str, timeout_s: float) -> Any:
     """A redis-py client (`Redis` or `RedisCluster`) for `url`; the password comes from the
     URL or `KVSTRATA_REMOTE_PASSWORD`."""
     import redis
@@ -68,7 +69,9 @@ def _connect(url: str, timeout_s: float) -> Any:
     from redis.retry import Retry
 
     password = os.environ.get(PASSWORD_ENV) or None
-    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    # Blocks are large: read in 1 MiB chunks (a socket with a timeout polls before each read).
+    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                              "socket_read_size": 1 << 20}
     scheme = url.split("://", 1)[0]
     if scheme.endswith("+cluster"):
         parts = urllib.parse.urlsplit(url.replace("+cluster", ""))
@@ -110,10 +113,10 @@ class RemoteTier(Tier):
         self._last_warning = 0.0
         self._closed = False
         self._cond = threading.Condition()
-        self._queue: deque[tuple[bytes, bytes]] = deque()
+        self._queue: deque[tuple[bytes, memoryview]] = deque()
         self._queued_bytes = 0
         self._in_flight = 0
-        self._client = _connect(url, timeout_s)
+        self._client = connect(url, timeout_s)
         self._check_policy()
         self._writer = threading.Thread(target=self._write_loop, name="kvstrata-remote-writer", daemon=True)
         self._writer.start()
@@ -212,15 +215,16 @@ class RemoteTier(Tier):
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Queue the records for the background writer; blocks beyond `max_pending_bytes` of
         queued records are dropped (counted): the remote tier is a cache."""
-        records = [(self._key(k.block_hash), bytes(self.codec.encode(k, s))) for k, s in zip(keys, srcs)]
+        # memoryview: redis-py sends it as is (a bytes() copy would double the encode's cost).
+        records = [(self._key(k.block_hash), memoryview(self.codec.encode(k, s))) for k, s in zip(keys, srcs)]
         queued = 0
         with self._cond:
             for key, value in records:
-                if self._queued_bytes + len(value) > self._max_pending_bytes:
+                if self._queued_bytes + value.nbytes > self._max_pending_bytes:
                     self.num_write_drops += 1
                     continue
                 self._queue.append((key, value))
-                self._queued_bytes += len(value)
+                self._queued_bytes += value.nbytes
                 queued += 1
             self._cond.notify_all()
         return queued
@@ -233,10 +237,10 @@ class RemoteTier(Tier):
                 if not self._queue and self._closed:
                     return
                 batch, size = [], 0
-                while self._queue and size < (8 << 20):
+                while self._queue and size < _BATCH_BYTES:
                     key, value = self._queue.popleft()
                     batch.append((key, value))
-                    size += len(value)
+                    size += value.nbytes
                 self._queued_bytes -= size
                 self._in_flight = len(batch)
             self._send(batch)
@@ -244,7 +248,7 @@ class RemoteTier(Tier):
                 self._in_flight = 0
                 self._cond.notify_all()
 
-    def _send(self, batch: list[tuple[bytes, bytes]]) -> None:
+    def _send(self, batch: list[tuple[bytes, memoryview]]) -> None:
         if not self._available():
             self.num_write_drops += len(batch)
             return
@@ -325,7 +329,7 @@ class RemoteTier(Tier):
 
     def check_integrity(self) -> None:
         with self._cond:
-            if self._queued_bytes != sum(len(v) for _, v in self._queue) or self._queued_bytes < 0:
+            if self._queued_bytes != sum(v.nbytes for _, v in self._queue) or self._queued_bytes < 0:
                 raise RuntimeError("remote tier: queued byte count disagrees with the queue (a bug)")
 
     def occupancy(self) -> Occupancy:

@@ -1,7 +1,7 @@
-"""Real `redis-server` processes on loopback for the remote-tier tests.
+"""Real `redis-server` processes on loopback, for `kvstrata bench remote` and the tests.
 
-Skips cleanly where no `redis-server` binary is installed, except under
-`KVSTRATA_REQUIRE_REDIS=1` (CI), where a missing server is a failure.
+Where no `redis-server` (or `valkey-server`) binary is installed, a test is skipped, except
+under `KVSTRATA_REQUIRE_REDIS=1` (CI), where a missing server is a failure.
 """
 
 from __future__ import annotations
