@@ -27,6 +27,7 @@ BENCHMARKS = {
 COMMANDS = {
     "demo": "bench.demo",
     "demo-store": "bench.demo_store",
+    "demo-remote": "bench.demo_remote",
     "offload": "bench.offload",
 }
 USAGE = (

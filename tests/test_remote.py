@@ -204,3 +204,39 @@ def test_cluster_spreads_keys_and_a_dead_master_is_partial_misses(tmp_path: Path
                 served += res.num_tokens
             assert served < 12 * 8 * BLOCK
             assert time.monotonic() - started < 30
+
+
+_CONCURRENT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    sys.path.insert(0, sys.argv[3])
+    from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+    from tests.test_remote import _store, _tokens
+    rng = np.random.default_rng(int(sys.argv[2]))
+    checked = 0
+    with _store(sys.argv[1], cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
+        for _ in range(60):
+            t = _tokens(int(rng.integers(1, 6)), int(rng.integers(0, 8)))  # 8 shared prompts
+            if rng.random() < 0.5:
+                store.store(t, make_kv(t, LAYOUT, BLOCK))
+            else:
+                res = store.retrieve(t)
+                checked += check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        store.flush()
+    print(checked)
+    """
+)
+
+
+def test_processes_writing_and_reading_the_same_keys(server: RedisServer) -> None:
+    """Four processes store and retrieve the same prompts at once: every block any of them
+    gets back is bit-exact (the same key always carries the same bytes)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, server.url, str(seed), str(ROOT)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for seed in range(4)]
+    checked = 0
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err[-3000:]
+        checked += int(out.strip().splitlines()[-1])
+    assert checked > 0
