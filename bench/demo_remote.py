@@ -29,7 +29,8 @@ LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat
 
 def _config(url: str, disk_path: str, tokens: int) -> StoreConfig:
     return StoreConfig(LAYOUT, block_size=16, namespace="kvstrata-demo-remote",
-                       cpu_bytes=tokens * LAYOUT.token_bytes * 2, disk_path=disk_path, disk_bytes=4 * tokens * LAYOUT.token_bytes + (64 << 20), disk_sync=False,
+                       cpu_bytes=tokens * LAYOUT.token_bytes * 2, disk_path=disk_path,
+                       disk_bytes=4 * tokens * LAYOUT.token_bytes + (64 << 20), disk_sync=False,
                        remote_url=url, remote_timeout_s=5.0)
 
 

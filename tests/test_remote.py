@@ -240,3 +240,13 @@ def test_processes_writing_and_reading_the_same_keys(server: RedisServer) -> Non
         assert p.returncode == 0, err[-3000:]
         checked += int(out.strip().splitlines()[-1])
     assert checked > 0
+
+
+def test_demo_remote_two_hosts_share_a_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cli
+
+    with redis_server() as server:
+        rc = cli.main(["demo-remote", "--url", server.url, "--tokens", "512", "--disk-path", str(tmp_path / "d")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "{'remote': 512}" in out and out.count(" yes") == 2
