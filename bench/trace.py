@@ -174,7 +174,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--disk-x", type=nonneg_int, default=16, help="disk tier size in pools")
     p.add_argument("--token-kib", type=positive_int, default=128, help="KV KiB per token for byte accounting")
     p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
+    p.add_argument("--fleet", type=positive_int, default=None,
+                   help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py)")
+    p.add_argument("--remote-url", default=None,
+                   help="with --fleet: the remote tier (default: a loopback redis-server)")
     args = p.parse_args(argv)
+    if args.fleet is not None:
+        from bench.fleet import run_fleet
+
+        requests = load_trace(args.trace, args.limit)
+        unique = len({i for ids in requests for i in ids})
+        pool = max(1, int(unique * parse_fractions(args.fractions)[0]))
+        write_results(f"fleet_{Path(args.trace).stem}",
+                      run_fleet(requests, args.fleet, pool, args.cpu_x * pool, args.remote_url))
+        return
     result = run(args.trace, parse_fractions(args.fractions), args.cpu_x, args.disk_x, args.token_kib, args.limit)
     write_results(f"trace_{Path(args.trace).stem}", result)
 

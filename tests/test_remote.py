@@ -250,3 +250,17 @@ def test_demo_remote_two_hosts_share_a_document(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "{'remote': 512}" in out and out.count(" yes") == 2
+
+
+def test_fleet_replay_hits_more_with_the_remote_tier(server: RedisServer) -> None:
+    """Four hosts round-robin over a synthetic trace of shared prefixes: with the remote tier
+    every host hits what any host stored (the infinite-cache ceiling here); without it, only
+    its own."""
+    from bench.fleet import run_fleet
+
+    requests = [[r % 5, 100 + r % 5, 1000 + r] for r in range(40)]  # 5 shared 2-block prefixes
+    result = run_fleet(requests, 4, pool_blocks=64, cpu_blocks=0, remote_url=server.url)
+    local, shared = result["local"], result["shared"]
+    assert shared["hit_ratio"] > local["hit_ratio"]
+    assert shared["hit_ratio"] == pytest.approx(result["infinite_hit_ratio"])
+    assert shared["hits_remote"] > 0
