@@ -50,7 +50,7 @@ def _ping(port: int) -> bool:
 class RedisServer:
     """One redis-server process; `kill()` and `start()` again on the same port."""
 
-    def __init__(self, port: int | None = None, *extra: str) -> None:
+    def __init__(self, port: int | None = None, *extra: str) -> None:  # extra: redis-server options
         self.binary = redis_binary()
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="kvstrata-redis-")

@@ -264,3 +264,28 @@ def test_fleet_replay_hits_more_with_the_remote_tier(server: RedisServer) -> Non
     assert shared["hit_ratio"] > local["hit_ratio"]
     assert shared["hit_ratio"] == pytest.approx(result["infinite_hit_ratio"])
     assert shared["hits_remote"] > 0
+
+
+def test_ttl_and_a_full_noeviction_server(caplog: pytest.LogCaptureFixture) -> None:
+    """Records carry the TTL asked for; a server that is full under `noeviction` answers OOM:
+    writes are skipped and counted, reads miss, nothing raises, and connecting warns."""
+    with redis_server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction") as server:
+        with caplog.at_level("WARNING"):
+            store = _store(server.url, cpu_bytes=0, disk_path=None, pool_blocks=0, remote_ttl_s=3600)
+        assert any("noeviction" in r.message for r in caplog.records)
+        try:
+            t = _tokens(2, 5)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            assert store.flush()
+            key = _remote(store)._key(store.block_hashes(t)[0])
+            assert 0 < redis.Redis(port=server.port).ttl(key) <= 3600
+            for seed in range(200):  # ~3 MiB more than the server takes
+                u = _tokens(4, 100 + seed)
+                store.store(u, make_kv(u, LAYOUT, BLOCK))
+            assert store.flush()
+            tier = _remote(store)
+            assert tier.num_write_drops > 0 and tier.num_errors > 0
+            res = store.retrieve(_tokens(4, 299))  # not on the server: a miss
+            assert res.num_tokens == 0
+        finally:
+            store.close()
