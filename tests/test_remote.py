@@ -289,3 +289,20 @@ def test_ttl_and_a_full_noeviction_server(caplog: pytest.LogCaptureFixture) -> N
             assert res.num_tokens == 0
         finally:
             store.close()
+
+
+def test_password_from_url_or_environment_never_logged(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    t = _tokens(2, 6)
+    with redis_server("--requirepass", "s3cret") as server:
+        with caplog.at_level("WARNING"), _store(server.url.replace("//", "//:s3cret@"), cpu_bytes=0,
+                                                 disk_path=None, pool_blocks=0) as store:
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            assert store.flush() and _remote(store).num_errors == 0
+        monkeypatch.setenv("KVSTRATA_REMOTE_PASSWORD", "s3cret")
+        with _store(server.url, cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
+            assert store.lookup(t) == len(t)
+        monkeypatch.setenv("KVSTRATA_REMOTE_PASSWORD", "wrong")
+        with caplog.at_level("WARNING"), _store(server.url, cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
+            assert store.lookup(t) == 0  # refused by the server: a miss, logged without the password
+        assert "s3cret" not in caplog.text and "wrong" not in caplog.text
