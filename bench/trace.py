@@ -1,6 +1,7 @@
 """Replay a Mooncake-format trace through kvstrata's tiers: hit ratio against pool capacity.
 
-Run: `kvstrata bench trace [--trace PATH] [--fractions 1/32,1/16,1/8,1/4]`. Each request
+Run: `kvstrata bench trace [--trace PATH] [--fractions 1/32,1/16,1/8,1/4]` (default: the
+packaged conversation trace; `bench/traces/synthetic_trace.jsonl.gz` is the other one). Each request
 lists `hash_ids` of 512-token blocks (equal ids = equal prefix blocks). Every id becomes
 512 deterministic token ids, so the real store (chained hashing, pool, CPU and LMDB tiers,
 their LRU and promotion) decides every hit. Each request retrieves its longest cached
@@ -14,6 +15,7 @@ i.e. 64 MiB per 512-token block). Three configurations per pool size:
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import tempfile
@@ -30,14 +32,17 @@ from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
 
 TRACE_BLOCK_TOKENS = 512
-DEFAULT_TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
+# The Mooncake traces ship inside the package (gzip, Apache-2.0: bench/traces/NOTICE).
+TRACES_DIR = Path(__file__).resolve().parent / "traces"
+DEFAULT_TRACE = TRACES_DIR / "conversation_trace.jsonl.gz"
 _LAYOUT = KVLayout(1, 1, 1, torch.float16)  # 4 bytes per token: the tier logic runs, the bytes are tiny
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[list[int]]:
     """The `hash_ids` of each request, in arrival order."""
     out = []
-    with open(path) as f:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
         for line in f:
             if line.strip():
                 out.append(json.loads(line)["hash_ids"])
@@ -152,7 +157,7 @@ def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_ki
                           served["pool"], served["cpu"], served["disk"]])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    name = Path(trace).stem
+    name = Path(trace).name.removesuffix(".gz").removesuffix(".jsonl")
     print_table(
         f"Trace replay: {name}, {len(requests)} requests, {unique} unique 512-token blocks; "
         f"CPU tier {cpu_x}x pool, disk {disk_x}x pool; GiB at {token_kib} KiB/token",
@@ -185,11 +190,11 @@ def main(argv: list[str] | None = None) -> None:
         requests = load_trace(args.trace, args.limit)
         unique = len({i for ids in requests for i in ids})
         pool = max(1, int(unique * parse_fractions(args.fractions)[0]))
-        write_results(f"fleet_{Path(args.trace).stem}",
+        write_results(f"fleet_{Path(args.trace).name.removesuffix('.gz').removesuffix('.jsonl')}",
                       run_fleet(requests, args.fleet, pool, args.cpu_x * pool, args.remote_url))
         return
     result = run(args.trace, parse_fractions(args.fractions), args.cpu_x, args.disk_x, args.token_kib, args.limit)
-    write_results(f"trace_{Path(args.trace).stem}", result)
+    write_results(f"trace_{Path(args.trace).name.removesuffix('.gz').removesuffix('.jsonl')}", result)
 
 
 if __name__ == "__main__":

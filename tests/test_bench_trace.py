@@ -9,8 +9,19 @@ import pytest
 
 from bench import common, trace
 
-TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "conversation_trace.jsonl"
-needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="../shared/traces is not beside the checkout")
+TRACE = trace.DEFAULT_TRACE  # packaged with kvstrata: these tests never skip
+
+
+def test_packaged_traces_are_the_published_ones() -> None:
+    """The packaged gzip files hold the Mooncake traces, with their license and notice."""
+    for name, first_ids in (("conversation_trace", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]),
+                            ("synthetic_trace", None)):
+        reqs = trace.load_trace(trace.TRACES_DIR / f"{name}.jsonl.gz")
+        assert len(reqs) > 1000 and all(isinstance(i, int) for i in reqs[0])
+        if first_ids is not None:
+            assert reqs[0] == first_ids
+    assert "Apache License" in (trace.TRACES_DIR / "LICENSE-APACHE").read_text()
+    assert "Mooncake" in (trace.TRACES_DIR / "NOTICE").read_text()
 
 
 def test_tokens_for_distinct_ids_give_distinct_blocks() -> None:
@@ -24,7 +35,6 @@ def test_infinite_hits_counts_leading_seen_blocks() -> None:
     assert trace.infinite_hits(reqs) == (2 + 0 + 3, 12)
 
 
-@needs_trace
 def test_replay_with_unbounded_pool_equals_the_ceiling(tmp_path: Path) -> None:
     reqs = trace.load_trace(TRACE, limit=300)
     hits, refs = trace.infinite_hits(reqs)
@@ -34,7 +44,6 @@ def test_replay_with_unbounded_pool_equals_the_ceiling(tmp_path: Path) -> None:
     assert res["hits_pool"] == hits  # the real pool, never evicting, finds exactly every prefix hit
 
 
-@needs_trace
 def test_trace_benchmark_orders_configurations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(trace, "RESULTS_DIR", tmp_path)
