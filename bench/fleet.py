@@ -10,30 +10,14 @@ lifetime). Reports the block hit ratio of each, and the infinite-cache ceiling.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from tqdm import tqdm
 
 from bench.common import print_table
+from bench.redis_servers import server_url
 from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, infinite_hits, tokens_for
 from kvstore import KVCacheStore, StoreConfig
 from tiers.base import TierKind
-
-
-@contextlib.contextmanager
-def _remote(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    from bench.redis_servers import RedisServer
-
-    server = RedisServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def replay_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_blocks: int,
@@ -70,7 +54,7 @@ def run_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_block
               remote_url: str | None) -> dict[str, object]:
     inf_hits, refs = infinite_hits(requests)
     local = replay_fleet(requests, hosts, pool_blocks, cpu_blocks, None, f"{hosts} hosts, local tiers only")
-    with _remote(remote_url) as url:
+    with server_url(remote_url) as url:
         shared = replay_fleet(requests, hosts, pool_blocks, cpu_blocks, url, f"{hosts} hosts + remote tier")
     print_table(f"Fleet of {hosts} hosts (round-robin), pool {pool_blocks} + CPU {cpu_blocks} blocks each: "
                 "block hit ratio",

@@ -135,3 +135,13 @@ def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+@contextmanager
+def server_url(url: str | None) -> Iterator[str]:
+    """`url` if given, else the URL of a loopback redis-server started for the block."""
+    if url is not None:
+        yield url
+        return
+    with redis_server() as server:
+        yield server.url

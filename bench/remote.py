@@ -13,12 +13,10 @@ SET and GET of one value of the block's size). Ratios are store GB/s over raw-cl
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +24,7 @@ import torch
 
 from bench.args import Parser, positive_int
 from bench.common import print_table, write_results
+from bench.redis_servers import server_url
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.remote import connect
 
@@ -36,20 +35,6 @@ def _raw_client(url: str) -> Any:
     """The very client the tier uses (same timeouts, read size, parser): the baseline then
     isolates what kvstrata adds (records, checksums, copies, the background writer)."""
     return connect(url, timeout_s=10.0)
-
-
-@contextlib.contextmanager
-def _server(url: str | None) -> Iterator[str]:
-    if url is not None:
-        yield url
-        return
-    from bench.redis_servers import RedisServer  # the test fixture's launcher: one place for it
-
-    server = RedisServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 def _redis_benchmark(url: str, size: int, count: int) -> dict[str, float]:
@@ -121,7 +106,7 @@ def bench_size(url: str, label: str, mib: int, repeat: int) -> dict[str, float]:
 
 
 def run(url: str | None, mib: int, sizes: list[str], repeat: int) -> dict[str, object]:
-    with _server(url) as target:
+    with server_url(url) as target:
         results = {label: bench_size(target, label, mib, repeat) for label in sizes}
     rows = []
     for label, r in results.items():
