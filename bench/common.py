@@ -79,6 +79,20 @@ def drop_file_cache(path: str | Path) -> bool:
         os.close(fd)
 
 
+def pyplot() -> Any | None:
+    """matplotlib's pyplot (Agg backend), or None with a one-line hint when the optional
+    `bench` extra is not installed: a benchmark then still prints and saves its figures."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install 'kvstrata[bench]')")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_plot(fig: Any, ax: Any, path: Path, title: str) -> None:
     """Title, grid and legend on `ax`, then write `fig` to `path` as PNG and close it.
 

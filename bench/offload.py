@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from bench.args import Parser, directory, int_in, int_list, positive_int
-from bench.common import RESULTS_DIR, drop_file_cache, print_table, save_plot, write_results
+from bench.common import RESULTS_DIR, drop_file_cache, print_table, pyplot, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.runner import KVStrataLLM
@@ -121,18 +121,17 @@ def run(lengths: list[int], layers: int, docs: int, questions: int, question_tok
         ["tokens", "KV MiB", *(f"{p} ms" for p in PLACEMENTS), *(f"{p} x" for p in PLACEMENTS[1:])], rows)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     png = RESULTS_DIR / "offload_ttft.png"
-    plot(png, results, f"TTFT vs context, Llama-3-8B shape x {layers} layer(s), {dtype}, {device}")
-    print(f"plot written to {png}")
+    if plot(png, results, f"TTFT vs context, Llama-3-8B shape x {layers} layer(s), {dtype}, {device}"):
+        print(f"plot written to {png}")
     return {"layers": layers, "dtype": dtype, "device": device, "docs": docs, "questions": questions,
             "question_tokens": question_tokens, "kv_bytes_per_token": layout.token_bytes,
             "results": {str(k): v for k, v in results.items()}, "plot": str(png)}
 
 
-def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
 
     xs = sorted(results)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -143,6 +142,7 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> None:
     ax.set_xlabel("context tokens")
     ax.set_ylabel("time to first token (ms)")
     save_plot(fig, ax, path, title)
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:

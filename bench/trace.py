@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from bench.args import Parser, existing_file, nonneg_int, positive_int
-from bench.common import RESULTS_DIR, print_table, save_plot, write_results
+from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
 
@@ -110,11 +110,10 @@ def parse_fractions(text: str) -> list[Fraction]:
     return [Fraction(s.strip()) for s in text.split(",") if s.strip()]
 
 
-def plot(path: Path, rows: list[dict[str, float]], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(path: Path, rows: list[dict[str, float]], title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
 
     x = [r["pool_blocks"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -125,6 +124,7 @@ def plot(path: Path, rows: list[dict[str, float]], title: str) -> None:
     ax.set_xlabel("pool capacity (512-token blocks)")
     ax.set_ylabel("block hit ratio")
     save_plot(fig, ax, path, title)
+    return True
 
 
 def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_kib: int,
@@ -165,8 +165,8 @@ def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_ki
          "GiB from pool", "GiB from CPU", "GiB from disk"], table)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     png = RESULTS_DIR / f"trace_{name}.png"
-    plot(png, rows, f"{name}: hit ratio vs pool capacity (CPU {cpu_x}x, disk {disk_x}x pool)")
-    print(f"plot written to {png}")
+    if plot(png, rows, f"{name}: hit ratio vs pool capacity (CPU {cpu_x}x, disk {disk_x}x pool)"):
+        print(f"plot written to {png}")
     return {"trace": str(trace), "num_requests": len(requests), "unique_blocks": unique, "block_refs": refs,
             "cpu_x": cpu_x, "disk_x": disk_x, "token_kib": token_kib, "rows": rows, "plot": str(png)}
 
