@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +30,28 @@ from tiers.lmdb import LMDBTier, ScrubResult
 from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _timed(op: str) -> Callable[[Callable[Concatenate[KVCacheStore, P], R]], Callable[Concatenate[KVCacheStore, P], R]]:
+    """Report the wall time of a store call to `store.observe_latency` when one is set."""
+
+    def wrap(fn: Callable[Concatenate[KVCacheStore, P], R]) -> Callable[Concatenate[KVCacheStore, P], R]:
+        def timed(self: KVCacheStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            hook = self.observe_latency
+            if hook is None:
+                return fn(self, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                hook(op, time.perf_counter() - t0)
+
+        functools.update_wrapper(timed, fn)  # name and docstring of the wrapped call
+        return timed
+
+    return wrap
 
 
 class RetrieveResult(NamedTuple):
@@ -97,6 +121,9 @@ class KVCacheStore:
         self._closed = False
         self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
         self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
+        # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
+        # (kvstore.metrics.register_metrics sets it).
+        self.observe_latency: Callable[[str, float], None] | None = None
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
@@ -159,6 +186,7 @@ class KVCacheStore:
         return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
 
     # -- the API ---------------------------------------------------------------------------
+    @_timed("store")
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
 
@@ -180,6 +208,7 @@ class KVCacheStore:
                 return len(keys) * b  # the top tier took every block (no second lookup)
             return len(self._stack.locate(hashes)) * b  # more than the top tier holds: some may be gone
 
+    @_timed("retrieve")
     def retrieve(
         self,
         tokens: object,
@@ -260,6 +289,7 @@ class KVCacheStore:
             )
 
     # -- block-level API, for engines that page KV in their own blocks ---------------------
+    @_timed("store")
     def store_blocks(
         self,
         tokens: object,
@@ -288,6 +318,7 @@ class KVCacheStore:
             self._num_blocks_stored += written
             return written
 
+    @_timed("load")
     def retrieve_into(
         self,
         tokens: object,
