@@ -29,6 +29,7 @@ COMMANDS = {
     "demo-store": "bench.demo_store",
     "demo-remote": "bench.demo_remote",
     "offload": "bench.offload",
+    "inspect": "bench.inspect_disk",
 }
 USAGE = (
     "usage: kvstrata {" + ",".join(COMMANDS) + "} [options]\n"

@@ -41,7 +41,8 @@ def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
     if config.disk_path is None:
         return None
     return LMDBTier(str(config.disk_path), config.disk_bytes, config.block_shape, config.layout.dtype,
-                    verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed)
+                    verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed,
+                    identity=config.identity())
 
 
 def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:

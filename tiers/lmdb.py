@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import lmdb
+import msgpack
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
@@ -53,6 +54,7 @@ class LMDBTier(Tier):
         verify_tokens: bool = True,
         sync: bool = True,
         namespace: bytes = b"",
+        identity: object = None,
     ) -> None:
         self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
         self._namespace = self.codec.namespace
@@ -71,6 +73,18 @@ class LMDBTier(Tier):
         self._closed = False
         self.counters = TierCounters()
         self._num_unverifiable = 0
+        self._register(identity)
+
+    def _register(self, identity: object) -> None:
+        """Record this namespace's identity and budget in `meta` (what `kvstrata inspect`
+        shows). Best effort: a full disk must not fail an open."""
+        entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes}, use_bin_type=True,
+                              default=str)
+        try:
+            with begin(self._env, write=True) as txn:
+                txn.put(b"ns:" + self._namespace, entry, db=self._meta)
+        except lmdb.Error:
+            pass
 
     # -- queries ---------------------------------------------------------------------------
     @property
