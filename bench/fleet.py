@@ -11,9 +11,9 @@ lifetime). Reports the block hit ratio of each, and the infinite-cache ceiling.
 from __future__ import annotations
 
 import torch
-from tqdm import tqdm
 
 from bench.common import print_table
+from bench.progress import tqdm
 from bench.redis_servers import server_url
 from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, infinite_hits, tokens_for
 from kvstore import KVCacheStore, StoreConfig

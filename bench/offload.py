@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench.args import Parser, directory, int_in, int_list, positive_int
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, pyplot, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
+from bench.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.runner import KVStrataLLM
 from engine_adapter.runner.weights import init_random_weights

@@ -17,10 +17,10 @@ import tracemalloc
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench.args import Parser, int_in
 from bench.common import print_table, write_results
+from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 LAYOUT = KVLayout(1, 1, 1, torch.float16)

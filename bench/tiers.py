@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench.args import Parser, directory, positive_int
 from bench.common import drop_file_cache, print_table, timeit, write_results
+from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 TOKEN_KV_HEADS, TOKEN_HEAD_DIM = 8, 128  # a Llama-3-8B-like head shape: 4 KiB/token/layer in bf16

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from bench.args import Parser, existing_file, nonneg_int, positive_int
 from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
+from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from tqdm import tqdm
 
 from bench.args import Parser, positive_int
 from bench.common import print_table, write_results
+from bench.progress import tqdm
 from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS, parse_sizes
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig

@@ -59,10 +59,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import numpy as np
-from tqdm import tqdm
 
 from bench.args import Parser, directory
 from bench.common import print_table, write_results
+from bench.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.model_config import LlamaConfig
 from engine_adapter.runner.runner import KVStrataLLM
