@@ -10,6 +10,7 @@ run one in a container and pass `--url redis://HOST:6379`).
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int_in(16, 1 << 20), default=8192)
     p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo-remote",
                    help="hosts A and B use <disk-path>/host-a and /host-b")
-    p.add_argument("--role", choices=["a", "b"], help=argparse_suppress())
+    p.add_argument("--role", choices=["a", "b"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.role:  # a host process
         print(json.dumps(host(args.role, args.url, f"{args.disk_path}/host-{args.role}", args.tokens)))
@@ -109,12 +110,6 @@ def main(argv: list[str] | None = None) -> int:
                 ["host", "step", "tokens by tier", "ms", "bit-exact"], rows)
     ok = b["first_exact"] and b["second_exact"] and TierKind.REMOTE.value in b["first_tiers"]
     return 0 if ok else 1
-
-
-def argparse_suppress() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 from bench.common import print_table
 from bench.progress import tqdm
 from bench.redis_servers import server_url
-from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, infinite_hits, tokens_for
+from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, infinite_hits, serve_request
 from kvstore import KVCacheStore, StoreConfig
 from tiers.base import TierKind
 
@@ -36,12 +36,7 @@ def replay_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_bl
             stores[0].clear()  # a fresh remote namespace for this replay
         for i, ids in enumerate(tqdm(requests, desc=desc, leave=False, disable=None)):
             store = stores[i % hosts]
-            toks = tokens_for(ids)
-            refs += len(ids)
-            res = store.retrieve(toks)
-            for kind, n in res.blocks_per_tier.items():
-                hits[kind] += n
-            store.store(toks, payload[:, :, : len(toks)])
+            refs += serve_request(store, ids, payload, hits)
             if remote_url is not None:
                 store.flush()
     finally:

@@ -73,6 +73,17 @@ def infinite_hits(requests: list[list[int]]) -> tuple[int, int]:
     return hits, refs
 
 
+def serve_request(store: KVCacheStore, ids: list[int], payload: torch.Tensor, hits: dict[TierKind, int]) -> int:
+    """One trace request: retrieve its longest cached prefix (counting hits per tier into
+    `hits`), then store all its blocks. Returns its block references."""
+    toks = tokens_for(ids)
+    res = store.retrieve(toks)
+    for kind, n in res.blocks_per_tier.items():
+        hits[kind] += n
+    store.store(toks, payload[:, :, : len(toks)])
+    return len(ids)
+
+
 def replay(requests: list[list[int]], pool_blocks: int, cpu_blocks: int, disk_blocks: int,
            workdir: Path, desc: str) -> dict[str, float]:
     """Replay through a real store; return hits per tier, references and blocks written per tier."""
@@ -90,12 +101,7 @@ def replay(requests: list[list[int]], pool_blocks: int, cpu_blocks: int, disk_bl
     payload = torch.zeros(_LAYOUT.block_shape(longest), dtype=_LAYOUT.dtype)  # sliced per request
     with KVCacheStore(cfg) as store:
         for ids in tqdm(requests, desc=desc, leave=False, disable=None):
-            toks = tokens_for(ids)
-            refs += len(ids)
-            res = store.retrieve(toks)
-            for kind, n in res.blocks_per_tier.items():
-                hits[kind] += n
-            store.store(toks, payload[:, :, : len(toks)])
+            refs += serve_request(store, ids, payload, hits)
         stats = {t.kind: t.stats() for t in store.tiers}
         store.check_integrity()
     shutil.rmtree(disk, ignore_errors=True)

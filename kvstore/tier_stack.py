@@ -65,37 +65,29 @@ class TierStack:
         transaction per disk run), and only where no faster tier holds the block. Changes
         nothing.
         """
-        plan: list[int] = []
-        run_end = [0] * len(self.tiers)
-        pos, n = 0, len(hashes)
-        while pos < n:
-            for index, tier in enumerate(self.tiers):
-                if run_end[index] <= pos:
-                    run_end[index] = pos + tier.match_prefix(hashes, pos)
-                if run_end[index] > pos:
-                    plan.append(index)
-                    pos += 1
-                    break
-            else:
-                break
-        return plan
+        return self._plan(hashes, ask_bottom=True)
 
     def plan_load(self, hashes: Sequence[BlockHash]) -> list[int]:
         """A plan for `load` when the destinations are already given: each block from the
         fastest tier above the bottom that holds it, else from the bottom tier, which is not
         asked beforehand (its read during `load` stops at the first block it lacks). So a
         load from disk opens one read transaction per disk run instead of two. Changes nothing."""
-        upper = self.tiers[:-1]
+        return self._plan(hashes, ask_bottom=False)
+
+    def _plan(self, hashes: Sequence[BlockHash], *, ask_bottom: bool) -> list[int]:
+        asked = self.tiers if ask_bottom else self.tiers[:-1]
         plan: list[int] = []
-        run_end = [0] * len(upper)
+        run_end = [0] * len(asked)
         for pos in range(len(hashes)):
-            for index, tier in enumerate(upper):
+            for index, tier in enumerate(asked):
                 if run_end[index] <= pos:
                     run_end[index] = pos + tier.match_prefix(hashes, pos)
                 if run_end[index] > pos:
                     plan.append(index)
                     break
             else:
+                if ask_bottom:
+                    break  # no tier holds this block: the prefix ends here
                 plan.append(len(self.tiers) - 1)
         return plan
 

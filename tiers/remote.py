@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -155,6 +155,21 @@ class RemoteTier(Tier):
     def _key(self, block_hash: BlockHash) -> bytes:
         return self._prefix + bytes(block_hash).hex().encode()
 
+    def _pipelined(self, what: str, commands: Callable[[Any], object]) -> list[Any] | None:
+        """Run the commands `commands(pipe)` queues in one round trip; None (a counted,
+        rate-limited fault) if the server fails or the breaker is open."""
+        if not self._available():
+            return None
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            commands(pipe)
+            replies: list[Any] = pipe.execute()
+        except Exception as exc:  # every server fault is a miss or a skipped write
+            self._fault(what, exc)
+            return None
+        self._ok()
+        return replies
+
     # -- reads -------------------------------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
@@ -166,34 +181,20 @@ class RemoteTier(Tier):
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
         todo = list(block_hashes[start:])
-        if not todo or not self._available():
+        found = self._pipelined("lookup", lambda pipe: [pipe.exists(self._key(h)) for h in todo]) if todo else None
+        if found is None:
             return 0
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for h in todo:
-                pipe.exists(self._key(h))
-            found = pipe.execute()
-        except Exception as exc:
-            self._fault("lookup", exc)
-            return 0
-        self._ok()
         n = 0
         while n < len(found) and found[n]:
             n += 1
         return n
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        if not keys or not self._available():
+        if not keys:
             return 0
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.get(self._key(k.block_hash))
-            values = pipe.execute()
-        except Exception as exc:
-            self._fault("read", exc)
+        values = self._pipelined("read", lambda pipe: [pipe.get(self._key(k.block_hash)) for k in keys])
+        if values is None:
             return 0
-        self._ok()
         n = 0
         for key, dst, value in zip(keys, dsts, values):
             if value is None:
@@ -249,19 +250,8 @@ class RemoteTier(Tier):
                 self._cond.notify_all()
 
     def _send(self, batch: list[tuple[bytes, memoryview]]) -> None:
-        if not self._available():
+        if self._pipelined("write", lambda pipe: [pipe.set(k, v, ex=self._ttl_s) for k, v in batch]) is None:
             self.num_write_drops += len(batch)
-            return
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for key, value in batch:
-                pipe.set(key, value, ex=self._ttl_s)
-            pipe.execute()
-        except Exception as exc:
-            self.num_write_drops += len(batch)
-            self._fault("write", exc)
-            return
-        self._ok()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every write queued so far was sent (or dropped for a fault); False if
@@ -280,16 +270,10 @@ class RemoteTier(Tier):
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
-        if not block_hashes or not self._available():
+        if not block_hashes:
             return 0
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for h in block_hashes:
-                pipe.delete(self._key(h))
-            return int(sum(pipe.execute()))
-        except Exception as exc:
-            self._fault("delete", exc)
-            return 0
+        deleted = self._pipelined("delete", lambda pipe: [pipe.delete(self._key(h)) for h in block_hashes])
+        return int(sum(deleted)) if deleted is not None else 0
 
     def _scan_delete(self, pattern: bytes) -> None:
         batch: list[bytes] = []
