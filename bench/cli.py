@@ -30,6 +30,7 @@ COMMANDS = {
     "demo-remote": "bench.demo_remote",
     "offload": "bench.offload",
     "inspect": "bench.inspect_disk",
+    "router": "bench.router_cmd",
 }
 USAGE = (
     "usage: kvstrata {" + ",".join(COMMANDS) + "} [options]\n"

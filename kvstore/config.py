@@ -161,6 +161,12 @@ class StoreConfig:
             `KVSTRATA_REMOTE_PASSWORD`. Every stored block is written to it in the background.
         remote_ttl_s: expire remote records after this many seconds (None: the server's LRU).
         remote_timeout_s: bound on every remote call; a slower server is a miss.
+        events_endpoint: publish KV events (blocks entering and leaving each tier) on this
+            ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for `kvstrata router`; the
+            next port answers snapshot requests (docs/routing.md). None: no events.
+        instance_id: this engine instance's name in the events (default `HOST:PID`).
+        model_name: a short model label for routers to filter on (default: `namespace`,
+            cut to 128 characters).
         cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
             read or demoted; a block damaged in memory is then a miss (costs one hash per
             block written and per block read).
@@ -184,6 +190,9 @@ class StoreConfig:
     remote_url: str | None = None
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
+    events_endpoint: str | None = None
+    instance_id: str | None = None
+    model_name: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -240,6 +249,15 @@ class StoreConfig:
         if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
+        if self.events_endpoint is not None:
+            from kvstore.events import check_endpoint
+
+            check_endpoint(self.events_endpoint, "StoreConfig.events_endpoint")
+        for name in ("instance_id", "model_name"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
+                raise ConfigError(f"StoreConfig.{name} must be a non-empty str of at most 256 characters, "
+                                  f"got {value!r}")
         if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     StoreClosedError,
 )
+from kvstore.events import EventPublisher, EventSource, new_epoch
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
 from kvstore.tier_factory import build_tiers
 from kvstore.tier_stack import TierStack
@@ -118,12 +121,48 @@ class KVCacheStore:
         self.pool: BlockPool | None = tiers[0] if isinstance(tiers[0], BlockPool) else None
         self._stack = TierStack(tiers, write_through=config.write_through)
         self._lock = threading.RLock()
+        self.events: EventPublisher | None = None
+        if config.events_endpoint is not None:
+            try:
+                self.events = self._publish(config.events_endpoint)
+            except BaseException:
+                self._stack.close()
+                raise
         self._closed = False
         self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
         self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
         # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
         # (kvstore.metrics.register_metrics sets it).
         self.observe_latency: Callable[[str, float], None] | None = None
+
+    def _publish(self, endpoint: str) -> EventPublisher:
+        """Start publishing KV events: every tier reports to the publisher from now on."""
+        cfg = self.config
+        remote = next((t for t in self._stack.tiers if isinstance(t, RemoteTier)), None)
+        source = EventSource(
+            instance_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
+            model=cfg.model_name or cfg.namespace[:128], seed=bytes(self._seed), algo=cfg.hash_algo.value,
+            block_size=cfg.block_size, remote=remote.identity if remote is not None else None, epoch=new_epoch())
+        publisher = EventPublisher(endpoint, source, self._event_snapshot)
+        for tier in self._stack.tiers:
+            tier.listener = publisher.on_change
+        return publisher
+
+    def _event_snapshot(self) -> tuple[dict[TierKind, list[BlockHash]], list[list[Any]]]:
+        """Every tier's blocks, and the events not yet published, taken together (the remote
+        tier, slow to list and shared, outside the lock: its events are idempotent)."""
+        held: dict[TierKind, list[BlockHash]] = {}
+        for tier in self._stack.tiers:
+            if tier.kind is TierKind.REMOTE and not self._closed:
+                held[tier.kind] = list(tier.held_hashes())
+        with self._lock:
+            if self._closed:
+                return {}, []
+            for tier in self._stack.tiers:
+                if tier.kind is not TierKind.REMOTE:
+                    held[tier.kind] = list(tier.held_hashes())
+            assert self.events is not None
+            return held, self.events.take_pending()
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
@@ -372,6 +411,8 @@ class KVCacheStore:
                     tier.clear(all_namespaces=all_namespaces)
                 else:
                     tier.clear()
+                if self.events is not None:
+                    self.events.on_clear(tier.kind)
 
     def scrub(self) -> ScrubResult | None:
         """Validate every disk record; delete damaged ones (of any namespace: they are garbage
@@ -401,6 +442,8 @@ class KVCacheStore:
                     logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d", spilled, refused)
             finally:
                 self._stack.close()
+                if self.events is not None:
+                    self.events.close()
             return CloseResult(spilled, refused)
 
     @property

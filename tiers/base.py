@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, NewType, Protocol
 
@@ -120,6 +120,20 @@ class Tier(abc.ABC):
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
+    # Told of every block entering (True) or leaving (False) this tier, by the tier itself;
+    # set by the store when it publishes KV events. Must not raise or block.
+    listener: Callable[[TierKind, bool, Sequence[BlockHash]], None] | None = None
+
+    def _announce(self, stored: bool, block_hashes: Sequence[BlockHash]) -> None:
+        """Tell the listener (if any) that `block_hashes` entered or left this tier."""
+        listener = self.listener
+        if listener is not None and block_hashes:
+            listener(self.kind, stored, block_hashes)
+
+    def held_hashes(self) -> Iterator[BlockHash]:
+        """Every block this tier holds now, in no particular order (for KV-event snapshots).
+        A tier that cannot enumerate its blocks yields nothing. Changes nothing."""
+        return iter(())
 
     @property
     @abc.abstractmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import xxhash
@@ -80,6 +80,9 @@ class CPUTier(Tier):
         self._check_open()
         return count_held(self._index, block_hashes, start)
 
+    def held_hashes(self) -> Iterator[BlockHash]:
+        return iter(list(self._index))
+
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""
         slot = self._index.get(block_hash)
@@ -125,6 +128,7 @@ class CPUTier(Tier):
                 self._slot_sums[slot] = self._sum(slot)
             self._index[keys[i].block_hash] = slot
             self._lru[keys[i].block_hash] = None
+        self._announce(True, [keys[i].block_hash for i in new])
         return len(new)
 
     @staticmethod
@@ -259,6 +263,7 @@ class CPUTier(Tier):
         self._refs.pop(block_hash, None)
         self._slot_tokens[slot] = b""
         self._free.append(slot)
+        self._announce(False, [block_hash])
 
     def clear(self) -> None:
         self._check_open()

@@ -12,7 +12,7 @@ join the tail in reverse order, so a sequence's tail is evicted before its prefi
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -146,6 +146,7 @@ class BlockPool(Tier):
             new.append(block)
         if new and self.demotion is DemotionPolicy.WRITE_THROUGH:
             self._demote(new[::-1])
+        self._announce(True, [b.block_hash for b in new if b.block_hash is not None])
         return len(new)
 
     def free_blocks(self, blocks: Sequence[PoolBlock]) -> None:
@@ -207,6 +208,7 @@ class BlockPool(Tier):
     def _uncache(self, block: PoolBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            self._announce(False, [block.block_hash])
             block.block_hash = None
             block.tokens = b""
 
@@ -217,6 +219,9 @@ class BlockPool(Tier):
 
     def __len__(self) -> int:
         return len(self.cached)
+
+    def held_hashes(self) -> Iterator[BlockHash]:
+        return iter(list(self.cached))
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()

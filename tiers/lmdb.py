@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import lmdb
@@ -100,6 +100,14 @@ class LMDBTier(Tier):
         with begin(self._env) as txn:
             return int(txn.stat(self._blocks)["entries"])
 
+    def held_hashes(self) -> Iterator[BlockHash]:
+        """This namespace's blocks (each record's header names its owner), read in one
+        snapshot."""
+        self._check_open()
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
+            mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
+        return iter(mine)
+
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
         n, end = start, len(block_hashes)
@@ -165,6 +173,7 @@ class LMDBTier(Tier):
         """One write transaction: apply buffered touches, evict, insert. Aborts as a whole."""
         with self._lock:
             pending, self._pending = self._pending, []
+        evicted: list[BlockHash] = []
         try:
             with begin(self._env, write=True) as txn:
                 tick, used = self._read_meta(txn)
@@ -177,7 +186,7 @@ class LMDBTier(Tier):
                     total -= sizes[skip]
                     skip += 1
                 fresh, sizes = fresh[skip:], sizes[skip:]
-                used = self._evict_in(txn, used, used + total - budget)
+                used = self._evict_in(txn, used, used + total - budget, evicted)
                 for (h, v), size in zip(fresh, sizes):
                     txn.put(h, v, db=self._blocks)
                     txn.put(h, _TICK.pack(tick), db=self._atime)
@@ -189,9 +198,11 @@ class LMDBTier(Tier):
             with self._lock:
                 self._pending[:0] = pending
             raise
+        self._announce(False, evicted)  # committed: tell the listener
+        self._announce(True, [h for h, _ in fresh])
         return len(fresh)
 
-    def _evict_in(self, txn: lmdb.Transaction, used: int, num_bytes: float) -> int:
+    def _evict_in(self, txn: lmdb.Transaction, used: int, num_bytes: float, evicted: list[BlockHash]) -> int:
         if num_bytes <= 0:
             return used
         freed = 0
@@ -207,6 +218,7 @@ class LMDBTier(Tier):
             txn.delete(tick_key, db=self._lru)
             txn.delete(h, db=self._atime)
             txn.delete(h, db=self._blocks)
+            evicted.append(BlockHash(h))
         self.counters.num_evictions += len(victims)
         return max(0, used - freed)
 
@@ -256,7 +268,7 @@ class LMDBTier(Tier):
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
-        n = 0
+        gone: list[BlockHash] = []
         with begin(self._env, write=True) as txn:
             tick, used = self._read_meta(txn)
             for h in block_hashes:
@@ -269,9 +281,10 @@ class LMDBTier(Tier):
                     txn.delete(bytes(old), db=self._lru)
                 txn.delete(h, db=self._atime)
                 txn.delete(h, db=self._blocks)
-                n += 1
+                gone.append(h)
             self._write_meta(txn, tick, max(0, used))
-        return n
+        self._announce(False, gone)
+        return len(gone)
 
     def _discard_damaged(self, block_hashes: Sequence[BlockHash]) -> None:
         """Delete damaged records, then recount the bytes used from the records left.
@@ -290,19 +303,20 @@ class LMDBTier(Tier):
             cursor = txn.cursor(db=self._blocks)
             used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
             self._write_meta(txn, tick, used)
+        self._announce(False, block_hashes)
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this namespace's records (their owner is in each header); with
         `all_namespaces`, every record in the directory, whoever wrote it."""
         self._check_open()
         if all_namespaces:
+            mine = list(self.held_hashes())
             with begin(self._env, write=True) as txn:
                 for db in (self._blocks, self._atime, self._lru, self._meta):
                     txn.drop(db, delete=False)
+            self._announce(False, mine)
         else:
-            with begin(self._env, db=self._blocks, buffers=True) as txn:
-                mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
-            self._discard_damaged(mine)
+            self._discard_damaged(list(self.held_hashes()))
         with self._lock:
             self._pending.clear()
 

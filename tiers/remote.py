@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.parse
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -152,6 +152,11 @@ class RemoteTier(Tier):
             logger.warning("kvstrata: remote tier %s has maxmemory-policy noeviction: writes fail once it is full; "
                            "set maxmemory-policy allkeys-lru", redacted(self._url))
 
+    @property
+    def identity(self) -> str:
+        """The server's URL without credentials: instances naming the same one share blocks."""
+        return redacted(self._url)
+
     def _key(self, block_hash: BlockHash) -> bytes:
         return self._prefix + bytes(block_hash).hex().encode()
 
@@ -252,6 +257,27 @@ class RemoteTier(Tier):
     def _send(self, batch: list[tuple[bytes, memoryview]]) -> None:
         if self._pipelined("write", lambda pipe: [pipe.set(k, v, ex=self._ttl_s) for k, v in batch]) is None:
             self.num_write_drops += len(batch)
+        else:
+            self._announce(True, [self._hash_of(k) for k, _ in batch])
+
+    def _hash_of(self, key: bytes) -> BlockHash:
+        return BlockHash(bytes.fromhex(key[len(self._prefix):].decode()))
+
+    def held_hashes(self, limit: int = 1_000_000) -> Iterator[BlockHash]:
+        """This namespace's keys on the server (SCAN by prefix, at most `limit`); what was
+        read before a fault (counted) otherwise."""
+        self._check_open()
+        found: list[BlockHash] = []
+        if not self._available():
+            return iter(found)
+        try:
+            for key in self._client.scan_iter(match=self._prefix + b"*", count=1000):
+                found.append(self._hash_of(key))
+                if len(found) >= limit:
+                    break
+        except Exception as exc:
+            self._fault("scan", exc)
+        return iter(found)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every write queued so far was sent (or dropped for a fault); False if
@@ -273,6 +299,7 @@ class RemoteTier(Tier):
         if not block_hashes:
             return 0
         deleted = self._pipelined("delete", lambda pipe: [pipe.delete(self._key(h)) for h in block_hashes])
+        self._announce(False, [h for h, n in zip(block_hashes, deleted or ()) if n])
         return int(sum(deleted)) if deleted is not None else 0
 
     def _scan_delete(self, pattern: bytes) -> None:
