@@ -266,7 +266,7 @@ class Router:
     def app(self) -> Any:
         web = _need_aiohttp()
 
-        @web.middleware
+        @web.middleware  # type: ignore[untyped-decorator]  # `web` comes from _need_aiohttp()
         async def errors(request: Any, handler: Any) -> Any:
             try:
                 return await handler(request)

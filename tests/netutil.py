@@ -1,0 +1,24 @@
+"""Free loopback ports for tests that bind real sockets (events: the port and the next)."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free on loopback (below 55000)."""
+    for _ in range(200):
+        port = random.randrange(20000, 54000, 2)
+        if _free(port) and _free(port + 1):
+            return port
+    raise RuntimeError("no free pair of loopback ports")

@@ -1,0 +1,288 @@
+"""`kvstrata router` against real store processes over loopback ZeroMQ and real HTTP."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import BLOCK
+from tests.netutil import free_port_pair
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Instance:
+    """A store process publishing KV events (tests/fleet_instance.py)."""
+
+    def __init__(self, instance_id: str, port: int, disk: Path | None, cpu_blocks: int,
+                 remote: str | None = None) -> None:
+        self.id, self.port, self.disk, self.cpu_blocks, self.remote = instance_id, port, disk, cpu_blocks, remote
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        args = [sys.executable, "-m", "tests.fleet_instance", str(port), instance_id, str(disk or ""), str(cpu_blocks)]
+        self.proc = subprocess.Popen([*args, *([remote] if remote else [])], cwd=ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self._read() == {"ready": True}
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"instance {self.id} exited ({self.proc.poll()})"
+        return json.loads(line)
+
+    def call(self, op: str, tokens: list[int] | None = None) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["ok"]
+
+    def restart(self) -> Instance:
+        self.close()
+        return Instance(self.id, self.port, self.disk, self.cpu_blocks, self.remote)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.call("close")
+            self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+class RouterProcess:
+    def __init__(self, endpoints: list[str], *extra: str) -> None:
+        self.port = free_port_pair()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "bench.cli", "router", "--port", str(self.port), *extra]
+        for endpoint in endpoints:
+            args += ["--subscribe", endpoint]
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: self.get("/healthz")[0] == 200, "router up")
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, data=body, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                raw = resp.read()
+                status = resp.status
+        except urllib.error.HTTPError as exc:
+            raw, status = exc.read(), exc.code
+        except (urllib.error.URLError, ConnectionError):
+            return 0, None
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode()
+
+    def get(self, path: str) -> tuple[int, Any]:
+        return self.request("GET", path)
+
+    def lookup(self, tokens: list[int], **fields: Any) -> dict[str, Any]:
+        status, body = self.request("POST", "/lookup", json.dumps({"token_ids": tokens, **fields}).encode())
+        assert status == 200, body
+        return body  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def doc(seed: int, num_blocks: int) -> list[int]:
+    return [seed * 10_000 + i for i in range(num_blocks * BLOCK)]
+
+
+def by_tier(where: list[str]) -> dict[str, int]:
+    counts = Counter(where)
+    return {t: counts.get(t, 0) * BLOCK for t in ("pool", "cpu", "disk", "remote")}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Callable[..., Instance]]:
+    made: list[Instance] = []
+
+    def start(instance_id: str, *, cpu_blocks: int = 8, disk: bool = True, port: int | None = None,
+              remote: str | None = None) -> Instance:
+        inst = Instance(instance_id, port or free_port_pair(), tmp_path / instance_id if disk else None, cpu_blocks,
+                        remote)
+        made.append(inst)
+        return inst
+
+    yield start
+    for inst in made:
+        if inst.proc.poll() is None:
+            inst.kill()
+
+
+@pytest.fixture
+def routers() -> Iterator[Callable[..., RouterProcess]]:
+    made: list[RouterProcess] = []
+
+    def start(endpoints: list[str], *extra: str) -> RouterProcess:
+        router = RouterProcess(endpoints, *extra)
+        made.append(router)
+        return router
+
+    yield start
+    for router in made:
+        if router.proc.poll() is None:
+            router.stop()
+
+
+def expect(router: RouterProcess, tokens: list[int], truth: dict[str, list[str]], **fields: Any) -> dict[str, Any]:
+    """Wait until the router's per-tier counts equal each instance's own view; return the answer."""
+    last: dict[str, Any] = {}
+
+    def matches() -> bool:
+        nonlocal last
+        last = router.lookup(tokens, **fields)
+        return all(iid in last["instances"] and last["instances"][iid]["by_tier"] == by_tier(where)
+                   for iid, where in truth.items())
+
+    try:
+        wait_for(matches, "the router to agree with the instances")
+    except AssertionError:
+        raise AssertionError(f"router: {last}; instances: {truth}") from None
+    return last
+
+
+def test_lookup_names_the_instance_with_the_longest_prefix_and_its_tiers(fleet: Any, routers: Any) -> None:
+    a, b = fleet("a", cpu_blocks=6), fleet("b", cpu_blocks=64)
+    router = routers([a.endpoint, b.endpoint])
+    long_doc, short_doc = doc(1, 10), doc(2, 3)
+    a.call("store", long_doc)  # 10 blocks into 6 CPU slots: 4 demoted to disk
+    b.call("store", long_doc[: 4 * BLOCK])  # b holds the first 4 blocks, in memory
+    b.call("store", short_doc)
+    truth = {"a": a.call("where", long_doc), "b": b.call("where", long_doc)}
+    assert Counter(truth["a"]) == {"cpu": 6, "disk": 4} and truth["b"] == ["cpu"] * 4
+    answer = expect(router, long_doc, truth)
+    assert answer["best"] == "a" and answer["instances"]["a"]["matched_tokens"] == 10 * BLOCK
+    answer = expect(router, short_doc + doc(9, 2), {"a": [], "b": b.call("where", short_doc)})
+    assert answer["best"] == "b" and answer["instances"]["b"]["matched_tokens"] == 3 * BLOCK
+    # other keys are other blocks: a salted query matches nothing
+    salted = router.lookup(long_doc, cache_salt="tenant-x")
+    assert all(v["matched_tokens"] == 0 for v in salted["instances"].values())
+    # a load signal moves an equal-prefix request off the busy instance
+    both = long_doc[: 4 * BLOCK]
+    assert router.lookup(both, load={"b": 5})["best"] == "a"
+    assert router.lookup(both, load={"a": 5})["best"] == "b"
+    status, text = router.get("/metrics")
+    assert status == 200 and "kvstrata_router_lookups_total" in text and 'state="alive"} 2' in text
+
+
+def test_late_router_and_restarted_router_rebuild_from_snapshots(fleet: Any, routers: Any) -> None:
+    a, b = fleet("a"), fleet("b")
+    docs = [doc(i, 3) for i in range(4)]
+    for i, d in enumerate(docs):
+        (a if i % 2 == 0 else b).call("store", d)
+    truth = {d_i: {"a": a.call("where", d), "b": b.call("where", d)} for d_i, d in enumerate(docs)}
+    router = routers([a.endpoint, b.endpoint])  # joins after everything was stored
+    t0 = time.monotonic()
+    for i, d in enumerate(docs):
+        assert expect(router, d, truth[i])["best"] == ("a" if i % 2 == 0 else "b")
+    first = time.monotonic() - t0
+    router.stop()
+    router = routers([a.endpoint, b.endpoint])
+    t0 = time.monotonic()
+    for i, d in enumerate(docs):
+        assert expect(router, d, truth[i])["best"] == ("a" if i % 2 == 0 else "b")
+    assert first < 10 and time.monotonic() - t0 < 10, "a router rebuilds its view within seconds"
+
+
+def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: Any, routers: Any) -> None:
+    a = fleet("a", cpu_blocks=4)
+    router = routers([a.endpoint])
+    first = doc(1, 4)
+    a.call("store", first)
+    expect(router, first, {"a": ["cpu"] * 4})
+    a = a.restart()  # close() persists the CPU tier; the new process starts with a warm disk
+    truth = a.call("where", first)
+    assert truth == ["disk"] * 4
+    expect(router, first, {"a": truth})
+    # an instance without a disk: what its CPU tier evicts leaves the index
+    c = fleet("c", cpu_blocks=4, disk=False)
+    router2 = routers([c.endpoint])
+    c.call("store", first)
+    expect(router2, first, {"c": ["cpu"] * 4})
+    c.call("store", doc(2, 4))  # evicts all of `first`
+    expect(router2, first, {"c": []})
+    expect(router2, doc(2, 4), {"c": ["cpu"] * 4})
+
+
+def test_a_dead_instance_stops_being_a_candidate(fleet: Any, routers: Any) -> None:
+    a, b = fleet("a"), fleet("b")
+    router = routers([a.endpoint, b.endpoint], "--stale-after", "2")
+    d = doc(1, 3)
+    a.call("store", d)
+    assert expect(router, d, {"a": ["cpu"] * 3})["best"] == "a"
+    a.kill()
+    wait_for(lambda: "a" not in router.lookup(d)["instances"], "the dead instance to drop out")
+    assert router.lookup(d)["best"] == "b"
+
+
+def test_malformed_requests_get_a_clear_4xx_and_the_router_lives_on(fleet: Any, routers: Any) -> None:
+    a = fleet("a")
+    router = routers([a.endpoint])
+    cases = [
+        (b"{not json", 400, "not JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"token_ids": [1, "2"]}).encode(), 400, "integers"),
+        (json.dumps({"token_ids": [1, -1]}).encode(), 400, "integers"),
+        (json.dumps({"token_ids": [1, 2**40]}).encode(), 400, "integers"),
+        (json.dumps({"token_ids": [True]}).encode(), 400, "integers"),
+        (json.dumps({"token_ids": "1 2 3"}).encode(), 400, "list"),
+        (json.dumps({"tokens": [1]}).encode(), 400, "unknown fields"),
+        (json.dumps({"token_ids": [1], "cache_salt": 5}).encode(), 400, "cache_salt"),
+        (json.dumps({"token_ids": [1], "load": {"a": -1}}).encode(), 400, "load"),
+        (b"[" + b"1," * (9 << 20) + b"1]", 413, "larger than"),
+    ]
+    for body, status, message in cases:
+        got, answer = router.request("POST", "/lookup", body)
+        assert got == status and message in answer["error"], (body[:40], got, answer)
+    assert router.request("GET", "/lookup")[0] == 405
+    assert router.get("/nowhere")[0] == 404
+    assert router.get("/healthz")[0] == 200 and router.proc.poll() is None
+    assert "kvstrata_router_bad_requests_total 10" in router.get("/metrics")[1]
+
+
+def test_bad_command_lines_are_one_line_errors() -> None:
+    for args, message in ([["--subscribe", "http://x"]], "--subscribe"), ([["--port", "0", "--subscribe",
+                                                                          "tcp://127.0.0.1:5"]], "--port"):
+        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", *args[0]], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+
+
+def test_a_shared_remote_tier_counts_for_every_instance_that_reads_it(fleet: Any, routers: Any) -> None:
+    from bench.redis_servers import redis_server
+
+    with redis_server() as server:
+        a = fleet("a", disk=False, remote=server.url)
+        b = fleet("b", disk=False, remote=server.url)
+        c = fleet("c", disk=False)  # no remote tier
+        router = routers([a.endpoint, b.endpoint, c.endpoint])
+        d = doc(1, 3)
+        a.call("store", d)
+        a.call("flush")
+        assert b.call("where", d) == ["remote"] * 3  # b reads a's blocks through the server
+        answer = expect(router, d, {"a": ["cpu"] * 3, "b": ["remote"] * 3, "c": []})
+        assert answer["best"] == "a"
