@@ -37,7 +37,8 @@ class Subscriber:
         return self.batches
 
     def events(self) -> list[tuple[str, str, list[bytes]]]:
-        return [(op, tier, split_hashes(blob, 16) if blob else []) for _, b in self.batches for op, tier, blob in b["ev"]]
+        return [(op, tier, split_hashes(blob, 16) if blob else [])
+                for _, b in self.batches for op, tier, blob in b["ev"]]
 
     def snapshot(self) -> tuple[int, dict[str, Any]]:
         dealer = self.ctx.socket(zmq.DEALER)

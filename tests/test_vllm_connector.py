@@ -224,3 +224,107 @@ def test_two_engines_on_different_disks_share_kv_through_redis(model: str, tmp_p
     assert _sum(b["stats"], "load_tokens_remote") == hit
     plain = _run({"model": model, "prompts": [prompt], "rounds": 2})
     assert b["rounds"][0][0]["output"] == plain["rounds"][1][0]["output"]
+
+
+def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path) -> None:
+    """Two real engines with the connector publishing KV events (and vLLM's own GPU events),
+    `kvstrata router` in front: router-chosen placement hits more than round-robin, with the
+    same outputs. Each placement gets a fresh pair of engines."""
+    import time
+    import urllib.request
+
+    from tests.netutil import free_port_pair
+
+    docs = [_prompt(100 + d, 8 * BLOCK) for d in range(3)]
+    prompts = [doc + _prompt(200 + 10 * d + q, BLOCK // 2) for d, doc in enumerate(docs) for q in range(3)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               TOKENIZERS_PARALLELISM="false")
+    root = Path(__file__).resolve().parent.parent
+
+    def start_engines(tag: str) -> dict[str, tuple[subprocess.Popen, int, int]]:
+        engines = {}
+        for name in ("a", "b"):
+            events, vllm_events = free_port_pair(), free_port_pair()
+            spec = {"model": model, "kv_events": f"tcp://*:{vllm_events}",  # vLLM binds only a wildcard address
+                    "connector": _connector(tmp_path / tag / name, events_endpoint=f"tcp://127.0.0.1:{events}",
+                                            instance_id=name)}
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("vllm_engine.py")),
+                                     json.dumps(spec)], cwd=root, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            engines[name] = (proc, events, vllm_events)
+        for name in engines:
+            assert reply(engines, name) == {"ready": True}, f"engine {name} did not start"
+        return engines
+
+    def reply(engines: dict, name: str) -> dict:
+        proc = engines[name][0]
+        while True:
+            line = proc.stdout.readline()
+            assert line, f"engine {name} exited ({proc.poll()})"
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+
+    def ask(engines: dict, name: str, prompt: list[int]) -> dict:
+        proc = engines[name][0]
+        proc.stdin.write(json.dumps({"prompt": prompt}) + "\n")
+        proc.stdin.flush()
+        return reply(engines, name)
+
+    def stop(engines: dict) -> None:
+        for proc, _, _ in engines.values():
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+
+    # Round-robin placement.
+    engines = start_engines("rr")
+    rr = [ask(engines, "ab"[i % 2], p) for i, p in enumerate(prompts)]
+    stop(engines)
+    # Router placement.
+    engines = start_engines("routed")
+    port = free_port_pair()
+    args = [sys.executable, "-m", "bench.cli", "router", "--port", str(port)]
+    for name, (_, events, vllm_events) in engines.items():
+        args += ["--subscribe", f"tcp://127.0.0.1:{events}", "--vllm-events", f"{name}=tcp://127.0.0.1:{vllm_events}"]
+    router = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def lookup(prompt: list[int]) -> dict:
+        req = urllib.request.Request(url + "/lookup", data=json.dumps({"token_ids": prompt}).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # both engines heard from
+            try:
+                with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
+                    if json.loads(resp.read())["synced"] == 2:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "router did not see both engines"
+            time.sleep(0.2)
+        routed, answers = [], []
+        for p in prompts:
+            answer = lookup(p)
+            answers.append(answer)
+            routed.append(ask(engines, answer["best"], p))
+            time.sleep(0.3)  # let the events of this request reach the router (heartbeat-free batching: 20 ms)
+        with urllib.request.urlopen(url + "/instances", timeout=5) as resp:
+            instances = json.loads(resp.read())
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+        stop(engines)
+
+    assert [r["output"] for r in routed] == [r["output"] for r in rr], "placement must not change outputs"
+    rr_hits, routed_hits = sum(r["num_cached_tokens"] for r in rr), sum(r["num_cached_tokens"] for r in routed)
+    assert routed_hits > rr_hits, (routed_hits, rr_hits)
+    # every follow-up question went where its document was, and the router saw vLLM's GPU blocks
+    for d in range(len(docs)):
+        bests = {answers[3 * d + q]["best"] for q in range(3)}
+        assert len(bests) == 1, answers[3 * d : 3 * d + 3]
+        follow = answers[3 * d + 1]["instances"][answers[3 * d + 1]["best"]]
+        assert follow["matched_tokens"] >= 8 * BLOCK and follow["by_tier"]["pool"] >= 8 * BLOCK, (follow, instances)
+    assert sum(i["vllm_gpu_blocks"] for i in instances.values()) > 0, instances

@@ -93,7 +93,9 @@ class TierKVConnector(KVConnectorBase_V1):
         if not self.settings.write_through:
             logger.warning("kvstrata: scheduler and worker are in different processes and write_through is off: "
                            "the scheduler sees blocks only once they reach disk")
-        return self._open(dataclasses.replace(self.store_config, cpu_bytes=0, write_through=False))
+        # Only the worker's store publishes KV events: it is the one that stores.
+        return self._open(dataclasses.replace(self.store_config, cpu_bytes=0, write_through=False,
+                                              events_endpoint=None))
 
     @property
     def worker(self) -> ConnectorWorker:

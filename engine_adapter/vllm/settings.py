@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 
 from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import ConfigError
+from kvstore.events import check_endpoint
 
 ENV_PREFIX = "KVSTRATA_"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -63,6 +64,9 @@ class ConnectorSettings:
         remote_url: a Valkey/Redis server (or cluster, `redis+cluster://...`) shared by engines
             on many hosts (`KVSTRATA_REMOTE_URL`); the namespace is content-derived, so hosts
             that load the same weights share keys.
+        events_endpoint: publish the worker's KV events here (`tcp://HOST:PORT`, the next port
+            answers snapshots) for `kvstrata router` (docs/routing.md).
+        instance_id: this engine's name in its KV events (default `HOST:PID`).
     """
 
     cpu_bytes: int = 1 << 30
@@ -75,6 +79,8 @@ class ConnectorSettings:
     verify_tokens: bool = True
     stats_path: str | None = None
     remote_url: str | None = None
+    events_endpoint: str | None = None
+    instance_id: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -91,6 +97,10 @@ class ConnectorSettings:
                 set_(self, name, os.fspath(value))
         if not isinstance(self.namespace, str):
             raise ConfigError(f"namespace must be a str, got {self.namespace!r}")
+        if self.events_endpoint is not None:
+            check_endpoint(self.events_endpoint)
+        if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
+            raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         if self.remote_url is not None and not isinstance(self.remote_url, str):
             raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
