@@ -23,6 +23,7 @@ BENCHMARKS = {
     "remote": "bench.remote",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
+    "router": "bench.router",
 }
 COMMANDS = {
     "demo": "bench.demo",
@@ -31,6 +32,7 @@ COMMANDS = {
     "offload": "bench.offload",
     "inspect": "bench.inspect_disk",
     "router": "bench.router_cmd",
+    "demo-fleet": "bench.demo_fleet",
 }
 USAGE = (
     "usage: kvstrata {" + ",".join(COMMANDS) + "} [options]\n"

@@ -64,3 +64,13 @@ def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFix
     assert " pool " in lines["Q2"]
     assert " disk " in lines["Q5 (after restart)"]
     assert out.count(" yes") == 5 and " NO" not in out
+
+
+def test_bench_router_measures_memory_and_lookups(results_dir: Path) -> None:
+    assert cli.main(["bench", "router", "--blocks", "5000", "--instances", "3", "--lookups", "50",
+                     "--http-lookups", "20", "--query-tokens", "256"]) == 0
+    data = json.loads((results_dir / "router.json").read_text())
+    assert data["memory"]["shared"]["entries"] == 5000 and data["memory"]["disjoint"]["entries"] == 15000
+    lookup = data["lookup"]["lookup (validate + hash + match + score)"]
+    assert 0 < lookup["median_us"] <= lookup["p99_us"]
+    assert data["http"]["server_median_us"] > 0 and data["http"]["client_median_us"] > data["http"]["server_median_us"]

@@ -286,3 +286,15 @@ def test_a_shared_remote_tier_counts_for_every_instance_that_reads_it(fleet: Any
         assert b.call("where", d) == ["remote"] * 3  # b reads a's blocks through the server
         answer = expect(router, d, {"a": ["cpu"] * 3, "b": ["remote"] * 3, "c": []})
         assert answer["best"] == "a"
+
+
+def test_demo_fleet_router_placement_beats_round_robin(tmp_path: Path) -> None:
+    env_results = {"KVSTRATA_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "demo-fleet", "--engines", "2", "--docs", "3",
+                           "--questions", "3", "--doc-tokens", "256"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ, **env_results})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "demo_fleet.json").read_text())
+    assert result["router"]["same_answers"] and result["round-robin"]["same_answers"]
+    assert result["router"]["hit_rate"] > result["round-robin"]["hit_rate"]
+    assert result["router"]["hit_rate"] == pytest.approx(result["ceiling_hit_rate"]), result

@@ -1,0 +1,177 @@
+"""Router scale: index memory per block, and lookup latency, at 10^6 blocks x 8 instances.
+
+Run: `kvstrata bench router [--blocks N] [--instances K]`. Builds the router's index as
+events would (each of K instances holds N blocks) in two layouts: *shared* (every instance
+holds the same N blocks: N entries, K bits each) and *disjoint* (K x N entries). Reports the
+resident memory per entry, then the server time of a lookup of a `--query-tokens` prompt
+whose prefix one instance holds entirely, against the in-run baselines it cannot beat:
+hashing the prompt's blocks, and K plain dict probes per block. Finally the same lookups
+through real HTTP (aiohttp on loopback), with the server time the router reports.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import time
+import urllib.request
+from collections.abc import Callable
+
+import numpy as np
+
+from bench.args import Parser, positive_int
+from bench.common import print_table, write_results
+from kvstore.config import HashAlgo
+from kvstore.events import EventSource
+from kvstore.hashing import chain_hashes, namespace_seed
+from kvstore.router.fleet import FleetView
+from kvstore.router.index import TIER_BIT, block_key
+from kvstore.router.lookup import Chooser, Scoring, parse_query
+
+
+def _rss() -> int:
+    """Resident bytes of this process (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def _time_each(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def build_fleet(num_blocks: int, instances: int, shared: bool, block_size: int) -> FleetView:
+    """A fleet view whose instances each hold `num_blocks` random blocks in the CPU tier."""
+    seed = bytes(namespace_seed(["bench-router"]))
+    fleet = FleetView(stale_after_s=600)
+    rng = np.random.default_rng(0)
+    common = rng.integers(1, 2**63, size=num_blocks, dtype=np.int64).tolist() if shared else None
+    for i in range(instances):
+        src = EventSource(f"engine-{i}", "bench", seed, "xxh3_128", block_size, None, 1)
+        fleet.on_batch(1, {"src": src.to_wire(), "ev": []}, "tcp://127.0.0.1:1")
+        fleet.apply_snapshot(1, {"src": src.to_wire(), "tiers": {}})
+        keys = common if shared else rng.integers(1, 2**63, size=num_blocks, dtype=np.int64).tolist()
+        fleet.index.add(fleet.instances[src.instance_id].slot, TIER_BIT["cpu"], keys)
+    return fleet
+
+
+def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_size: int,
+        http_lookups: int) -> dict[str, object]:
+    memory_rows, memory = [], {}
+    fleet: FleetView | None = None
+    for layout in ("disjoint", "shared"):
+        fleet = None
+        gc.collect()
+        before = _rss()
+        fleet = build_fleet(num_blocks, instances, layout == "shared", block_size)
+        gc.collect()
+        used = _rss() - before
+        entries = len(fleet.index)
+        memory[layout] = {"entries": entries, "bytes": used, "bytes_per_entry": used / entries,
+                          "bytes_per_block_instance": used / (num_blocks * instances)}
+        memory_rows.append([layout, entries, used / 2**20, used / entries, used / (num_blocks * instances)])
+    print_table(f"Router index: {instances} instances x {num_blocks:,} blocks each (resident memory)",
+                ["layout", "entries", "MiB", "B/entry", "B/(block x instance)"], memory_rows)
+    assert fleet is not None  # the shared layout, kept for the lookups
+
+    # One instance holds the whole query prefix (in the pool tier); the rest hold nothing of it.
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 128_000, size=query_tokens).tolist()
+    arr = np.asarray(tokens, dtype="<u4")
+    digests = chain_hashes(arr, block_size, namespace_seed(["bench-router"]), None, HashAlgo.XXH3_128)
+    fleet.index.add(fleet.instances["engine-0"].slot, TIER_BIT["pool"], [block_key(d) for d in digests])
+    chooser = Chooser(fleet, Scoring())
+    query = parse_query({"token_ids": tokens})
+    answer = chooser.answer(query)
+    matched = answer["instances"]["engine-0"]["matched_tokens"]
+    assert answer["best"] == "engine-0" and matched == len(digests) * block_size
+    keys = [block_key(d) for d in digests]
+    probe_dict = fleet.index._blocks  # the same dict: probes of the same keys, K per block
+
+    def probes() -> None:
+        for _ in range(instances):
+            for k in keys:
+                probe_dict.get(k)
+
+    seed_hash = namespace_seed(["bench-router"])
+    rows, timings = [], {}
+    for name, fn in (("hash the prompt", lambda: chain_hashes(arr, block_size, seed_hash, None, HashAlgo.XXH3_128)),
+                     (f"{instances} dict probes per block", probes),
+                     ("lookup (validate + hash + match + score)",
+                      lambda: chooser.answer(parse_query({"token_ids": tokens})))):
+        for _ in range(20):
+            fn()  # warm up
+        med, p99 = _percentiles(_time_each(fn, lookups))
+        timings[name] = {"median_us": med * 1e6, "p99_us": p99 * 1e6}
+    base = timings["hash the prompt"]["median_us"]
+    for name, t in timings.items():
+        rows.append([name, t["median_us"], t["p99_us"], t["median_us"] / base])
+    http = _http(fleet, tokens, http_lookups)
+    if http:
+        rows.append(["HTTP round trip (client)", http["client_median_us"], http["client_p99_us"],
+                     http["client_median_us"] / base])
+        rows.append(["HTTP server time (reported)", http["server_median_us"], http["server_p99_us"],
+                     http["server_median_us"] / base])
+    print_table(f"Lookup of a {query_tokens}-token prompt ({len(digests)} blocks) over {instances} instances, "
+                f"{len(fleet.index):,} indexed blocks", ["what", "median us", "p99 us", "x hashing"], rows)
+    return {"num_blocks": num_blocks, "instances": instances, "block_size": block_size,
+            "query_tokens": query_tokens, "memory": memory, "lookup": timings, "http": http}
+
+
+def _http(fleet: FleetView, tokens: list[int], n: int) -> dict[str, float]:
+    """Lookups through the real HTTP service over the same index."""
+    if n == 0:
+        return {}
+    from kvstore.router.service import RouterConfig, RouterThread
+
+    server = RouterThread(RouterConfig(subscribe=("tcp://127.0.0.1:1",), stale_after_s=600))
+    server.router.fleet = fleet
+    server.router.chooser = Chooser(fleet, Scoring())
+    body = json.dumps({"token_ids": tokens}).encode()
+    client, reported = [], []
+    try:
+        for i in range(n + 20):
+            req = urllib.request.Request(server.url + "/lookup", data=body, method="POST")
+            t0 = time.perf_counter()
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                answer = json.loads(resp.read())
+            if i >= 20:
+                client.append(time.perf_counter() - t0)
+                reported.append(answer["server_time_us"] / 1e6)
+    finally:
+        server.stop()
+    cm, cp = _percentiles(client)
+    sm, sp = _percentiles(reported)
+    return {"client_median_us": cm * 1e6, "client_p99_us": cp * 1e6, "server_median_us": sm * 1e6,
+            "server_p99_us": sp * 1e6}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = Parser(prog="kvstrata bench router", description=__doc__)
+    p.add_argument("--blocks", type=positive_int, default=1_000_000, help="blocks each instance holds")
+    p.add_argument("--instances", type=positive_int, default=8)
+    p.add_argument("--lookups", type=positive_int, default=2000)
+    p.add_argument("--http-lookups", type=int, default=500, help="lookups through HTTP (0: skip)")
+    p.add_argument("--query-tokens", type=positive_int, default=1024)
+    p.add_argument("--block-size", type=positive_int, default=16)
+    args = p.parse_args(argv)
+    write_results("router", run(args.blocks, args.instances, args.lookups, args.query_tokens, args.block_size,
+                                max(0, args.http_lookups)))
+
+
+if __name__ == "__main__":
+    main()
