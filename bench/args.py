@@ -1,79 +1,110 @@
-"""Argument parsing for every `kvstrata` command: validated types and one-line errors.
+"""The `kvstrata` command line on Click: validated parameter types and one-line errors.
 
-A user mistake (a negative size, a file where a directory belongs, a missing trace) ends the
-command with one line naming the bad value, `kvstrata <command>: error: ...`, and exit
-code 2, before anything runs.
+Every command is a `click.Command` in its own module; `invoke` runs one with kvstrata's
+error convention: a user mistake (a negative size, a file where a directory belongs, a
+missing trace, an unknown command) ends with one line naming the bad value,
+`kvstrata <command>: error: ...`, and exit code 2, before anything runs. A bad value met
+while running (a `KVStoreError`, an `OSError`) is one line too. `--help` is each command's own.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from collections.abc import Callable
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import click
+
+from kvstore.errors import KVStoreError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-class Parser(argparse.ArgumentParser):
-    """`argparse.ArgumentParser` whose errors are one line on stderr and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
+def positive() -> click.IntRange:
+    return click.IntRange(min=1)
 
 
-def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an int in [low, high] (no upper bound when high is None)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-            raise argparse.ArgumentTypeError(f"{value} is not {bound}")
-        return value
-
-    parse.__name__ = "integer"
-    return parse
+def nonneg() -> click.IntRange:
+    return click.IntRange(min=0)
 
 
-positive_int = int_in(1)
-nonneg_int = int_in(0)
+class IntList(click.ParamType):
+    """A non-empty comma list of ints, each in [low, high]."""
 
+    name = "list"
 
-def int_list(low: int, high: int | None = None) -> Callable[[str], list[int]]:
-    """An argparse type: a non-empty comma list of ints, each in [low, high]."""
-    one = int_in(low, high)
+    def __init__(self, low: int, high: int | None = None) -> None:
+        self.low, self.high = low, high
 
-    def parse(text: str) -> list[int]:
-        items = [x.strip() for x in text.split(",") if x.strip()]
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[int]:
+        if isinstance(value, list):
+            return value
+        items = [x.strip() for x in str(value).split(",") if x.strip()]
         if not items:
-            raise argparse.ArgumentTypeError(f"{text!r} lists no value")
-        return [one(x) for x in items]
+            self.fail(f"{value!r} lists no value", param, ctx)
+        out = []
+        for item in items:
+            try:
+                number = int(item)
+            except ValueError:
+                self.fail(f"{item!r} is not an integer", param, ctx)
+            if number < self.low or (self.high is not None and number > self.high):
+                bound = f">= {self.low}" if self.high is None else f"in [{self.low}, {self.high}]"
+                self.fail(f"{number} is not {bound}", param, ctx)
+            out.append(number)
+        return out
 
-    parse.__name__ = "list"
-    return parse
+
+class Choices(click.ParamType):
+    """A non-empty comma list of names from `known`."""
+
+    name = "list"
+
+    def __init__(self, known: Sequence[str], normalize: Callable[[str], str] = str) -> None:
+        self.known, self.normalize = list(known), normalize
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        if isinstance(value, list):
+            return value
+        items = [self.normalize(x.strip()) for x in str(value).split(",") if x.strip()]
+        bad = [x for x in items if x not in self.known]
+        if bad or not items:
+            self.fail(f"{value!r}: choose from {', '.join(self.known)}", param, ctx)
+        return items
 
 
-def directory(text: str) -> str:
-    """An argparse type: a path that is a directory or can become one (not a file)."""
+def directory_problem(text: str) -> str | None:
+    """Why `text` cannot be (or become) a directory, or None."""
     if not text or "\x00" in text:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a usable path")
+        return f"{text!r} is not a usable path"
     probe = text
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe.rstrip(os.sep))
     if probe and not os.path.isdir(probe):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a directory ({probe!r} is a file)")
-    return text
+        return f"{text!r} is not a directory ({probe!r} is a file)"
+    return None
 
 
-def existing_file(text: str) -> str:
-    """An argparse type: a file that exists."""
-    if not os.path.isfile(text):
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
-    return text
+class Directory(click.ParamType):
+    """A path that is a directory or can become one (not a file)."""
+
+    name = "directory"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        problem = directory_problem(str(value))
+        if problem is not None:
+            self.fail(problem, param, ctx)
+        return str(value)
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+
+        return [CompletionItem(incomplete, type="dir")]
+
+
+def existing_file() -> click.Path:
+    return click.Path(exists=True, dir_okay=False)
 
 
 def check_results_dir() -> str | None:
@@ -81,8 +112,33 @@ def check_results_dir() -> str | None:
     path = os.environ.get("KVSTRATA_RESULTS")
     if path is None:
         return None
+    problem = directory_problem(path)
+    return None if problem is None else f"KVSTRATA_RESULTS: {problem}"
+
+
+def fail(prog: str, message: str) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
+
+
+def invoke(command: click.Command, argv: Sequence[str] | None, prog: str) -> int:
+    """Run `command` on `argv` (default: the process's) as `prog`; the exit code it means.
+
+    User mistakes print one line and give 2; `--help` prints the command's help and gives 0.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        directory(path)
-    except argparse.ArgumentTypeError as exc:
-        return f"KVSTRATA_RESULTS: {exc}"
-    return None
+        result = command.main(args=args, prog_name=prog, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.exceptions.NoArgsIsHelpError as exc:  # a group run without a command: its help
+        print(exc.format_message())
+        return 2
+    except click.ClickException as exc:
+        where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else prog
+        return fail(where, " ".join(exc.format_message().split()))
+    except click.Abort:
+        return fail(prog, "aborted")
+    except (KVStoreError, OSError) as exc:  # a bad value met at run time: no traceback
+        return fail(prog, str(exc))
+    return int(result or 0) if isinstance(result, (int, type(None))) else 0

@@ -1,16 +1,20 @@
-"""The `kvstrata` command: demos, the offload experiment and benchmarks.
+"""The `kvstrata` command: demos, the router, the offload experiment and benchmarks (Click).
 
-Every subcommand has its own parser (`kvstrata bench NAME --help` shows that benchmark's
-options). A user mistake ends with one line naming the bad value and exit code 2.
+Each command lives in its own module and is imported only when it runs (so `--help` and
+shell completion stay fast). Shell completion: `eval "$(_KVSTRATA_COMPLETE=bash_source
+kvstrata)"` (bash; `zsh_source`, `fish_source` for the others). A user mistake ends with one
+line naming the bad value and exit code 2.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
-from bench.args import check_results_dir
-from kvstore.errors import KVStoreError
+import click
+
+from bench.args import CONTEXT, check_results_dir, fail, invoke
 
 BENCHMARKS = {
     "hashing": "bench.hashing",
@@ -21,58 +25,90 @@ BENCHMARKS = {
     "micro": "bench.micro",
     "scale": "bench.scale",
     "remote": "bench.remote",
+    "router": "bench.router",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
-    "router": "bench.router",
 }
 COMMANDS = {
     "demo": "bench.demo",
     "demo-store": "bench.demo_store",
     "demo-remote": "bench.demo_remote",
+    "demo-fleet": "bench.demo_fleet",
+    "router": "bench.router_cmd",
     "offload": "bench.offload",
     "inspect": "bench.inspect_disk",
-    "router": "bench.router_cmd",
-    "demo-fleet": "bench.demo_fleet",
 }
-USAGE = (
-    "usage: kvstrata {" + ",".join(COMMANDS) + "} [options]\n"
-    "       kvstrata bench {" + ",".join(BENCHMARKS) + "} [options]\n"
-    "Run `kvstrata COMMAND --help` or `kvstrata bench NAME --help` for a command's options."
-)
+_COMMAND_SUMMARIES = {
+    "demo": "The main demo: a document's KV from pool, CPU, disk and after a restart.",
+    "demo-store": "One long context through the CPU and disk tiers and back, bit-exact.",
+    "demo-remote": "Two processes share a document's KV through a Valkey/Redis remote tier.",
+    "demo-fleet": "Engine processes behind the router against round-robin placement.",
+    "router": "The KV-aware routing service (POST /lookup).",
+    "offload": "Long-document QA: time to first token per tier against recompute.",
+    "inspect": "What a disk tier holds, per namespace (read-only).",
+    "bench": "Benchmarks; each compares against a baseline measured in the same run.",
+}
+_BENCH_SUMMARIES = {
+    "hashing": "Block hashing against vLLM's chain.",
+    "tiers": "Tier bandwidth against memcpy and raw file I/O.",
+    "demotion": "Pool demotion policy: copy on evict vs write-through.",
+    "transfer": "Pool <-> CPU transfers against plain copies.",
+    "trace": "Mooncake traces through the tiers: hit ratios.",
+    "micro": "hashing + lookup cost + tiers + transfer.",
+    "scale": "Lookup/store cost and index bytes from 10^3 to 10^6 blocks.",
+    "remote": "The remote tier against a raw client on the same server.",
+    "router": "Router index memory and lookup latency at 10^6 blocks x 8 instances.",
+    "vllm": "Long-document QA through vLLM with and without the connector.",
+    "workload": "The field's synthetic workloads through the reference runner.",
+}
 
 
-def _fail(message: str) -> int:
-    print(f"kvstrata: error: {message}", file=sys.stderr)
-    return 2
+class LazyGroup(click.Group):
+    """A group whose commands are `command` objects of modules imported on first use."""
+
+    def __init__(self, *args: Any, modules: dict[str, str], summaries: dict[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.modules, self.summaries = modules, summaries
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*self.modules, *super().list_commands(ctx)]
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.modules:
+            command: click.Command = importlib.import_module(self.modules[name]).command
+            return command
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """List commands with one-line summaries, without importing them."""
+        rows = [(name, self.summaries.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, modules=BENCHMARKS, summaries=_BENCH_SUMMARIES, context_settings=CONTEXT,
+             help="Benchmarks: each prints a table and writes JSON under results/ (KVSTRATA_RESULTS).")
+def bench() -> None:
+    pass
+
+
+@click.group(cls=LazyGroup, modules=COMMANDS, summaries=_COMMAND_SUMMARIES, context_settings=CONTEXT,
+             help="kvstrata: a tiered KV-cache store for LLM inference.")
+@click.version_option(package_name="kvstrata")
+def kvstrata() -> None:
+    pass
+
+
+kvstrata.add_command(bench)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "bench":
-        if not rest or rest[0] in ("-h", "--help"):
-            print(USAGE)
-            return 0 if rest else 2
-        if rest[0] not in BENCHMARKS:
-            return _fail(f"unknown benchmark {rest[0]!r}; choose from {', '.join(BENCHMARKS)}")
-        module, rest = BENCHMARKS[rest[0]], rest[1:]
-    elif command in COMMANDS:
-        module = COMMANDS[command]
-    else:
-        return _fail(f"unknown command {command!r}; choose from {', '.join([*COMMANDS, 'bench'])}")
-    problem = check_results_dir()
-    if problem is not None:
-        return _fail(problem)
-    try:
-        result = importlib.import_module(module).main(rest)
-    except SystemExit as exc:  # the parser's own exits (errors: 2, --help: 0)
-        return exc.code if isinstance(exc.code, int) else _fail(str(exc.code))
-    except (KVStoreError, OSError) as exc:  # a bad value met at run time: no traceback
-        return _fail(str(exc))
-    return int(result or 0)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a in ("-h", "--help") for a in args):
+        problem = check_results_dir()
+        if problem is not None:
+            return fail("kvstrata", problem)
+    return invoke(kvstrata, args, "kvstrata")
 
 
 if __name__ == "__main__":

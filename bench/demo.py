@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import shutil
 
+import click
 import numpy as np
 
-from bench.args import Parser, directory, int_in
+from bench.args import CONTEXT, Directory, invoke
 from bench.common import print_table
+from bench.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.model_config import LlamaConfig
 from engine_adapter.runner.runner import KVStrataLLM
@@ -53,6 +55,7 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
     print(f"document: {doc_tokens} tokens = {kv_mib:.0f} MiB of KV; pool and CPU tier each hold about one "
           f"document; disk tier: LMDB at {disk_path}")
     rows: list[list[object]] = []
+    bar = tqdm(total=5, desc="questions", leave=False, disable=None)
 
     def ask(llm: KVStrataLLM, base: KVStrataLLM, label: str) -> None:
         prompt = doc + question()
@@ -63,6 +66,7 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
         rows.append([label, st.source, tiers, st.num_prefill_tokens, f"{st.ttft_s * 1e3:.0f}",
                      f"{ref.stats.ttft_s * 1e3:.0f}", f"{ref.stats.ttft_s / st.ttft_s:.1f}x",
                      "yes" if got.token_ids == ref.token_ids else "NO"])
+        bar.update(1)
 
     # The recompute baseline runs on a pool of its own, so it never disturbs the store shown.
     base_cfg = StoreConfig(DEMO_MODEL.kv_layout, block_size=BLOCK_SIZE, pool_blocks=cfg.pool_blocks,
@@ -79,18 +83,22 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
     with KVCacheStore(cfg) as store, KVCacheStore(base_cfg) as base_store:  # a restarted server
         llm, base = KVStrataLLM(model, store), KVStrataLLM(model, base_store, prefix_caching=False)
         ask(llm, base, "Q5 (after restart)")
+    bar.close()
     print_table("kvstrata demo: questions about one long document",
                 ["question", "prefix from", "reused tokens by tier", "computed", "TTFT ms", "recompute ms",
                  "speedup", "same answer"], rows)
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="kvstrata demo", description=__doc__)
-    p.add_argument("--doc-tokens", type=int_in(16, 16000), default=4096)
-    p.add_argument("--question-tokens", type=int_in(1, 256), default=24)
-    p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo")
-    p.add_argument("--keep", action="store_true", help="reuse an existing disk tier (the first question hits disk)")
-    args = p.parse_args(argv)
-    rows = run(args.doc_tokens, args.question_tokens, args.disk_path, fresh=not args.keep)
+@click.command("demo", help=__doc__, context_settings=CONTEXT)
+@click.option("--doc-tokens", type=click.IntRange(16, 16000), default=4096, show_default=True)
+@click.option("--question-tokens", type=click.IntRange(1, 256), default=24, show_default=True)
+@click.option("--disk-path", type=Directory(), default="kvstrata_data/demo", show_default=True)
+@click.option("--keep", is_flag=True, help="reuse an existing disk tier (the first question hits disk)")
+def command(doc_tokens: int, question_tokens: int, disk_path: str, keep: bool) -> int:
+    rows = run(doc_tokens, question_tokens, disk_path, fresh=not keep)
     return 0 if all(r[-1] == "yes" for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata demo")

@@ -21,9 +21,10 @@ import urllib.request
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import click
 import numpy as np
 
-from bench.args import Parser, int_in
+from bench.args import CONTEXT, invoke
 from bench.common import print_table, write_results
 from bench.progress import tqdm
 
@@ -186,14 +187,17 @@ def run(engines: int, docs: int, questions: int, doc_tokens: int, question_token
     return {"engines": engines, "docs": docs, "questions": questions, "doc_tokens": doc_tokens, **summary}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="kvstrata demo-fleet", description=__doc__)
-    p.add_argument("--engines", type=int_in(2, 16), default=3)
-    p.add_argument("--docs", type=int_in(1, 64), default=6)
-    p.add_argument("--questions", type=int_in(1, 64), default=4, help="questions per document")
-    p.add_argument("--doc-tokens", type=int_in(16, 8192), default=1024)
-    p.add_argument("--question-tokens", type=int_in(1, 256), default=24)
-    args = p.parse_args(argv)
-    result = run(args.engines, args.docs, args.questions, args.doc_tokens, args.question_tokens)
+@click.command("demo-fleet", help=__doc__, context_settings=CONTEXT)
+@click.option("--engines", type=click.IntRange(2, 16), default=3, show_default=True)
+@click.option("--docs", type=click.IntRange(1, 64), default=6, show_default=True)
+@click.option("--questions", type=click.IntRange(1, 64), default=4, show_default=True, help="questions per document")
+@click.option("--doc-tokens", type=click.IntRange(16, 8192), default=1024, show_default=True)
+@click.option("--question-tokens", type=click.IntRange(1, 256), default=24, show_default=True)
+def command(engines: int, docs: int, questions: int, doc_tokens: int, question_tokens: int) -> int:
+    result = run(engines, docs, questions, doc_tokens, question_tokens)
     write_results("demo_fleet", result)
     return 0 if all(result[k]["same_answers"] for k in ("round-robin", "router")) else 1  # type: ignore[index]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata demo-fleet")

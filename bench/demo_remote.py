@@ -10,17 +10,19 @@ run one in a container and pass `--url redis://HOST:6379`).
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
+from typing import Any
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, directory, int_in
+from bench.args import CONTEXT, Directory, invoke
 from bench.common import print_table
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
@@ -63,14 +65,14 @@ def host(role: str, url: str, disk_path: str, tokens: int) -> dict[str, object]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="kvstrata demo-remote", description=__doc__)
-    p.add_argument("--url", default=None, help="a Valkey/Redis URL (default: start redis-server on loopback)")
-    p.add_argument("--tokens", type=int_in(16, 1 << 20), default=8192)
-    p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo-remote",
-                   help="hosts A and B use <disk-path>/host-a and /host-b")
-    p.add_argument("--role", choices=["a", "b"], help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+@click.command("demo-remote", help=__doc__, context_settings=CONTEXT)
+@click.option("--url", default=None, help="a Valkey/Redis URL (default: start redis-server on loopback)")
+@click.option("--tokens", type=click.IntRange(16, 1 << 20), default=8192, show_default=True)
+@click.option("--disk-path", type=Directory(), default="kvstrata_data/demo-remote", show_default=True,
+              help="hosts A and B use <disk-path>/host-a and /host-b")
+@click.option("--role", type=click.Choice(["a", "b"]), default=None, hidden=True)
+def command(**options: Any) -> int:
+    args = SimpleNamespace(**options)
     if args.role:  # a host process
         print(json.dumps(host(args.role, args.url, f"{args.disk_path}/host-{args.role}", args.tokens)))
         return 0
@@ -110,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                 ["host", "step", "tokens by tier", "ms", "bit-exact"], rows)
     ok = b["first_exact"] and b["second_exact"] and TierKind.REMOTE.value in b["first_tiers"]
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata demo-remote")
 
 
 if __name__ == "__main__":

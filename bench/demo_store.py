@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, directory, int_in, nonneg_int
+from bench.args import CONTEXT, Directory, invoke, nonneg
 from bench.common import print_table
 from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
 from tiers.base import TierKind
@@ -66,13 +67,17 @@ def _row(name: str, res: RetrieveResult, nbytes: int, dt: float, kv: torch.Tenso
             nbytes / dt / 1e9, "yes" if exact else "NO"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="kvstrata demo-store", description=__doc__)
-    p.add_argument("--tokens", type=int_in(16, 1 << 22), default=16384, help="context length (>= one block of 16)")
-    p.add_argument("--layers", type=int_in(1, 512), default=4)
-    p.add_argument("--cpu-mib", type=nonneg_int, default=64)
-    p.add_argument("--disk-path", type=directory, default="kvstrata_data/demo")
-    p.add_argument("--keep", action="store_true", help="reuse an existing disk tier")
-    args = p.parse_args(argv)
-    rows = run(args.tokens, args.layers, args.cpu_mib, args.disk_path, fresh=not args.keep)
+@click.command("demo-store", help=__doc__, context_settings=CONTEXT)
+@click.option("--tokens", type=click.IntRange(16, 1 << 22), default=16384, show_default=True,
+              help="context length (>= one block of 16)")
+@click.option("--layers", type=click.IntRange(1, 512), default=4, show_default=True)
+@click.option("--cpu-mib", type=nonneg(), default=64, show_default=True)
+@click.option("--disk-path", type=Directory(), default="kvstrata_data/demo", show_default=True)
+@click.option("--keep", is_flag=True, help="reuse an existing disk tier")
+def command(tokens: int, layers: int, cpu_mib: int, disk_path: str, keep: bool) -> int:
+    rows = run(tokens, layers, cpu_mib, disk_path, fresh=not keep)
     return 0 if all(r[-1] in ("yes", "-") for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata demo-store")

@@ -13,9 +13,10 @@ from __future__ import annotations
 import random
 import time
 
+import click
 import torch
 
-from bench.args import Parser, int_in, positive_int
+from bench.args import CONTEXT, invoke, positive
 from bench.common import print_table, timeit, write_results
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -108,13 +109,12 @@ def run(num_requests: int = 200, block_size: int = 16, layers: int = 8) -> dict[
             "copy_per_block_s": per_block, "policies": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench demotion", description=__doc__)
-    p.add_argument("--requests", type=positive_int, default=200)
-    p.add_argument("--layers", type=int_in(1, 512), default=8)
-    args = p.parse_args(argv)
-    write_results("demotion", run(args.requests, layers=args.layers))
+@click.command("demotion", help=__doc__, context_settings=CONTEXT)
+@click.option("--requests", type=positive(), default=200, show_default=True)
+@click.option("--layers", type=click.IntRange(1, 512), default=8, show_default=True)
+def command(requests: int, layers: int) -> None:
+    write_results("demotion", run(requests, layers=layers))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench demotion")

@@ -12,9 +12,10 @@ import hashlib
 import pickle
 from collections.abc import Callable
 
+import click
 import numpy as np
 
-from bench.args import Parser, positive_int
+from bench.args import CONTEXT, invoke, positive
 from bench.common import print_table, timeit, write_results
 from kvstore.hashing import block_hashes
 
@@ -69,13 +70,12 @@ def run(num_tokens: int = 32768, block_sizes: tuple[int, ...] = (16, 64, 256), r
     return {"num_tokens": num_tokens, "baseline": vllm_name, "rows": records}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench hashing", description=__doc__)
-    p.add_argument("--tokens", type=positive_int, default=32768)
-    p.add_argument("--repeat", type=positive_int, default=5)
-    args = p.parse_args(argv)
-    write_results("hashing", run(args.tokens, repeat=args.repeat))
+@click.command("hashing", help=__doc__, context_settings=CONTEXT)
+@click.option("--tokens", type=positive(), default=32768, show_default=True)
+@click.option("--repeat", type=positive(), default=5, show_default=True)
+def command(tokens: int, repeat: int) -> None:
+    write_results("hashing", run(tokens, repeat=repeat))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench hashing")

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import struct
-import sys
 from typing import Any
 
+import click
 import lmdb
 import msgpack
 
-from bench.args import Parser
+from bench.args import CONTEXT, invoke
 from bench.common import print_table
 from tiers.lmdb_record import record_bytes_on_disk
 
@@ -83,17 +83,15 @@ def _identity_text(identity: object) -> str:
     return "-"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="kvstrata inspect", description=__doc__)
-    p.add_argument("path", help="a disk tier's directory (StoreConfig.disk_path)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    args = p.parse_args(argv)
+@click.command("inspect", help=__doc__, context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+def command(path: str, as_json: bool) -> int:
     try:
-        report = inspect(args.path)
+        report = inspect(path)
     except ValueError as exc:
-        print(f"kvstrata inspect: error: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
+        raise click.BadParameter(str(exc), param_hint="PATH") from None
+    if as_json:
         print(json.dumps(report, indent=2, default=str))
         return 0
     rows = [[ns[:16], _identity_text(s["identity"]), s["blocks"], f"{s['bytes'] / 2**20:.1f}",
@@ -107,3 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 ["namespace", "model identity (name [layers, heads, dim, dtype, block, hash])", "blocks", "MiB",
                  "oldest tick", "newest tick", "budget MiB"], rows)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata inspect")

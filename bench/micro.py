@@ -14,11 +14,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import click
 import numpy as np
 import torch
 
 from bench import hashing, tiers, transfer
-from bench.args import Parser, directory, positive_int
+from bench.args import CONTEXT, Choices, Directory, invoke, positive
 from bench.common import print_table, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.hashing import block_hashes
@@ -67,22 +68,22 @@ def lookup_cost(num_tokens: int = 32768, block_size: int = 16, repeat: int = 20)
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench micro", description=__doc__)
-    p.add_argument("--mib", type=positive_int, default=64, help="MiB of KV per block size for the bandwidth parts")
-    p.add_argument("--sizes", default=",".join(tiers.SIZES))
-    p.add_argument("--repeat", type=positive_int, default=3)
-    p.add_argument("--workdir", type=directory, default=None, help="directory on the disk to measure")
-    args = p.parse_args(argv)
-    sizes = tiers.parse_sizes(args.sizes)
+@click.command("micro", help=__doc__, context_settings=CONTEXT)
+@click.option("--mib", type=positive(), default=64, show_default=True,
+              help="MiB of KV per block size for the bandwidth parts")
+@click.option("--sizes", type=Choices(list(tiers.SIZES), str.upper), default=",".join(tiers.SIZES), show_default=True,
+              help="block sizes to measure")
+@click.option("--repeat", type=positive(), default=3, show_default=True)
+@click.option("--workdir", type=Directory(), default=None, help="directory on the disk to measure")
+def command(mib: int, sizes: list[str], repeat: int, workdir: str | None) -> None:
     result = {
-        "hashing": hashing.run(repeat=args.repeat),
+        "hashing": hashing.run(repeat=repeat),
         "lookup": lookup_cost(),
-        "tiers": tiers.run(args.mib, sizes, args.repeat, args.workdir),
-        "transfer": transfer.run(args.mib, sizes, args.repeat),
+        "tiers": tiers.run(mib, sizes, repeat, workdir),
+        "transfer": transfer.run(mib, sizes, repeat),
     }
     write_results("micro", result)
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench micro")

@@ -20,10 +20,11 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, directory, int_in, int_list, positive_int
+from bench.args import CONTEXT, Directory, IntList, invoke, positive
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, pyplot, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
 from bench.progress import tqdm
@@ -145,23 +146,22 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata offload", description=__doc__)
-    p.add_argument("--lengths", type=int_list(BLOCK_SIZE, MAX_LENGTH), default=[1024, 2048, 4096],
-                   help=f"comma list of context lengths, {BLOCK_SIZE} to {MAX_LENGTH}")
-    p.add_argument("--layers", type=int_in(1, 128), default=1)
-    p.add_argument("--docs", type=positive_int, default=2)
-    p.add_argument("--questions", type=int_in(2, 1000), default=3, help="per document; the first caches it")
-    p.add_argument("--question-tokens", type=int_in(1, 4096), default=32)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--workdir", type=directory, default=None, help="where the disk tier lives (default: system tmp)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="device of the model and the block pool (default: cuda when present)")
-    args = p.parse_args(argv)
-    lengths = args.lengths
-    write_results("offload", run(lengths, args.layers, args.docs, args.questions, args.question_tokens,
-                                 args.dtype, args.workdir, args.device))
+@click.command("offload", help=__doc__, context_settings=CONTEXT)
+@click.option("--lengths", type=IntList(BLOCK_SIZE, MAX_LENGTH), default="1024,2048,4096", show_default=True,
+              help=f"comma list of context lengths, {BLOCK_SIZE} to {MAX_LENGTH}")
+@click.option("--layers", type=click.IntRange(1, 128), default=1, show_default=True)
+@click.option("--docs", type=positive(), default=2, show_default=True)
+@click.option("--questions", type=click.IntRange(2, 1000), default=3, show_default=True,
+              help="per document; the first caches it")
+@click.option("--question-tokens", type=click.IntRange(1, 4096), default=32, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--workdir", type=Directory(), default=None, help="where the disk tier lives (default: system tmp)")
+@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True,
+              help="device of the model and the block pool (default: cuda when present)")
+def command(lengths: list[int], layers: int, docs: int, questions: int, question_tokens: int, dtype: str,
+            workdir: str | None, device: str) -> None:
+    write_results("offload", run(lengths, layers, docs, questions, question_tokens, dtype, workdir, device))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata offload")

@@ -19,11 +19,13 @@ import subprocess
 import time
 from typing import Any
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, positive_int
+from bench.args import CONTEXT, Choices, invoke, positive
 from bench.common import print_table, write_results
+from bench.progress import tqdm
 from bench.redis_servers import server_url
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.remote import connect
@@ -107,7 +109,8 @@ def bench_size(url: str, label: str, mib: int, repeat: int) -> dict[str, float]:
 
 def run(url: str | None, mib: int, sizes: list[str], repeat: int) -> dict[str, object]:
     with server_url(url) as target:
-        results = {label: bench_size(target, label, mib, repeat) for label in sizes}
+        results = {label: bench_size(target, label, mib, repeat)
+                   for label in tqdm(sizes, desc="block sizes", leave=False, disable=None)}
     rows = []
     for label, r in results.items():
         rows.append([label, "store", r["store_gbps"], r["raw_set_gbps"], r["store_ratio"],
@@ -119,19 +122,15 @@ def run(url: str | None, mib: int, sizes: list[str], repeat: int) -> dict[str, o
     return {"mib": mib, "url": "loopback redis-server" if url is None else "given", "sizes": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench remote", description=__doc__)
-    p.add_argument("--url", default=None, help="a server to measure (default: start redis-server on loopback)")
-    p.add_argument("--mib", type=positive_int, default=64)
-    p.add_argument("--sizes", default=",".join(SIZES), help="comma list of " + ",".join(SIZES))
-    p.add_argument("--repeat", type=positive_int, default=3)
-    args = p.parse_args(argv)
-    sizes = [s.strip().upper() for s in args.sizes.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if bad:
-        p.error(f"unknown block sizes {bad}; choose from {list(SIZES)}")
-    write_results("remote", run(args.url, args.mib, sizes, args.repeat))
+@click.command("remote", help=__doc__, context_settings=CONTEXT)
+@click.option("--url", default=None, help="a server to measure (default: start redis-server on loopback)")
+@click.option("--mib", type=positive(), default=64, show_default=True)
+@click.option("--sizes", type=Choices(list(SIZES), str.upper), default=",".join(SIZES), show_default=True,
+              help="block sizes to measure")
+@click.option("--repeat", type=positive(), default=3, show_default=True)
+def command(url: str | None, mib: int, sizes: list[str], repeat: int) -> None:
+    write_results("remote", run(url, mib, sizes, repeat))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench remote")

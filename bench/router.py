@@ -19,10 +19,12 @@ import time
 import urllib.request
 from collections.abc import Callable
 
+import click
 import numpy as np
 
-from bench.args import Parser, positive_int
+from bench.args import CONTEXT, invoke, nonneg, positive
 from bench.common import print_table, write_results
+from bench.progress import tqdm
 from kvstore.config import HashAlgo
 from kvstore.events import EventSource
 from kvstore.hashing import chain_hashes, namespace_seed
@@ -73,7 +75,7 @@ def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_
         http_lookups: int) -> dict[str, object]:
     memory_rows, memory = [], {}
     fleet: FleetView | None = None
-    for layout in ("disjoint", "shared"):
+    for layout in tqdm(("disjoint", "shared"), desc="building the index", leave=False, disable=None):
         fleet = None
         gc.collect()
         before = _rss()
@@ -160,18 +162,16 @@ def _http(fleet: FleetView, tokens: list[int], n: int) -> dict[str, float]:
             "server_p99_us": sp * 1e6}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench router", description=__doc__)
-    p.add_argument("--blocks", type=positive_int, default=1_000_000, help="blocks each instance holds")
-    p.add_argument("--instances", type=positive_int, default=8)
-    p.add_argument("--lookups", type=positive_int, default=2000)
-    p.add_argument("--http-lookups", type=int, default=500, help="lookups through HTTP (0: skip)")
-    p.add_argument("--query-tokens", type=positive_int, default=1024)
-    p.add_argument("--block-size", type=positive_int, default=16)
-    args = p.parse_args(argv)
-    write_results("router", run(args.blocks, args.instances, args.lookups, args.query_tokens, args.block_size,
-                                max(0, args.http_lookups)))
+@click.command("router", help=__doc__, context_settings=CONTEXT)
+@click.option("--blocks", type=positive(), default=1_000_000, show_default=True, help="blocks each instance holds")
+@click.option("--instances", type=positive(), default=8, show_default=True)
+@click.option("--lookups", type=positive(), default=2000, show_default=True)
+@click.option("--http-lookups", type=nonneg(), default=500, show_default=True, help="lookups through HTTP (0: skip)")
+@click.option("--query-tokens", type=positive(), default=1024, show_default=True)
+@click.option("--block-size", type=positive(), default=16, show_default=True)
+def command(blocks: int, instances: int, lookups: int, http_lookups: int, query_tokens: int, block_size: int) -> None:
+    write_results("router", run(blocks, instances, lookups, query_tokens, block_size, http_lookups))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench router")

@@ -15,10 +15,11 @@ import tempfile
 import time
 import tracemalloc
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, int_in
+from bench.args import CONTEXT, invoke
 from bench.common import print_table, write_results
 from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -105,13 +106,12 @@ def run(max_blocks: int = 10**6, max_disk: int = 10**5) -> dict[str, object]:
     return {"vllm_bytes_per_block": VLLM_BYTES_PER_BLOCK, "results": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench scale", description=__doc__)
-    p.add_argument("--max-blocks", type=int_in(1000), default=10**6)
-    p.add_argument("--max-disk", type=int_in(1000), default=10**5)
-    args = p.parse_args(argv)
-    write_results("scale", run(args.max_blocks, args.max_disk))
+@click.command("scale", help=__doc__, context_settings=CONTEXT)
+@click.option("--max-blocks", type=click.IntRange(min=1000), default=10**6, show_default=True)
+@click.option("--max-disk", type=click.IntRange(min=1000), default=10**5, show_default=True)
+def command(max_blocks: int, max_disk: int) -> None:
+    write_results("scale", run(max_blocks, max_disk))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench scale")

@@ -18,24 +18,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, directory, positive_int
+from bench.args import CONTEXT, Choices, Directory, invoke, positive
 from bench.common import drop_file_cache, print_table, timeit, write_results
 from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 TOKEN_KV_HEADS, TOKEN_HEAD_DIM = 8, 128  # a Llama-3-8B-like head shape: 4 KiB/token/layer in bf16
 SIZES = {"16K": (4, 1), "64K": (16, 1), "256K": (16, 4), "1M": (16, 16), "4M": (16, 64)}  # (block_size, layers)
-
-
-def parse_sizes(text: str) -> list[str]:
-    sizes = [s.strip().upper() for s in text.split(",") if s.strip()]
-    bad = [s for s in sizes if s not in SIZES]
-    if bad:
-        raise SystemExit(f"unknown block sizes {bad}; choose from {list(SIZES)}")
-    return sizes
 
 
 def _gbps(num_bytes: int, seconds: float) -> float:
@@ -178,16 +171,16 @@ def run(
     return {"mib": mib, "repeat": repeat, "sizes": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench tiers", description=__doc__)
-    p.add_argument("--mib", type=positive_int, default=64, help="MiB of KV per block size")
-    p.add_argument("--sizes", default=",".join(SIZES), help="comma list of " + ",".join(SIZES))
-    p.add_argument("--repeat", type=positive_int, default=3)
-    p.add_argument("--workdir", type=directory, default=None,
-                   help="directory on the disk to measure (default: system tmp)")
-    args = p.parse_args(argv)
-    write_results("tiers", run(args.mib, parse_sizes(args.sizes), args.repeat, args.workdir))
+@click.command("tiers", help=__doc__, context_settings=CONTEXT)
+@click.option("--mib", type=positive(), default=64, show_default=True, help="MiB of KV per block size")
+@click.option("--sizes", type=Choices(list(SIZES), str.upper), default=",".join(SIZES), show_default=True,
+              help="block sizes to measure")
+@click.option("--repeat", type=positive(), default=3, show_default=True)
+@click.option("--workdir", type=Directory(), default=None,
+              help="directory on the disk to measure (default: system tmp)")
+def command(mib: int, sizes: list[str], repeat: int, workdir: str | None) -> None:
+    write_results("tiers", run(mib, sizes, repeat, workdir))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench tiers")

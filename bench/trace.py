@@ -21,11 +21,13 @@ import shutil
 import tempfile
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
+import click
 import numpy as np
 import torch
 
-from bench.args import Parser, existing_file, nonneg_int, positive_int
+from bench.args import CONTEXT, existing_file, invoke, nonneg, positive
 from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
 from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -177,31 +179,47 @@ def run(trace: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_ki
             "cpu_x": cpu_x, "disk_x": disk_x, "token_kib": token_kib, "rows": rows, "plot": str(png)}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench trace", description=__doc__)
-    p.add_argument("--trace", type=existing_file, default=str(DEFAULT_TRACE.resolve()))
-    p.add_argument("--fractions", default="1/32,1/16,1/8,1/4", help="pool sizes as fractions of unique blocks")
-    p.add_argument("--cpu-x", type=nonneg_int, default=4, help="CPU tier size in pools")
-    p.add_argument("--disk-x", type=nonneg_int, default=16, help="disk tier size in pools")
-    p.add_argument("--token-kib", type=positive_int, default=128, help="KV KiB per token for byte accounting")
-    p.add_argument("--limit", type=positive_int, default=None, help="replay only the first N requests")
-    p.add_argument("--fleet", type=positive_int, default=None,
-                   help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py)")
-    p.add_argument("--remote-url", default=None,
-                   help="with --fleet: the remote tier (default: a loopback redis-server)")
-    args = p.parse_args(argv)
-    if args.fleet is not None:
+class Fractions(click.ParamType):
+    name = "fractions"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[Fraction]:
+        if isinstance(value, list):
+            return value
+        try:
+            out = parse_fractions(str(value))
+        except (ValueError, ZeroDivisionError):
+            self.fail(f"{value!r} is not a comma list of fractions such as 1/16", param, ctx)
+        if not out or not all(0 < f <= 1 for f in out):
+            self.fail(f"{value!r}: each fraction must be in (0, 1]", param, ctx)
+        return out
+
+
+@click.command("trace", help=__doc__, context_settings=CONTEXT)
+@click.option("--trace", "trace_path", type=existing_file(), default=str(DEFAULT_TRACE.resolve()), show_default=True,
+              help="a Mooncake trace (.jsonl or .jsonl.gz)")
+@click.option("--fractions", type=Fractions(), default="1/32,1/16,1/8,1/4", show_default=True,
+              help="pool sizes as fractions of unique blocks")
+@click.option("--cpu-x", type=nonneg(), default=4, show_default=True, help="CPU tier size in pools")
+@click.option("--disk-x", type=nonneg(), default=16, show_default=True, help="disk tier size in pools")
+@click.option("--token-kib", type=positive(), default=128, show_default=True,
+              help="KV KiB per token for byte accounting")
+@click.option("--limit", type=positive(), default=None, help="replay only the first N requests")
+@click.option("--fleet", type=positive(), default=None,
+              help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py)")
+@click.option("--remote-url", default=None, help="with --fleet: the remote tier (default: a loopback redis-server)")
+def command(trace_path: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_kib: int, limit: int | None,
+            fleet: int | None, remote_url: str | None) -> None:
+    name = Path(trace_path).name.removesuffix(".gz").removesuffix(".jsonl")
+    if fleet is not None:
         from bench.fleet import run_fleet
 
-        requests = load_trace(args.trace, args.limit)
+        requests = load_trace(trace_path, limit)
         unique = len({i for ids in requests for i in ids})
-        pool = max(1, int(unique * parse_fractions(args.fractions)[0]))
-        write_results(f"fleet_{Path(args.trace).name.removesuffix('.gz').removesuffix('.jsonl')}",
-                      run_fleet(requests, args.fleet, pool, args.cpu_x * pool, args.remote_url))
+        pool = max(1, int(unique * fractions[0]))
+        write_results(f"fleet_{name}", run_fleet(requests, fleet, pool, cpu_x * pool, remote_url))
         return
-    result = run(args.trace, parse_fractions(args.fractions), args.cpu_x, args.disk_x, args.token_kib, args.limit)
-    write_results(f"trace_{Path(args.trace).name.removesuffix('.gz').removesuffix('.jsonl')}", result)
+    write_results(f"trace_{name}", run(trace_path, fractions, cpu_x, disk_x, token_kib, limit))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench trace")

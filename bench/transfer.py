@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import click
 import torch
 
-from bench.args import Parser, positive_int
+from bench.args import CONTEXT, Choices, invoke, positive
 from bench.common import print_table, write_results
 from bench.progress import tqdm
-from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS, parse_sizes
+from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.blockcopy import copy_block
@@ -106,14 +107,14 @@ def run(mib: int = 64, sizes: list[str] | None = None, repeat: int = 3) -> dict[
     return {"mib": mib, "sizes": results}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench transfer", description=__doc__)
-    p.add_argument("--mib", type=positive_int, default=64)
-    p.add_argument("--sizes", default=",".join(SIZES))
-    p.add_argument("--repeat", type=positive_int, default=3)
-    args = p.parse_args(argv)
-    write_results("transfer", run(args.mib, parse_sizes(args.sizes), args.repeat))
+@click.command("transfer", help=__doc__, context_settings=CONTEXT)
+@click.option("--mib", type=positive(), default=64, show_default=True)
+@click.option("--sizes", type=Choices(list(SIZES), str.upper), default=",".join(SIZES), show_default=True,
+              help="block sizes to measure")
+@click.option("--repeat", type=positive(), default=3, show_default=True)
+def command(mib: int, sizes: list[str], repeat: int) -> None:
+    write_results("transfer", run(mib, sizes, repeat))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench transfer")

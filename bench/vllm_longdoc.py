@@ -11,7 +11,6 @@ engine process over the same seeded workload. Prints a table and writes
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
@@ -21,7 +20,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
+from typing import Any
 
+import click
+
+from bench.args import CONTEXT, invoke, positive
 from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 BLOCK = 32
@@ -35,7 +39,7 @@ MODEL = TinyLlamaSpec(
 )
 
 
-def _workload(args: argparse.Namespace) -> list[list[tuple[int, list[int]]]]:
+def _workload(args: SimpleNamespace) -> list[list[tuple[int, list[int]]]]:
     """Rounds of (doc index, prompt token ids): document then question, seeded."""
     import random
 
@@ -60,7 +64,7 @@ def _workload(args: argparse.Namespace) -> list[list[tuple[int, list[int]]]]:
     return rounds
 
 
-def _run_engine(args: argparse.Namespace, with_connector: bool, workdir: str) -> dict:
+def _run_engine(args: SimpleNamespace, with_connector: bool, workdir: str) -> dict:
     """One engine, the whole workload; returns per-request timings and connector counters."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -143,24 +147,25 @@ def _summary(run: dict) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--docs", type=int, default=6)
-    p.add_argument("--doc-tokens", type=int, default=2048)
-    p.add_argument("--questions", type=int, default=3, help="rounds; round 0 is cold")
-    p.add_argument("--question-tokens", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--vllm-blocks", type=int, default=80, help="vLLM's own KV cache, in blocks")
-    p.add_argument(
-        "--cpu-bytes", default="24MiB", help="kvstrata CPU tier (the rest spills to disk)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None, help="model dir (default: build the tiny model)")
-    p.add_argument("--out", default="results/vllm_longdoc.json")
-    p.add_argument("--engine", choices=["with", "without"], help=argparse.SUPPRESS)
-    p.add_argument("--workdir", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+_PASSED = ("docs", "doc_tokens", "questions", "question_tokens", "max_tokens", "vllm_blocks", "cpu_bytes", "seed",
+           "out")
 
+
+@click.command("vllm", help=__doc__, context_settings=CONTEXT)
+@click.option("--docs", type=positive(), default=6, show_default=True)
+@click.option("--doc-tokens", type=positive(), default=2048, show_default=True)
+@click.option("--questions", type=positive(), default=3, show_default=True, help="rounds; round 0 is cold")
+@click.option("--question-tokens", type=positive(), default=32, show_default=True)
+@click.option("--max-tokens", type=positive(), default=16, show_default=True)
+@click.option("--vllm-blocks", type=positive(), default=80, show_default=True, help="vLLM's own KV cache, in blocks")
+@click.option("--cpu-bytes", default="24MiB", show_default=True, help="kvstrata CPU tier (the rest spills to disk)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--model", default=None, help="model dir (default: build the tiny model)")
+@click.option("--out", default="results/vllm_longdoc.json", show_default=True)
+@click.option("--engine", type=click.Choice(["with", "without"]), default=None, hidden=True)
+@click.option("--workdir", default=None, hidden=True)
+def command(**options: Any) -> int:
+    args = SimpleNamespace(**options)
     if args.engine:  # child: one configuration, JSON on the last line
         result = _run_engine(args, args.engine == "with", args.workdir)
         print("\n" + json.dumps(result), flush=True)
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.executable,
                 "-m",
                 "bench.vllm_longdoc",
-                *(argv or sys.argv[1:]),
+                *[part for name in _PASSED for part in (f"--{name.replace('_', '-')}", str(getattr(args, name)))],
                 "--model",
                 args.model,
                 "--engine",
@@ -236,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"wrote {args.out}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench vllm")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ sources' numbers (hours on this CPU), `--set WORKLOAD.PARAM=VALUE` overrides one
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -58,9 +57,10 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
+import click
 import numpy as np
 
-from bench.args import Parser, directory
+from bench.args import CONTEXT, Choices, Directory, invoke
 from bench.common import print_table, write_results
 from bench.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
@@ -263,7 +263,7 @@ def resolve_params(size: str, overrides: list[str]) -> dict[str, dict[str, int]]
         key, _, value = item.partition("=")
         workload, _, param = key.partition(".")
         if workload not in params or param not in params[workload] or not value.lstrip("-").isdigit():
-            raise SystemExit(f"bad --set {item!r}: expected WORKLOAD.PARAM=INT with PARAM one of "
+            raise ValueError(f"bad --set {item!r}: expected WORKLOAD.PARAM=INT with PARAM one of "
                              f"{sorted(params.get(workload, {}))} and WORKLOAD one of {WORKLOADS}")
         params[workload][param] = int(value)
     return params
@@ -318,29 +318,28 @@ def report(result: dict[str, object]) -> None:
                  "req cache mean", "p50", "p90", "req base mean", "p50", "p90", "req speedup"], times)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = Parser(prog="kvstrata bench workload", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
-    p.add_argument("--size", choices=sorted(PRESETS), default="default",
-                   help="parameter preset: default (scaled for 2 CPU cores), full (the sources' sizes), tiny")
-    p.add_argument("--set", action="append", default=[], metavar="WORKLOAD.PARAM=VALUE",
-                   help="override one parameter, e.g. gsp.num_groups=16 (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", type=directory, default=None, help="where the disk tiers live (default: system tmp)")
-    args = p.parse_args(argv)
-    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = sorted(set(workloads) - set(WORKLOADS))
-    if unknown:
-        raise SystemExit(f"unknown workloads {unknown}; expected some of {WORKLOADS}")
-    result = run(workloads, resolve_params(args.size, args.set), args.seed, args.workdir)
+@click.command("workload", help=__doc__, context_settings=CONTEXT)
+@click.option("--workloads", type=Choices(WORKLOADS), default=",".join(WORKLOADS), show_default=True,
+              help="workloads to run")
+@click.option("--size", type=click.Choice(sorted(PRESETS)), default="default", show_default=True,
+              help="parameter preset: default (scaled for 2 CPU cores), full (the sources' sizes), tiny")
+@click.option("--set", "overrides", multiple=True, metavar="WORKLOAD.PARAM=VALUE",
+              help="override one parameter, e.g. gsp.num_groups=16 (repeatable)")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--workdir", type=Directory(), default=None, help="where the disk tiers live (default: system tmp)")
+def command(workloads: list[str], size: str, overrides: tuple[str, ...], seed: int, workdir: str | None) -> None:
+    try:
+        params = resolve_params(size, list(overrides))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--set") from None
+    result = run(workloads, params, seed, workdir)
     report(result)
-    write_results("workload", {"size": args.size, **result})
+    write_results("workload", {"size": size, **result})
     per_workload = cast("dict[str, dict[str, Any]]", result["workloads"])
     bad = [w for w, r in per_workload.items() if not r["outputs_identical"]]
     if bad:
         raise AssertionError(f"cached generation differs from the no-cache baseline in {bad}")
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: list[str] | None = None) -> int:
+    return invoke(command, argv, "kvstrata bench workload")

@@ -47,7 +47,10 @@ def test_sharing_structure() -> None:
     assert sessions.prompt(again) == [*first, 7, 7, *again.tokens]  # history grows by prompt + answer
 
 
-def test_bad_override_is_refused() -> None:
-    with pytest.raises(SystemExit):
+def test_bad_override_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match=r"gsp\.nope"):
         workload.resolve_params("tiny", ["gsp.nope=3"])
+    assert workload.main(["--size", "tiny", "--set", "gsp.nope=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gsp.nope" in err[0]
     assert workload.resolve_params("tiny", ["gsp.num_groups=3"])["gsp"]["num_groups"] == 3

@@ -65,3 +65,28 @@ def test_each_command_has_its_own_help(argv: list[str], own_option: str, capsys:
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert own_option in out and f"kvstrata {' '.join(a for a in argv if a != '--help')}" in out
+
+
+def test_every_command_and_benchmark_has_its_own_help(capsys: pytest.CaptureFixture[str]) -> None:
+    paths = [[c] for c in cli.COMMANDS] + [["bench", b] for b in cli.BENCHMARKS]
+    for path in paths:
+        assert cli.main([*path, "--help"]) == 0, path
+        out = capsys.readouterr().out
+        assert f"Usage: kvstrata {' '.join(path)} [OPTIONS]" in out, (path, out[:200])
+        assert "--help" in out
+
+
+def test_shell_completion_offers_commands_and_benchmarks() -> None:
+    import os
+    import subprocess
+    import sys
+
+    def complete(words: str, cword: int) -> list[str]:
+        env = dict(os.environ, COMP_WORDS=words, COMP_CWORD=str(cword), _KVSTRATA_COMPLETE="bash_complete")
+        proc = subprocess.run([sys.executable, "-c", "from bench.cli import main; main()"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        return [line.split(",", 1)[1] for line in proc.stdout.splitlines() if "," in line]
+
+    assert {"demo", "router", "bench", "inspect"} <= set(complete("kvstrata ", 1))
+    assert complete("kvstrata bench tr", 2) == ["transfer", "trace"]
+    assert "--doc-tokens" in complete("kvstrata demo --doc", 2)
