@@ -107,12 +107,19 @@ def existing_file() -> click.Path:
     return click.Path(exists=True, dir_okay=False)
 
 
-def check_results_dir() -> str | None:
-    """Why `KVSTRATA_RESULTS` cannot hold results, or None if it can."""
-    path = os.environ.get("KVSTRATA_RESULTS")
-    if path is None:
+def check_environment() -> str | None:
+    """What is wrong with the `KVSTRATA_*` variables (an unknown one, a bad value, a results
+    directory that is a file), or None."""
+    from kvstore.errors import ConfigError
+    from kvstore.settings import Settings
+
+    try:
+        settings = Settings.from_sources()
+    except ConfigError as exc:
+        return str(exc)
+    if "KVSTRATA_RESULTS" not in os.environ:
         return None
-    problem = directory_problem(path)
+    problem = directory_problem(settings.results)
     return None if problem is None else f"KVSTRATA_RESULTS: {problem}"
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, check_results_dir, fail, invoke
+from bench.args import CONTEXT, check_environment, fail, invoke
 
 BENCHMARKS = {
     "hashing": "bench.hashing",
@@ -105,7 +105,7 @@ kvstrata.add_command(bench)
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not any(a in ("-h", "--help") for a in args):
-        problem = check_results_dir()
+        problem = check_environment()
         if problem is not None:
             return fail("kvstrata", problem)
     return invoke(kvstrata, args, "kvstrata")

@@ -13,7 +13,20 @@ from typing import Any
 
 import torch
 
-RESULTS_DIR = Path(os.environ.get("KVSTRATA_RESULTS", "results"))
+from kvstore.errors import ConfigError
+from kvstore.settings import Settings
+
+
+def _results_dir() -> Path:
+    """`KVSTRATA_RESULTS` as the settings parse it; the default when the environment is bad
+    (the `kvstrata` command refuses to run then, with one line naming the problem)."""
+    try:
+        return Path(Settings.from_sources().results)
+    except ConfigError:
+        return Path(Settings.__dataclass_fields__["results"].default)  # type: ignore[arg-type]
+
+
+RESULTS_DIR = _results_dir()
 
 
 def timeit(fn: Callable[[], object], *, repeat: int = 5, setup: Callable[[], object] | None = None) -> float:

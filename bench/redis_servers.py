@@ -6,7 +6,6 @@ under `KVSTRATA_REQUIRE_REDIS=1` (CI), where a missing server is a failure.
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -17,11 +16,13 @@ from contextlib import contextmanager
 
 import pytest
 
+from kvstore.settings import Settings
+
 
 def redis_binary() -> str:
     path = shutil.which("redis-server") or shutil.which("valkey-server")
     if path is None:
-        if os.environ.get("KVSTRATA_REQUIRE_REDIS") == "1":
+        if Settings.from_sources().require_redis:
             raise AssertionError("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
         pytest.skip("no redis-server or valkey-server installed")
     return path

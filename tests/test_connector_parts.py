@@ -244,3 +244,35 @@ def test_weights_identity_follows_content_not_paths_or_mtimes(tmp_path: Path, mo
         weights_identity("some-org/some-model-not-in-any-cache", "main")
     assert weights_identity("some-org/m", "0123456789abcdef0123456789abcdef01234567")[2] == (
         "0123456789abcdef0123456789abcdef01234567")
+
+
+def test_settings_table_in_the_docs_is_the_code() -> None:
+    from kvstore.settings import Settings
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    assert Settings.table() in doc, "docs/configuration.md is out of date: regenerate its table"
+
+
+def test_unknown_variables_and_keys_name_the_known_ones() -> None:
+    from kvstore.settings import Settings
+
+    with pytest.raises(ConfigError, match=r"KVSTRATA_CPU_BYTE.*KVSTRATA_CPU_BYTES"):
+        Settings.from_sources({}, {"KVSTRATA_CPU_BYTE": "1G"})
+    with pytest.raises(ConfigError, match="remote_password"):  # environment only: never a connector key
+        Settings.from_sources({"remote_password": "x"}, {})
+    with pytest.raises(ConfigError, match="metrics_port"):
+        Settings.from_sources({"metrics_port": 70000}, {})
+    s = Settings.from_sources({"metrics_port": "9400"}, {"KVSTRATA_EVENTS_ENDPOINT": "tcp://127.0.0.1:5557",
+                                                         "KVSTRATA_REMOTE_PASSWORD": "s3cret"})
+    assert s.metrics_port == 9400 and s.events_endpoint == "tcp://127.0.0.1:5557"
+    assert "s3cret" not in repr(s)
+
+
+def test_kvstrata_refuses_an_unknown_variable_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import cli
+
+    monkeypatch.setenv("KVSTRATA_RESULT", "x")
+    assert cli.main(["bench", "hashing", "--tokens", "64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "KVSTRATA_RESULT" in err[0] and "KVSTRATA_RESULTS" in err[0]

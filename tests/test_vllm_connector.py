@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("KVSTRATA_REQUIRE_VLLM") == "1":
+from kvstore.settings import Settings
+
+if Settings.from_sources().require_vllm:
     import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
 else:
     pytest.importorskip("vllm")
@@ -241,13 +243,16 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
                TOKENIZERS_PARALLELISM="false")
     root = Path(__file__).resolve().parent.parent
 
+    metrics_port = free_port_pair()
+
     def start_engines(tag: str) -> dict[str, tuple[subprocess.Popen, int, int]]:
         engines = {}
         for name in ("a", "b"):
             events, vllm_events = free_port_pair(), free_port_pair()
+            extra = {"metrics_port": metrics_port} if (tag, name) == ("routed", "a") else {}
             spec = {"model": model, "kv_events": f"tcp://*:{vllm_events}",  # vLLM binds only a wildcard address
                     "connector": _connector(tmp_path / tag / name, events_endpoint=f"tcp://127.0.0.1:{events}",
-                                            instance_id=name)}
+                                            instance_id=name, **extra)}
             proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("vllm_engine.py")),
                                      json.dumps(spec)], cwd=root, env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -313,6 +318,9 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
             time.sleep(0.3)  # let the events of this request reach the router (heartbeat-free batching: 20 ms)
         with urllib.request.urlopen(url + "/instances", timeout=5) as resp:
             instances = json.loads(resp.read())
+        # the connector serves its store's metrics on metrics_port (engine a only)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+            metrics = resp.read().decode()
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -326,5 +334,9 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
         bests = {answers[3 * d + q]["best"] for q in range(3)}
         assert len(bests) == 1, answers[3 * d : 3 * d + 3]
         follow = answers[3 * d + 1]["instances"][answers[3 * d + 1]["best"]]
-        assert follow["matched_tokens"] >= 8 * BLOCK and follow["by_tier"]["pool"] >= 8 * BLOCK, (follow, instances)
+        assert follow["matched_tokens"] >= 8 * BLOCK and follow["by_tier"]["pool"] >= 8 * BLOCK, \
+            (follow, instances)
     assert sum(i["vllm_gpu_blocks"] for i in instances.values()) > 0, instances
+    stored = [line for line in metrics.splitlines()
+              if line.startswith("kvstrata_blocks_stored_total") and 'tier="cpu"' in line]
+    assert stored and float(stored[0].rsplit(" ", 1)[1]) > 0, metrics[:2000]

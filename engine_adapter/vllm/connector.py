@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from engine_adapter.vllm.metrics_server import serve_metrics
 from engine_adapter.vllm.scheduler_side import ConnectorScheduler
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
@@ -70,8 +71,10 @@ class TierKVConnector(KVConnectorBase_V1):
         self._scheduler: ConnectorScheduler | None = None
         if role == KVConnectorRole.WORKER:
             layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            self._worker = ConnectorWorker(self._open(self.store_config), self.store_config, layers,
-                                           kv_cache_config.num_blocks, self._stats)
+            store = self._open(self.store_config)
+            if self.settings.metrics_port is not None:
+                serve_metrics(store, self.settings.metrics_port)
+            self._worker = ConnectorWorker(store, self.store_config, layers, kv_cache_config.num_blocks, self._stats)
         else:
             self._scheduler = ConnectorScheduler(self._open_scheduler_store(), self.store_config.block_size,
                                                  self._stats)

@@ -7,21 +7,9 @@ manual run scales every count at once, e.g. `KVSTRATA_REL_SCALE=10 pytest tests/
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {raw!r}")
-    return value
+from kvstore.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -81,10 +69,8 @@ class Budget:
 
 
 def load_budget() -> Budget:
-    return Budget(
-        scale=_env_float("KVSTRATA_REL_SCALE", 1.0),
-        seed=int(_env_float("KVSTRATA_REL_SEED", 7)),
-    )
+    settings = Settings.from_sources()
+    return Budget(scale=settings.rel_scale, seed=int(settings.rel_seed or 0))
 
 
 BUDGET = load_budget()
