@@ -79,6 +79,7 @@ class Router:
         self._latency_sum = 0.0
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: Any = None
+        self._registry: Any = None
 
     # -- subscriptions --------------------------------------------------------------------
     async def _subscribe(self, endpoint: str) -> None:
@@ -219,49 +220,22 @@ class Router:
         return web.json_response(out)
 
     def metrics_text(self) -> str:
-        """Prometheus text exposition of the router's counters."""
-        alive = self.fleet.candidates(None)
-        lines = [
-            "# HELP kvstrata_router_lookups_total Lookups answered.",
-            "# TYPE kvstrata_router_lookups_total counter",
-            f"kvstrata_router_lookups_total {self.num_lookups}",
-            "# HELP kvstrata_router_bad_requests_total Lookups refused with 400.",
-            "# TYPE kvstrata_router_bad_requests_total counter",
-            f"kvstrata_router_bad_requests_total {self.num_bad_requests}",
-            "# HELP kvstrata_router_event_batches_total KV event batches received.",
-            "# TYPE kvstrata_router_event_batches_total counter",
-            f"kvstrata_router_event_batches_total {self.fleet.num_batches}",
-            "# HELP kvstrata_router_resyncs_total Snapshots requested (restart, gap or late join).",
-            "# TYPE kvstrata_router_resyncs_total counter",
-            f"kvstrata_router_resyncs_total {self.fleet.num_resyncs}",
-            "# HELP kvstrata_router_bad_messages_total Malformed event messages ignored.",
-            "# TYPE kvstrata_router_bad_messages_total counter",
-            f"kvstrata_router_bad_messages_total {self.fleet.num_bad_messages}",
-            "# HELP kvstrata_router_vllm_unmapped_blocks_total vLLM GPU blocks not mappable to kvstrata keys.",
-            "# TYPE kvstrata_router_vllm_unmapped_blocks_total counter",
-            f"kvstrata_router_vllm_unmapped_blocks_total {self.fleet.num_vllm_unmapped}",
-            "# HELP kvstrata_router_indexed_blocks Distinct blocks in the index.",
-            "# TYPE kvstrata_router_indexed_blocks gauge",
-            f"kvstrata_router_indexed_blocks {len(self.fleet.index)}",
-            "# HELP kvstrata_router_instances Instances known, by state.",
-            "# TYPE kvstrata_router_instances gauge",
-            f'kvstrata_router_instances{{state="alive"}} {len(alive)}',
-            f'kvstrata_router_instances{{state="stale"}} {len(self.fleet.instances) - len(alive)}',
-            "# HELP kvstrata_router_lookup_seconds Server time of a lookup.",
-            "# TYPE kvstrata_router_lookup_seconds histogram",
-        ]
-        cumulative = 0
-        for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), self._latency_counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'kvstrata_router_lookup_seconds_bucket{{le="{le}"}} {cumulative}')
-        lines += [f"kvstrata_router_lookup_seconds_sum {self._latency_sum}",
-                  f"kvstrata_router_lookup_seconds_count {self.num_lookups}"]
-        return "\n".join(lines) + "\n"
+        """Prometheus text exposition of the router's metrics (docs/routing.md)."""
+        from kvstore.metrics import _prometheus
+
+        prom = _prometheus()
+        if self._registry is None:
+            self._registry = prom.CollectorRegistry()
+            self._registry.register(_RouterCollector(self))
+        return str(prom.generate_latest(self._registry).decode())
 
     async def metrics(self, request: Any) -> Any:
         web = _need_aiohttp()
-        return web.Response(text=self.metrics_text(), content_type="text/plain", charset="utf-8")
+        try:
+            text = self.metrics_text()
+        except ConfigError as exc:  # prometheus_client is missing
+            return web.json_response({"error": str(exc)}, status=501)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     def app(self) -> Any:
         web = _need_aiohttp()
@@ -290,6 +264,41 @@ class Router:
         app.on_startup.append(on_startup)
         app.on_cleanup.append(on_cleanup)
         return app
+
+
+class _RouterCollector:
+    """Reads the router's counters at scrape time (a prometheus_client custom collector)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        r, fleet = self.router, self.router.fleet
+        for name, text, value in (
+            ("kvstrata_router_lookups", "Lookups answered.", r.num_lookups),
+            ("kvstrata_router_bad_requests", "Lookups refused with 400.", r.num_bad_requests),
+            ("kvstrata_router_event_batches", "KV event batches received.", fleet.num_batches),
+            ("kvstrata_router_resyncs", "Snapshots requested (restart, gap or late join).", fleet.num_resyncs),
+            ("kvstrata_router_bad_messages", "Malformed event messages ignored.", fleet.num_bad_messages),
+            ("kvstrata_router_vllm_unmapped_blocks", "vLLM GPU blocks not mappable to kvstrata keys.",
+             fleet.num_vllm_unmapped),
+        ):
+            yield CounterMetricFamily(name, text, value=value)
+        yield GaugeMetricFamily("kvstrata_router_indexed_blocks", "Distinct blocks in the index.",
+                                value=len(fleet.index))
+        alive = len(fleet.candidates(None))
+        instances = GaugeMetricFamily("kvstrata_router_instances", "Instances known, by state.", labels=["state"])
+        instances.add_metric(["alive"], alive)
+        instances.add_metric(["stale"], len(fleet.instances) - alive)
+        yield instances
+        buckets, cumulative = [], 0
+        for bound, count in zip((*_LATENCY_BUCKETS, float("inf")), r._latency_counts):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        yield HistogramMetricFamily("kvstrata_router_lookup_seconds", "Server time of a lookup.",
+                                    buckets=buckets, sum_value=r._latency_sum)
 
 
 def serve(config: RouterConfig, host: str, port: int) -> None:
