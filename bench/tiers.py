@@ -168,6 +168,19 @@ def run(
             rows.append([label, op, r[key], base, r[base_key], r[key] / r[base_key]])
     print_table(f"Tier bandwidth, ~{mib} MiB of bf16 KV per block size (median of {repeat})",
                 ["block", "operation", "GB/s", "baseline", "base GB/s", "ratio"], rows)
+    # Per-block overhead: time beyond what memcpy needs for the same bytes, per block.
+    over_rows = []
+    for label, r in results.items():
+        t_copy = r["total_bytes"] / (r["memcpy_gbps"] * 1e9)
+        for op in ("pool_store", "pool_retrieve_out", "pool_retrieve", "cpu_store", "cpu_retrieve_out",
+                   "cpu_retrieve"):
+            t_op = r["total_bytes"] / (r[f"{op}_gbps"] * 1e9)
+            r[f"{op}_overhead_us_per_block"] = (t_op - t_copy) / r["num_blocks"] * 1e6
+        over_rows.append([label, int(r["num_blocks"]), *(r[f"{op}_overhead_us_per_block"] for op in (
+            "pool_store", "pool_retrieve_out", "pool_retrieve", "cpu_store", "cpu_retrieve_out", "cpu_retrieve"))])
+    print_table("Per-block overhead over memcpy of the same bytes (us per block)",
+                ["block", "blocks", "pool store", "pool retrieve(out=)", "pool retrieve", "cpu store",
+                 "cpu retrieve(out=)", "cpu retrieve"], over_rows)
     return {"mib": mib, "repeat": repeat, "sizes": results}
 
 

@@ -161,6 +161,8 @@ class StoreConfig:
             `KVSTRATA_REMOTE_PASSWORD`. Every stored block is written to it in the background.
         remote_ttl_s: expire remote records after this many seconds (None: the server's LRU).
         remote_timeout_s: bound on every remote call; a slower server is a miss.
+        io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
+            `alookup`): at most this many such calls run at once.
         events_endpoint: publish KV events (blocks entering and leaving each tier) on this
             ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for `kvstrata router`; the
             next port answers snapshot requests (docs/routing.md). None: no events.
@@ -190,6 +192,7 @@ class StoreConfig:
     remote_url: str | None = None
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
+    io_threads: int = 4
     events_endpoint: str | None = None
     instance_id: str | None = None
     model_name: str | None = None
@@ -249,6 +252,7 @@ class StoreConfig:
         if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
+        require_int("StoreConfig.io_threads", self.io_threads, 1)
         if self.events_endpoint is not None:
             from kvstore.events import check_endpoint
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -9,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
@@ -18,6 +21,7 @@ import torch
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     ConfigError,
+    DiskFullError,
     InvalidInputError,
     LayoutMismatchError,
     StoreClosedError,
@@ -28,6 +32,7 @@ from kvstore.tier_factory import build_tiers
 from kvstore.tier_stack import TierStack
 from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
 from tiers.base import BlockKey, Tier, TierKind, TierStats
+from tiers.blockbatch import BlockBatch, block_rows
 from tiers.gpu_pool import BlockPool
 from tiers.lmdb import LMDBTier, ScrubResult
 from tiers.remote import RemoteTier
@@ -134,6 +139,9 @@ class KVCacheStore:
         # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
         # (kvstore.metrics.register_metrics sets it).
         self.observe_latency: Callable[[str, float], None] | None = None
+        self._workers: ThreadPoolExecutor | None = None  # prefetch and the asyncio API, started on first use
+        self._workers_lock = threading.Lock()
+        self.num_prefetched_blocks = 0
 
     def _publish(self, endpoint: str) -> EventPublisher:
         """Start publishing KV events: every tier reports to the publisher from now on."""
@@ -238,7 +246,7 @@ class KVCacheStore:
         kv = check_kv(self.config, kv, len(arr))
         b = self.config.block_size
         keys = self.block_keys(arr, hashes)
-        srcs = [kv[:, :, i * b : (i + 1) * b] for i in range(len(hashes))]
+        srcs = BlockBatch(block_rows(kv, b))
         with self._lock:
             self.check_open()
             self._num_store_calls += 1
@@ -289,7 +297,7 @@ class KVCacheStore:
                 return RetrieveResult(0, None, {})
             if out is None:
                 out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
-            dsts = [out[:, :, i * b : (i + 1) * b] for i in range(len(plan))]
+            dsts = BlockBatch(block_rows(out[:, :, : len(plan) * b], b))
             num_ok, counts = self._stack.load(keys, dsts, plan)
             self._stack.promote(keys, dsts, plan, num_ok)
             self._num_tokens_hit += num_ok * b
@@ -388,6 +396,83 @@ class KVCacheStore:
             self._num_tokens_hit += num_ok * b
             return LoadResult(num_ok, counts)
 
+    # -- background work: prefetch and the asyncio API -------------------------------------
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._workers_lock:
+            self.check_open()
+            if self._workers is None:
+                self._workers = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvstrata-io")
+            return self._workers
+
+    def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> Future[int]:
+        """Bring the longest cached prefix of `tokens` from the slow tiers (disk, remote) into
+        the fastest memory tier below the pool (the CPU tier; the pool without one), in the
+        background. The future resolves to the leading tokens then held in memory tiers.
+
+        Bad input raises here, at once. The slow reads run without the store's lock (other
+        calls proceed meanwhile); only the final insert takes it. After `close()` the future
+        resolves to 0.
+        """
+        self.check_open()
+        arr, hashes = self._hash(tokens, extra_keys)
+        keys = self.block_keys(arr, hashes)
+        return self._executor().submit(self._prefetch, keys)
+
+    def _prefetch(self, keys: list[BlockKey]) -> int:
+        tiers = self._stack.tiers
+        memory = [i for i, t in enumerate(tiers) if t.kind in (TierKind.POOL, TierKind.CPU)]
+        slow = {i for i, t in enumerate(tiers) if t.kind in (TierKind.DISK, TierKind.REMOTE)}
+        hashes = [k.block_hash for k in keys]
+        with self._lock:
+            if self._closed:
+                return 0
+            plan = self._stack.locate(hashes)
+        target = memory[-1] if memory else None
+        fetch = [i for i, t in enumerate(plan) if t in slow]
+        if target is not None and fetch:
+            buffer = BlockBatch(torch.empty((len(fetch), *self.config.block_shape), dtype=self.config.layout.dtype))
+            got = 0
+            while got < len(fetch):  # one read per run of one tier, in prefix order
+                end, tier = got, plan[fetch[got]]
+                while end < len(fetch) and plan[fetch[end]] == tier and fetch[end] - fetch[got] == end - got:
+                    end += 1
+                n = tiers[plan[fetch[got]]].get_into([keys[i] for i in fetch[got:end]], buffer[got:end])
+                got += n
+                if got < end:
+                    break
+            with self._lock:
+                if self._closed:
+                    return 0
+                if got:
+                    # DiskFullError: a tier below refused what the insert would evict; nothing moved
+                    with contextlib.suppress(DiskFullError):
+                        tiers[target].put([keys[i] for i in reversed(fetch[:got])], buffer[got - 1 :: -1])
+                        self.num_prefetched_blocks += got
+        with self._lock:
+            if self._closed:
+                return 0
+            plan = self._stack.locate(hashes)
+        leading = next((i for i, t in enumerate(plan) if t not in memory), len(plan))
+        return leading * self.config.block_size
+
+    async def _in_thread(self, fn: Callable[..., R], *args: object, **kwargs: object) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor(), functools.partial(fn, *args, **kwargs))
+
+    async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
+        """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event
+        loops: the loop never blocks on a copy or a disk write."""
+        return await self._in_thread(self.store, tokens, kv, extra_keys=extra_keys)
+
+    async def aretrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
+                        device: torch.device | str | None = None, out: torch.Tensor | None = None) -> RetrieveResult:
+        """`retrieve` on the store's I/O threads (see `astore`)."""
+        return await self._in_thread(self.retrieve, tokens, extra_keys=extra_keys, device=device, out=out)
+
+    async def alookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
+        """`lookup` on the store's I/O threads (see `astore`)."""
+        return await self._in_thread(self.lookup, tokens, extra_keys=extra_keys)
+
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""
         with self._lock:
@@ -430,6 +515,10 @@ class KVCacheStore:
         Never raises for a full disk: blocks a full lower tier refuses are counted in the
         result and logged, most recently used blocks having gone first.
         """
+        with self._workers_lock:
+            workers, self._workers = self._workers, None
+        if workers is not None:  # background calls finish first (they take the lock)
+            workers.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             if self._closed:
                 return CloseResult(0, 0)

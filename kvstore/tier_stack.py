@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from tiers.base import BlockHash, BlockKey, Tier, TierKind
+from tiers.blockbatch import take
 from tiers.errors import DiskFullError
 
 logger = logging.getLogger(__name__)
@@ -140,7 +141,8 @@ class TierStack:
         lower = [i for i in range(num_ok) if plan[i] != 0][: max(0, budget)]
         try:
             if lower:
-                top.put([keys[i] for i in reversed(lower)], [srcs[i] for i in reversed(lower)])
+                order = lower[::-1]
+                top.put([keys[i] for i in order], take(srcs, order))
         except DiskFullError:
             self.num_promotion_failures += 1
         top.touch([k.block_hash for k in reversed(keys[:num_ok])])

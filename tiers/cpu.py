@@ -10,6 +10,7 @@ import torch
 import xxhash
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 
@@ -91,8 +92,8 @@ class CPUTier(Tier):
     # -- data movement ---------------------------------------------------------------------
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         n = 0
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for key, dst in zip(keys, dsts):
+        slots: list[int] = []
+        for key in keys[: len(dsts)]:
             slot = self._index.get(key.block_hash)
             if slot is None:
                 break
@@ -104,9 +105,10 @@ class CPUTier(Tier):
                 self.counters.num_corrupt += 1
                 self._drop(key.block_hash)
                 break
-            pairs.append((dst, self._slab[slot]))
+            slots.append(slot)
             n += 1
-        self._copy_in([d for d, _ in pairs], [s for _, s in pairs])
+        if not (isinstance(dsts, BlockBatch) and copy_rows(dsts.rows, dsts.row_ids[:n], self._slab, slots)):
+            self._copy_in(dsts[:n], [self._slab[s] for s in slots])
         return n
 
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -118,7 +120,9 @@ class CPUTier(Tier):
         self._make_room(len(new) - len(self._free))
         slots = [self._free.pop() for _ in new]
         try:
-            self._copy_in([self._slab[s] for s in slots], [srcs[i] for i in new])
+            if not (isinstance(srcs, BlockBatch)
+                    and copy_rows(self._slab, slots, srcs.rows, [srcs.row_ids[i] for i in new])):
+                self._copy_in([self._slab[s] for s in slots], [srcs[i] for i in new])
         except BaseException:
             self._free.extend(reversed(slots))  # a failed copy takes no slot
             raise

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
 from tiers.free_queue import FreeBlockQueue, PoolBlock
@@ -74,6 +75,7 @@ class BlockPool(Tier):
             raise ValueError(f"{num_blocks} blocks need {num_bytes} bytes, more than {self.device} has")
         self.kv_cache = torch.zeros((num_layers, two, num_blocks, block_size, heads, dim), dtype=dtype,
                                     device=self.device)
+        self._rows = self.kv_cache.movedim(2, 0)  # [num_blocks, L, 2, b, H, D] view: row i is block i
         self.num_blocks = num_blocks
         self.blocks = [PoolBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
@@ -228,8 +230,8 @@ class BlockPool(Tier):
         return count_held(self.cached, block_hashes, start)
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        n = 0
-        for key, dst in zip(keys, dsts):
+        ids: list[int] = []
+        for key in keys[: len(dsts)]:
             block = self.cached.get(key.block_hash)
             if block is None:
                 break
@@ -237,8 +239,11 @@ class BlockPool(Tier):
                 self.counters.num_corrupt += 1
                 self.discard([key.block_hash])
                 break
-            copy_block(dst, self.block_view(block.block_id))
-            n += 1
+            ids.append(block.block_id)
+        n = len(ids)
+        if not (isinstance(dsts, BlockBatch) and copy_rows(dsts.rows, dsts.row_ids[:n], self._rows, ids)):
+            for dst, block_id in zip(dsts, ids):
+                copy_block(dst, self.block_view(block_id))
         return n
 
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -248,8 +253,10 @@ class BlockPool(Tier):
             self.below.demote([keys[i] for i in overflow], [srcs[i] for i in overflow])
         blocks = self.allocate(len(new))
         try:
-            for block, i in zip(blocks, new):
-                copy_block(self.block_view(block.block_id), srcs[i])
+            if not (isinstance(srcs, BlockBatch) and copy_rows(self._rows, [b.block_id for b in blocks], srcs.rows,
+                                                               [srcs.row_ids[i] for i in new])):
+                for block, i in zip(blocks, new):
+                    copy_block(self.block_view(block.block_id), srcs[i])
         except BaseException:
             for block in blocks:  # a failed copy takes no block: back to the queue's head
                 block.ref_cnt = 0
@@ -300,6 +307,7 @@ class BlockPool(Tier):
             self._closed = True
             self.cached.clear()
             self.kv_cache = torch.empty(0)
+            self._rows = self.kv_cache
 
     def _check_open(self) -> None:
         if self._closed:

@@ -23,6 +23,7 @@ from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierK
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
+from tiers.prefault import will_need
 
 _U64 = struct.Struct("<Q")
 _TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
@@ -120,10 +121,15 @@ class LMDBTier(Tier):
         n = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for key, dst in zip(keys, dsts):
+            values = []
+            for key in keys[: len(dsts)]:  # the run's records, their data pages not yet touched
                 value = txn.get(key.block_hash)
                 if value is None:
                     break
+                values.append(value)
+            if len(values) > 1:
+                will_need(values)  # start reading every record's pages at once (queue depth)
+            for key, dst, value in zip(keys, dsts, values):
                 try:
                     payload = self.codec.decode(value, key)
                 except UnverifiableRecordError:

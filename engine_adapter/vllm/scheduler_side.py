@@ -28,6 +28,11 @@ class ConnectorScheduler:
         self.stats = stats
         self.planner = TransferPlanner(block_size, self._lookup)
         self._finished: list[str] = []  # told to the worker with the next plan
+        # Requests whose prefix was prefetched from disk/remote into the CPU tier when first seen
+        # waiting (only where this process's store has a CPU tier: vLLM's single-process mode).
+        self._prefetch = any(t.kind.value == "cpu" for t in store.tiers) and any(
+            t.kind.value in ("disk", "remote") for t in store.tiers)
+        self._prefetched: set[str] = set()
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
         return self.store.lookup(token_ids, extra_keys=extra_keys)
@@ -44,6 +49,9 @@ class ConnectorScheduler:
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
         may_load = not (skip() if callable(skip) else False)
+        if self._prefetch and keys.cacheable and may_load and request.request_id not in self._prefetched:
+            self._prefetched.add(request.request_id)
+            self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys)  # runs in the background
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load,
@@ -85,5 +93,6 @@ class ConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Saves are synchronous, so vLLM may free the blocks at once."""
         self.planner.forget(request.request_id)
+        self._prefetched.discard(request.request_id)
         self._finished.append(request.request_id)
         return False, None

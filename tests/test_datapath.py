@@ -1,0 +1,93 @@
+"""The data path: batched copies (BlockBatch), prefetch from slow tiers, and the asyncio API."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore import KVCacheStore, StoreConfig
+from kvstore.errors import InvalidTokensError, StoreClosedError
+from tests.conftest import BLOCK, LAYOUT, make_kv
+from tiers.base import TierKind
+from tiers.blockbatch import BlockBatch, block_rows, copy_rows
+
+
+def test_block_rows_and_batched_copies_match_per_block_copies() -> None:
+    kv = make_kv(10 * BLOCK)
+    rows = block_rows(kv, BLOCK)
+    batch = BlockBatch(rows)
+    for i in range(10):
+        assert torch.equal(batch[i], kv[:, :, i * BLOCK : (i + 1) * BLOCK])
+    rev = batch[::-1]
+    assert len(rev) == 10 and torch.equal(rev[0], batch[9]) and torch.equal(rev[9:2:-3][1], batch[3])
+    assert torch.equal(batch.select([7, 2])[1], batch[2])
+    slab = torch.zeros((16, *LAYOUT.block_shape(BLOCK)), dtype=LAYOUT.dtype)
+    slots = [3, 4, 5, 11, 0, 1, 2, 9, 8, 7]  # runs forwards, a lone slot, a run backwards
+    assert copy_rows(slab, slots, rows, list(range(10)))
+    for i, slot in enumerate(slots):
+        assert torch.equal(slab[slot], kv[:, :, i * BLOCK : (i + 1) * BLOCK])
+    out = torch.zeros_like(kv)
+    assert copy_rows(block_rows(out, BLOCK), list(range(10)), slab, slots)
+    assert torch.equal(out, kv)
+    assert not copy_rows(slab.to(torch.float32), [0], rows, [0])  # dtypes differ: nothing copied
+
+
+def test_store_and_retrieve_through_batches_are_bit_exact(make_store) -> None:  # type: ignore[no-untyped-def]
+    store = make_store(cpu_blocks=8)  # 12 blocks: 4 spill to disk
+    tokens = list(range(12 * BLOCK + 3))
+    kv = make_kv(len(tokens))
+    assert store.store(tokens, kv) == 12 * BLOCK
+    res = store.retrieve(tokens)
+    assert res.num_tokens == 12 * BLOCK and torch.equal(res.kv, kv[:, :, : 12 * BLOCK])
+    assert res.blocks_per_tier == {TierKind.CPU: 8, TierKind.DISK: 4}
+    out = torch.full_like(kv, 7)
+    res = store.retrieve(tokens, out=out)
+    assert torch.equal(out[:, :, : 12 * BLOCK], kv[:, :, : 12 * BLOCK]) and (out[:, :, 12 * BLOCK :] == 7).all()
+    store.check_integrity()
+
+
+def _config(path: Path, **kw: object) -> StoreConfig:
+    return StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=16 * LAYOUT.block_bytes(BLOCK), disk_path=str(path),
+                       disk_bytes=16 << 20, disk_sync=False, **kw)  # type: ignore[arg-type]
+
+
+def test_prefetch_brings_a_disk_prefix_into_memory(tmp_path: Path) -> None:
+    tokens = list(range(10 * BLOCK))
+    kv = make_kv(len(tokens))
+    with KVCacheStore(_config(tmp_path / "d")) as store:
+        store.store(tokens, kv)
+    with KVCacheStore(_config(tmp_path / "d")) as store:  # reopened: everything on disk
+        assert store.retrieve(tokens[:BLOCK]).blocks_per_tier == {TierKind.DISK: 1}  # block 0 now in memory too
+        assert store.prefetch(tokens).result(timeout=30) == 10 * BLOCK
+        assert store.num_prefetched_blocks == 9
+        res = store.retrieve(tokens)
+        assert res.blocks_per_tier == {TierKind.CPU: 10} and torch.equal(res.kv, kv)
+        assert store.prefetch(list(range(5000, 5000 + 3 * BLOCK))).result(timeout=30) == 0  # nothing cached
+        with pytest.raises(InvalidTokensError):
+            store.prefetch([1.5])  # bad input raises at once, not in the future
+        store.check_integrity()
+
+
+def test_asyncio_api_runs_many_calls_at_once_with_the_sync_semantics(tmp_path: Path) -> None:
+    docs = [list(range(i * 1000, i * 1000 + 6 * BLOCK)) for i in range(8)]
+    kvs = [make_kv(6 * BLOCK, seed=i) for i in range(8)]
+    store = KVCacheStore(_config(tmp_path / "d", io_threads=3))
+
+    async def main() -> None:
+        stored = await asyncio.gather(*(store.astore(d, kv) for d, kv in zip(docs, kvs)))
+        assert stored == [6 * BLOCK] * 8
+        found = await asyncio.gather(*(store.alookup(d) for d in docs))
+        assert found == [6 * BLOCK] * 8
+        results = await asyncio.gather(*(store.aretrieve(d) for d in docs))
+        for res, kv in zip(results, kvs):
+            assert res.num_tokens == 6 * BLOCK and torch.equal(res.kv, kv)
+        with pytest.raises(InvalidTokensError):
+            await store.aretrieve("not tokens")
+
+    asyncio.run(main())
+    store.close()
+    with pytest.raises(StoreClosedError):
+        asyncio.run(store.alookup(docs[0]))
