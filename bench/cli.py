@@ -28,6 +28,7 @@ BENCHMARKS = {
     "router": "bench.router",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
+    "load-policy": "bench.load_policy",
 }
 COMMANDS = {
     "demo": "bench.demo",
@@ -60,6 +61,7 @@ _BENCH_SUMMARIES = {
     "router": "Router index memory and lookup latency at 10^6 blocks x 8 instances.",
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",
+    "load-policy": "Load or recompute: TTFT under load_policy auto/always/never, slow disk.",
 }
 
 

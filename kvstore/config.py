@@ -161,6 +161,11 @@ class StoreConfig:
             `KVSTRATA_REMOTE_PASSWORD`. Every stored block is written to it in the background.
         remote_ttl_s: expire remote records after this many seconds (None: the server's LRU).
         remote_timeout_s: bound on every remote call; a slower server is a miss.
+        load_policy: "auto" (load a cached prefix from a tier only where the measured load
+            time beats recomputing it at the engine's measured prefill rate), "always", or
+            "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second (None: no
+            cap); to share a device with other work, or to emulate a slower one.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
         events_endpoint: publish KV events (blocks entering and leaving each tier) on this
@@ -193,6 +198,8 @@ class StoreConfig:
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
     io_threads: int = 4
+    load_policy: str = "auto"
+    disk_read_bps: int | None = None
     events_endpoint: str | None = None
     instance_id: str | None = None
     model_name: str | None = None
@@ -253,6 +260,11 @@ class StoreConfig:
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
         require_int("StoreConfig.io_threads", self.io_threads, 1)
+        from kvstore.load_policy import check_mode
+
+        check_mode(self.load_policy)
+        if self.disk_read_bps is not None:
+            require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
         if self.events_endpoint is not None:
             from kvstore.events import check_endpoint
 

@@ -28,6 +28,7 @@ from kvstore.errors import (
 )
 from kvstore.events import EventPublisher, EventSource, new_epoch
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.load_policy import LoadPolicy
 from kvstore.tier_factory import build_tiers
 from kvstore.tier_stack import TierStack
 from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
@@ -125,6 +126,9 @@ class KVCacheStore:
         tiers = build_tiers(config, self._seed)
         self.pool: BlockPool | None = tiers[0] if isinstance(tiers[0], BlockPool) else None
         self._stack = TierStack(tiers, write_through=config.write_through)
+        self.load_policy = LoadPolicy(config.load_policy, config.block_size, config.block_bytes)
+        self._stack.on_load = lambda kind, blocks, seconds: self.load_policy.observe_load(
+            kind, blocks * config.block_bytes, seconds)
         self._lock = threading.RLock()
         self.events: EventPublisher | None = None
         if config.events_endpoint is not None:

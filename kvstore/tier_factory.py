@@ -42,7 +42,7 @@ def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
         return None
     return LMDBTier(str(config.disk_path), config.disk_bytes, config.block_shape, config.layout.dtype,
                     verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed,
-                    identity=config.identity())
+                    identity=config.identity(), read_bps=config.disk_read_bps)
 
 
 def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:

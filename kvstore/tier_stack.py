@@ -10,7 +10,8 @@ pinning, and spilling down on shutdown. Callers hold the store's lock.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -53,6 +54,8 @@ class TierStack:
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             upper.below = _Below(lower)
         self.num_promotion_failures = 0
+        # Told (tier kind, blocks, seconds) after each load from a tier below the pool.
+        self.on_load: Callable[[TierKind, int, float], None] | None = None
 
     @property
     def top(self) -> Tier:
@@ -105,7 +108,10 @@ class TierStack:
             while end < len(plan) and plan[end] == plan[num_ok]:
                 end += 1
             tier = self.tiers[plan[num_ok]]
+            t0 = time.perf_counter()
             got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+            if self.on_load is not None and tier.kind is not TierKind.POOL:
+                self.on_load(tier.kind, got, time.perf_counter() - t0)
             if got:
                 counts[tier.kind] = counts.get(tier.kind, 0) + got
             num_ok += got

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -56,11 +57,13 @@ class LMDBTier(Tier):
         sync: bool = True,
         namespace: bytes = b"",
         identity: object = None,
+        read_bps: int | None = None,
     ) -> None:
         self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
         self._namespace = self.codec.namespace
         self._block_bytes = self.codec.block_bytes
         self._capacity_bytes = capacity_bytes
+        self._read_bps = read_bps  # a cap on read bandwidth (None: none)
         self._path, self._env = acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
         self._pid = os.getpid()
         try:
@@ -118,6 +121,13 @@ class LMDBTier(Tier):
         return n - start
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        t0 = time.perf_counter()
+        n = self._read(keys, dsts)
+        if self._read_bps is not None and n:
+            time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
+        return n
+
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         n = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:

@@ -139,7 +139,10 @@ class KVCacheManager:
             if num_ok < len(pool_blocks):  # other token ids under our hash: a miss from there
                 pool_blocks, hashes = pool_blocks[:num_ok], hashes[:num_ok]
             plan = self.store.stack.locate(hashes)
-        return ComputedBlocks(len(plan) * self.block_size, pool_blocks, plan[len(pool_blocks) :])
+        lower = plan[len(pool_blocks) :]
+        # Load or recompute: the store's policy keeps the leading blocks worth loading.
+        lower = lower[: self.store.load_policy.blocks_to_load([self.store.tiers[i].kind for i in lower])]
+        return ComputedBlocks((len(pool_blocks) + len(lower)) * self.block_size, pool_blocks, lower)
 
     def _current(
         self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None

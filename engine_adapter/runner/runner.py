@@ -96,7 +96,11 @@ class KVStrataLLM:
         tokens = mgr.token_ids(rid)
         start = mgr.num_computed_tokens(rid)
         stats.num_prefill_tokens = len(tokens) - start
+        t0 = time.perf_counter()
         logits = self._forward([RequestChunk(tokens[start:], start, mgr.block_table(rid))])[0]
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)
+        self.store.load_policy.observe_prefill(len(tokens) - start, time.perf_counter() - t0)
         mgr.commit(rid, len(tokens), cache_blocks=self.prefix_caching)
         return logits
 
