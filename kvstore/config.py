@@ -166,6 +166,9 @@ class StoreConfig:
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
         disk_read_bps: cap the disk tier's reads at this many bytes per second (None: no
             cap); to share a device with other work, or to emulate a slower one.
+        result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
+            returns (pre-faulted, huge pages where the kernel allows): a result dropped by
+            the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
         events_endpoint: publish KV events (blocks entering and leaving each tier) on this
@@ -198,6 +201,7 @@ class StoreConfig:
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
     io_threads: int = 4
+    result_buffer_bytes: int = 256 << 20
     load_policy: str = "auto"
     disk_read_bps: int | None = None
     events_endpoint: str | None = None
@@ -260,6 +264,7 @@ class StoreConfig:
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
         require_int("StoreConfig.io_threads", self.io_threads, 1)
+        require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         from kvstore.load_policy import check_mode
 
         check_mode(self.load_policy)

@@ -18,6 +18,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 import numpy as np
 import torch
 
+from kvstore.buffers import BufferPool
 from kvstore.config import StoreConfig
 from kvstore.errors import (
     ConfigError,
@@ -143,6 +144,7 @@ class KVCacheStore:
         # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
         # (kvstore.metrics.register_metrics sets it).
         self.observe_latency: Callable[[str, float], None] | None = None
+        self._buffers = BufferPool(config.result_buffer_bytes)  # recycled results of retrieve()
         self._workers: ThreadPoolExecutor | None = None  # prefetch and the asyncio API, started on first use
         self._workers_lock = threading.Lock()
         self.num_prefetched_blocks = 0
@@ -300,7 +302,9 @@ class KVCacheStore:
             if not plan:
                 return RetrieveResult(0, None, {})
             if out is None:
-                out = torch.empty(cfg.layout.block_shape(len(plan) * b), dtype=cfg.layout.dtype, device=device)
+                shape = cfg.layout.block_shape(len(plan) * b)
+                out = (self._buffers.tensor(shape, cfg.layout.dtype) if device.type == "cpu"
+                       else torch.empty(shape, dtype=cfg.layout.dtype, device=device))
             dsts = BlockBatch(block_rows(out[:, :, : len(plan) * b], b))
             num_ok, counts = self._stack.load(keys, dsts, plan)
             self._stack.promote(keys, dsts, plan, num_ok)

@@ -91,3 +91,40 @@ def test_asyncio_api_runs_many_calls_at_once_with_the_sync_semantics(tmp_path: P
     store.close()
     with pytest.raises(StoreClosedError):
         asyncio.run(store.alookup(docs[0]))
+
+
+def test_load_policy_keeps_the_blocks_whose_loading_saves_time() -> None:
+    from kvstore.load_policy import LoadPolicy
+
+    cpu, disk, pool = TierKind.CPU, TierKind.DISK, TierKind.POOL
+    policy = LoadPolicy("auto", block_size=16, block_bytes=1 << 20)
+    kinds = [pool, cpu, cpu, disk, disk, disk]
+    assert policy.blocks_to_load(kinds) == 6  # nothing measured yet: load (and measure)
+    policy.observe_prefill(16_000, 1.0)  # 1 ms to recompute a block
+    policy.observe_load(cpu, 1 << 30, 0.1)  # 0.1 ms to load one
+    policy.observe_load(disk, 1 << 20, 0.01)  # 10 ms to load one
+    assert policy.blocks_to_load(kinds) == 3  # the disk blocks are recomputed
+    policy.observe_load(disk, 100 << 20, 0.01)  # the disk got fast: the running average follows
+    policy.observe_load(disk, 100 << 20, 0.01)
+    policy.observe_load(disk, 100 << 20, 0.01)
+    policy.observe_load(disk, 100 << 20, 0.01)
+    policy.observe_load(disk, 100 << 20, 0.01)
+    assert policy.blocks_to_load(kinds) == 6
+    assert LoadPolicy("always", 16, 1 << 20).blocks_to_load(kinds) == 6
+    assert LoadPolicy("never", 16, 1 << 20).blocks_to_load(kinds) == 1  # the pool block costs nothing
+    with pytest.raises(Exception, match="load_policy"):
+        StoreConfig(LAYOUT, load_policy="sometimes")
+
+
+def test_auto_recomputes_a_slow_disk_tail_with_the_same_answer() -> None:
+    import json
+
+    from bench.load_policy import run
+
+    result = run(doc_tokens=256, disk_mbps=0.5, repeats=1)
+    trials = result["trials"]
+    auto, always, never = trials["auto"][0], trials["always"][0], trials["never"][0]
+    assert auto["tokens"] == always["tokens"] == never["tokens"]
+    assert "disk" in always["by_tier"] and "disk" not in auto["by_tier"] and "cpu" in auto["by_tier"]
+    assert never["by_tier"] == {} and never["computed"] > auto["computed"] > always["computed"]
+    json.dumps(result, default=str)

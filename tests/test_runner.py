@@ -40,7 +40,8 @@ def store_config(path: Path, pool_blocks: int = 64, cpu_blocks: int = 64) -> Sto
     layout = CONFIG.kv_layout
     return StoreConfig(layout, block_size=BLOCK, namespace="fidelity", pool_blocks=pool_blocks, pool_device=POOL_DEVICE,
                        cpu_bytes=cpu_blocks * layout.block_bytes(BLOCK), disk_path=str(path / "disk"),
-                       disk_bytes=64 << 20, disk_sync=False)
+                       disk_bytes=64 << 20, disk_sync=False,
+                       load_policy="always")  # these tests check each tier's hits, not the load policy
 
 
 def prompts_sharing_prefix(seed: int, prefix_len: int = 37, n: int = 3) -> list[list[int]]:

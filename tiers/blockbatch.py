@@ -66,17 +66,16 @@ def take(blocks: Sequence[torch.Tensor], positions: Sequence[int]) -> Sequence[t
 
 def _runs(dst_index: Sequence[int], src_index: Sequence[int]) -> list[tuple[int, int, int]]:
     """(dst start, src start, length) of maximal runs where both indices step by +1, after
-    ordering the pairs by source row."""
-    pairs = sorted(zip(src_index, dst_index))
-    runs: list[tuple[int, int, int]] = []
-    for s, d in pairs:
-        if runs:
-            d0, s0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (d0, s0, n + 1)
-                continue
-        runs.append((d, s, 1))
-    return runs
+    ordering the pairs by source row (vectorized: no per-block Python work)."""
+    src = np.asarray(src_index, dtype=np.int64)
+    dst = np.asarray(dst_index, dtype=np.int64)
+    if len(src) > 1 and not (np.diff(src) > 0).all():
+        order = np.argsort(src, kind="stable")
+        src, dst = src[order], dst[order]
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return list(zip(dst[starts].tolist(), src[starts].tolist(), lengths.tolist()))
 
 
 def _host_bytes(rows: torch.Tensor) -> np.ndarray | None:

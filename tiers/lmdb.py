@@ -24,7 +24,6 @@ from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierK
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
-from tiers.prefault import will_need
 
 _U64 = struct.Struct("<Q")
 _TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
@@ -131,15 +130,10 @@ class LMDBTier(Tier):
         n = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
-            values = []
-            for key in keys[: len(dsts)]:  # the run's records, their data pages not yet touched
+            for key, dst in zip(keys, dsts):
                 value = txn.get(key.block_hash)
                 if value is None:
                     break
-                values.append(value)
-            if len(values) > 1:
-                will_need(values)  # start reading every record's pages at once (queue depth)
-            for key, dst, value in zip(keys, dsts, values):
                 try:
                     payload = self.codec.decode(value, key)
                 except UnverifiableRecordError:
@@ -203,12 +197,16 @@ class LMDBTier(Tier):
                     skip += 1
                 fresh, sizes = fresh[skip:], sizes[skip:]
                 used = self._evict_in(txn, used, used + total - budget, evicted)
-                for (h, v), size in zip(fresh, sizes):
+                # Records go in prefix order (the reverse of eviction order), so a sequence's
+                # pages lie forwards in the file and a read of its prefix is sequential (the
+                # kernel's readahead then works); ticks still follow eviction order.
+                for j in range(len(fresh) - 1, -1, -1):
+                    h, v = fresh[j]
                     txn.put(h, v, db=self._blocks)
-                    txn.put(h, _TICK.pack(tick), db=self._atime)
-                    txn.put(_TICK.pack(tick), h, db=self._lru)
-                    tick += 1
-                    used += size
+                    txn.put(h, _TICK.pack(tick + j), db=self._atime)
+                    txn.put(_TICK.pack(tick + j), h, db=self._lru)
+                tick += len(fresh)
+                used += sum(sizes)
                 self._write_meta(txn, tick, used)
         except BaseException:
             with self._lock:
