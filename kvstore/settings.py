@@ -81,6 +81,8 @@ class Settings:
         remote_url: a Valkey/Redis server or cluster shared by engines on many hosts.
         events_endpoint: publish the worker's KV events here for `kvstrata router`.
         instance_id: this engine's name in its KV events (default `HOST:PID`).
+        async_saves: write saved blocks to the tiers on a background thread (the step only
+            copies them out of vLLM into buffers of their own).
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
 
@@ -106,6 +108,7 @@ class Settings:
     remote_url: str | None = None
     events_endpoint: str | None = None
     instance_id: str | None = None
+    async_saves: bool = True
     metrics_port: int | None = None
     remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
     results: str = field(default="results", metadata=_ENV)
@@ -120,7 +123,7 @@ class Settings:
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        for name in ("write_through", "disk_sync", "verify_tokens", "require_redis", "require_vllm"):
+        for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "require_redis", "require_vllm"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         for name in ("disk_path", "stats_path"):
             value = getattr(self, name)

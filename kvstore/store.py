@@ -148,6 +148,7 @@ class KVCacheStore:
         self._workers: ThreadPoolExecutor | None = None  # prefetch and the asyncio API, started on first use
         self._workers_lock = threading.Lock()
         self.num_prefetched_blocks = 0
+        self.prefetched_blocks: dict[TierKind, int] = {}  # by the tier they came from
 
     def _publish(self, endpoint: str) -> EventPublisher:
         """Start publishing KV events: every tier reports to the publisher from now on."""
@@ -440,11 +441,13 @@ class KVCacheStore:
         if target is not None and fetch:
             buffer = BlockBatch(torch.empty((len(fetch), *self.config.block_shape), dtype=self.config.layout.dtype))
             got = 0
+            sources: list[tuple[TierKind, int]] = []
             while got < len(fetch):  # one read per run of one tier, in prefix order
                 end, tier = got, plan[fetch[got]]
                 while end < len(fetch) and plan[fetch[end]] == tier and fetch[end] - fetch[got] == end - got:
                     end += 1
-                n = tiers[plan[fetch[got]]].get_into([keys[i] for i in fetch[got:end]], buffer[got:end])
+                n = tiers[tier].get_into([keys[i] for i in fetch[got:end]], buffer[got:end])
+                sources.append((tiers[tier].kind, n))
                 got += n
                 if got < end:
                     break
@@ -456,6 +459,8 @@ class KVCacheStore:
                     with contextlib.suppress(DiskFullError):
                         tiers[target].put([keys[i] for i in reversed(fetch[:got])], buffer[got - 1 :: -1])
                         self.num_prefetched_blocks += got
+                        for kind, n in sources:
+                            self.prefetched_blocks[kind] = self.prefetched_blocks.get(kind, 0) + n
         with self._lock:
             if self._closed:
                 return 0

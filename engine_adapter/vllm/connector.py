@@ -74,10 +74,11 @@ class TierKVConnector(KVConnectorBase_V1):
             store = self._open(self.store_config)
             if self.settings.metrics_port is not None:
                 serve_metrics(store, self.settings.metrics_port)
-            self._worker = ConnectorWorker(store, self.store_config, layers, kv_cache_config.num_blocks, self._stats)
+            self._worker = ConnectorWorker(store, self.store_config, layers, kv_cache_config.num_blocks, self._stats,
+                                           async_saves=self.settings.async_saves)
         else:
             self._scheduler = ConnectorScheduler(self._open_scheduler_store(), self.store_config.block_size,
-                                                 self._stats)
+                                                 self._stats, async_saves=self.settings.async_saves)
         logger.info("kvstrata connector (%s) over %s", role.name, self.store_config.disk_path)
 
     def _open(self, config: StoreConfig) -> KVCacheStore:
@@ -139,6 +140,8 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Release the store (the last user in this process flushes and closes it)."""
+        if self._worker is not None:
+            self._worker.flush()  # queued saves land before the store closes
         if self._store_key is not None:
             self._stats.write()
             release_store(self._store_key)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import StepPlan, TransferPlanner
+from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
 
 if TYPE_CHECKING:
@@ -22,8 +23,10 @@ logger = logging.getLogger(__name__)
 class ConnectorScheduler:
     """Decides, for each request and step, what the worker copies; holds no KV."""
 
-    def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats) -> None:
+    def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
+                 async_saves: bool = True) -> None:
         self.store = store
+        self.async_saves = async_saves
         self.block_size = block_size
         self.stats = stats
         self.planner = TransferPlanner(block_size, self._lookup)
@@ -35,7 +38,14 @@ class ConnectorScheduler:
         self._prefetched: set[str] = set()
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
-        return self.store.lookup(token_ids, extra_keys=extra_keys)
+        hit = self.store.lookup(token_ids, extra_keys=extra_keys)
+        if self.async_saves and hit + self.block_size <= len(token_ids) and PENDING.any(self.store):
+            # The next block may be on its way to the store (saved by this process's worker,
+            # queued in the background): wait for that write, then look again.
+            nxt = self.store.block_hashes(token_ids[: hit + self.block_size], extra_keys)[-1]
+            if PENDING.wait_for(self.store, nxt):
+                hit = self.store.lookup(token_ids, extra_keys=extra_keys)
+        return hit
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds beyond vLLM's own `num_computed_tokens`, under the request's
@@ -86,12 +96,15 @@ class ConnectorScheduler:
 
         plan = self.planner.build(scheduled, block_ids_of)
         plan.finished, self._finished = self._finished, []
+        for kind, blocks in self.store.prefetched_blocks.items():  # by source tier, so far
+            self.stats.counters[f"prefetch_tokens_{kind.value}"] = blocks * self.block_size
         if plan.loads or plan.saves:
             self.stats.write()
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Saves are synchronous, so vLLM may free the blocks at once."""
+        """vLLM may free the request's blocks at once: every save copied its blocks out of vLLM
+        during the step that planned it (asynchronous saves only write those copies later)."""
         self.planner.forget(request.request_id)
         self._prefetched.discard(request.request_id)
         self._finished.append(request.request_id)

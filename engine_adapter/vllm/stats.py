@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 
 class ConnectorStats:
-    """Named counters of one connector role; `write()` puts them in `<path>/<role>-<pid>.json`."""
+    """Named counters of one connector role; `write()` puts them in `<path>/<role>-<pid>.json`.
+    Thread-safe (the background save thread counts and writes too)."""
 
     def __init__(self, role: str, path: str | None) -> None:
         self.role, self.path = role, path
         self.counters: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def count(self, name: str, n: int) -> None:
-        self.counters[name] = self.counters.get(name, 0) + n
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0) + n
 
     def write(self) -> None:
         if self.path is None:
             return
-        os.makedirs(self.path, exist_ok=True)
-        target = os.path.join(self.path, f"{self.role}-{os.getpid()}.json")
-        tmp = target + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.counters, f, sort_keys=True)
-        os.replace(tmp, target)
+        with self._lock:
+            os.makedirs(self.path, exist_ok=True)
+            target = os.path.join(self.path, f"{self.role}-{os.getpid()}.json")
+            tmp = f"{target}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.counters, f, sort_keys=True)
+            os.replace(tmp, target)

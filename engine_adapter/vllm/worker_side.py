@@ -1,10 +1,20 @@
 """The connector's worker role: whole-block byte copies between vLLM's paged KV and the store,
-synchronous, as the scheduler's plan says. Each request's block keys are hashed once and
-extended as its blocks complete (one `BlockChain` per request)."""
+as the scheduler's plan says. Each request's block keys are hashed once and extended as its
+blocks complete (one `BlockChain` per request and direction).
+
+Loads are synchronous (before the forward pass). Saves, with `async_saves` (the default),
+leave the forward path: the step copies the blocks out of vLLM's KV into a staging buffer of
+their own (so vLLM may reuse its blocks at once: `request_finished` never delays a free), and
+one background thread writes them to the tiers, in order. A lookup in this process that
+misses a block still queued waits for that write (`PENDING`), so a request repeated at once
+still hits.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -18,11 +28,53 @@ from kvstore.hashing import BlockChain
 logger = logging.getLogger(__name__)
 
 
+class PendingSaves:
+    """Blocks queued for writing in this process, by store: a lookup that misses a block still
+    on its way waits for it (read-your-writes), and only then."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._blocks: dict[int, dict[bytes, int]] = {}  # id(store) -> block hash -> saves queued
+
+    def add(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+        with self._cond:
+            held = self._blocks.setdefault(id(store), {})
+            for h in hashes:
+                held[h] = held.get(h, 0) + 1
+
+    def done(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+        with self._cond:
+            held = self._blocks.get(id(store), {})
+            for h in hashes:
+                left = held.get(h, 0) - 1
+                if left > 0:
+                    held[h] = left
+                else:
+                    held.pop(h, None)
+            self._cond.notify_all()
+
+    def any(self, store: KVCacheStore) -> bool:
+        """Whether any block is queued for `store` (cheap: no hashing needed otherwise)."""
+        return bool(self._blocks.get(id(store)))
+
+    def wait_for(self, store: KVCacheStore, block_hash: bytes, timeout_s: float = 5.0) -> bool:
+        """Wait until `block_hash` is no longer queued for `store`; True if it was queued."""
+        with self._cond:
+            held = self._blocks.get(id(store), {})
+            if block_hash not in held:
+                return False
+            self._cond.wait_for(lambda: block_hash not in held, timeout_s)
+            return True
+
+
+PENDING = PendingSaves()
+
+
 class ConnectorWorker:
     """Copies the blocks a step's plan names, in and out of vLLM's paged KV tensors."""
 
     def __init__(self, store: KVCacheStore, config: StoreConfig, layer_names: list[str], num_blocks: int,
-                 stats: ConnectorStats) -> None:
+                 stats: ConnectorStats, *, async_saves: bool = True) -> None:
         self.store = store
         self.config = config
         self.layer_names = layer_names
@@ -30,7 +82,11 @@ class ConnectorWorker:
         self.stats = stats
         self.paged: PagedKVBlocks | None = None
         self._load_errors: set[int] = set()
-        self._chains: dict[str, BlockChain] = {}
+        self._chains: dict[str, BlockChain] = {}  # loads (this thread)
+        # Saves: on the writer thread when asynchronous (with chains of their own).
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-save") if async_saves else None
+        self._save_chains: dict[str, BlockChain] = {}  # the writer thread's
+        self._submit_chains: dict[str, BlockChain] = {}  # this thread's, to name queued blocks
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember vLLM's paged KV tensors; check that their blocks match the store layout."""
@@ -50,10 +106,11 @@ class ConnectorWorker:
             raise RuntimeError("kvstrata: transfer before register_kv_caches (a bug)")
         return self.paged
 
-    def _chain(self, transfer: BlockTransfer) -> BlockChain:
-        chain = self._chains.get(transfer.req_id)
+    def _chain(self, transfer: BlockTransfer, chains: dict[str, BlockChain] | None = None) -> BlockChain:
+        chains = self._chains if chains is None else chains
+        chain = chains.get(transfer.req_id)
         if chain is None or chain.extra_keys != transfer.extra_keys:
-            chain = self._chains[transfer.req_id] = self.store.chain(transfer.extra_keys)
+            chain = chains[transfer.req_id] = self.store.chain(transfer.extra_keys)
         return chain
 
     def load(self, plan: StepPlan) -> None:
@@ -78,23 +135,56 @@ class ConnectorWorker:
         self.stats.write()
 
     def save(self, plan: StepPlan) -> None:
-        """Copy this step's newly completed full blocks out of vLLM into the store."""
+        """Copy this step's newly completed full blocks out of vLLM (now, in the step) and into
+        the store (in the background with `async_saves`, else now)."""
+        for req_id in plan.finished:
+            self._submit_chains.pop(req_id, None)
+            if self._writer is not None:
+                self._writer.submit(self._save_chains.pop, req_id, None)  # after the request's saves
+            else:
+                self._save_chains.pop(req_id, None)
         if not plan.saves:
             return
         paged = self._paged()
         for save in plan.saves:
-            staging = paged.staging(len(save.block_ids))
+            staging = paged.staging(len(save.block_ids))  # the job's own buffer
             paged.gather(save.block_ids, staging)
-            try:
-                written = self.store.store_blocks(save.token_ids, list(staging), first_block=save.first_block,
-                                                  extra_keys=save.extra_keys, chain=self._chain(save))
-            except DiskFullError as exc:  # a cache: a refused write is a later miss
-                logger.warning("kvstrata: save refused: %s", exc)
-                self.stats.count("save_refused_blocks", len(save.block_ids))
+            if self._writer is None:
+                self._write(save, staging)
                 continue
-            self.stats.count("save_blocks", len(save.block_ids))
-            self.stats.count("save_new_blocks", written)
-        self.stats.write()
+            hashes = self._chain(save, self._submit_chains).hashes_of(save.token_ids)[save.first_block:]
+            PENDING.add(self.store, hashes)
+            self._writer.submit(self._write_job, save, staging, hashes)
+        if self._writer is None:
+            self.stats.write()
+
+    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, hashes: list[bytes]) -> None:
+        try:
+            self._write(save, staging)
+        except Exception as exc:  # a background fault is a lost save (a later miss), never a hang
+            logger.warning("kvstrata: background save of %s failed: %s: %s", save.req_id, type(exc).__name__, exc)
+            self.stats.count("save_failed_blocks", len(save.block_ids))
+        finally:
+            PENDING.done(self.store, hashes)
+            self.stats.write()
+
+    def _write(self, save: BlockTransfer, staging: torch.Tensor) -> None:
+        chains = self._save_chains if self._writer is not None else None
+        try:
+            written = self.store.store_blocks(save.token_ids, list(staging), first_block=save.first_block,
+                                              extra_keys=save.extra_keys, chain=self._chain(save, chains))
+        except DiskFullError as exc:  # a cache: a refused write is a later miss
+            logger.warning("kvstrata: save refused: %s", exc)
+            self.stats.count("save_refused_blocks", len(save.block_ids))
+            return
+        self.stats.count("save_blocks", len(save.block_ids))
+        self.stats.count("save_new_blocks", written)
+
+    def flush(self) -> None:
+        """Wait until every queued save is written (shutdown)."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
