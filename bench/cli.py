@@ -29,6 +29,7 @@ BENCHMARKS = {
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
     "load-policy": "bench.load_policy",
+    "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
 }
 COMMANDS = {
     "demo": "bench.demo",
@@ -62,6 +63,7 @@ _BENCH_SUMMARIES = {
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",
     "load-policy": "Load or recompute: TTFT under load_policy auto/always/never, slow disk.",
+    "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
 }
 
 

@@ -256,8 +256,8 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
             spec = {"model": model, "kv_events": f"tcp://*:{vllm_events}",  # vLLM binds only a wildcard address
                     "connector": _connector(tmp_path / tag / name, events_endpoint=f"tcp://127.0.0.1:{events}",
                                             instance_id=name, **extra)}
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("vllm_engine.py")),
-                                     json.dumps(spec)], cwd=root, env=env, stdin=subprocess.PIPE,
+            proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_engine", json.dumps(spec)], cwd=root,
+                                    env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             engines[name] = (proc, events, vllm_events)
         for name in engines:
