@@ -83,6 +83,9 @@ class Settings:
         instance_id: this engine's name in its KV events (default `HOST:PID`).
         async_saves: write saved blocks to the tiers on a background thread (the step only
             copies them out of vLLM into buffers of their own).
+        async_loads: a hit that reads disk or a remote tier is loaded in the background while
+            the request waits outside vLLM's steps (other requests keep running); hits held
+            in memory are loaded in the step.
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
 
@@ -109,6 +112,7 @@ class Settings:
     events_endpoint: str | None = None
     instance_id: str | None = None
     async_saves: bool = True
+    async_loads: bool = True
     metrics_port: int | None = None
     remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
     results: str = field(default="results", metadata=_ENV)
@@ -123,7 +127,8 @@ class Settings:
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "require_redis", "require_vllm"):
+        for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "async_loads", "require_redis",
+                     "require_vllm"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         for name in ("disk_path", "stats_path"):
             value = getattr(self, name)

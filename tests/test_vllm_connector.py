@@ -106,6 +106,7 @@ def test_new_process_reads_prefix_from_lmdb(model: str, tmp_path: Path) -> None:
     assert reader["rounds"][0][0]["num_cached_tokens"] == hit
     assert reader["rounds"][0][0]["output"] == writer["rounds"][0][0]["output"]
     stats = reader["stats"]
+    assert _sum(stats, "async_load_requests") == 1  # a disk hit: loaded in the background
     assert _sum(stats, "load_tokens_cpu") + _sum(stats, "load_tokens_disk") == hit
     # every hit came from disk: loaded from it directly, or prefetched into the CPU tier first
     assert _sum(stats, "load_tokens_disk") + _sum(stats, "prefetch_tokens_disk") >= hit
@@ -364,3 +365,54 @@ def test_async_saves_land_even_when_vllm_reuses_the_blocks_at_once(model: str, t
     assert [r["output"] for r in runs[True]["rounds"][0]] == [r["output"] for r in runs[False]["rounds"][0]]
     assert _sum(runs[True]["stats"], "save_new_blocks") == _sum(runs[False]["stats"], "save_new_blocks") > 0
     assert _sum(runs[True]["stats"], "load_error_blocks") == 0
+
+
+def test_background_disk_loads_beside_other_requests(model: str, tmp_path: Path) -> None:
+    """A batch where one request's prefix is on disk (loaded in the background while vLLM keeps
+    it waiting) and the others are new: the same outputs and hits as with loads in the step."""
+    doc, others = _prompt(31, 1024), [_prompt(32 + i, 700) for i in range(3)]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               TOKENIZERS_PARALLELISM="false")
+    root = Path(__file__).resolve().parent.parent
+
+    def serve(connector: dict, requests: list[dict]) -> list[dict]:
+        spec = {"model": model, "connector": connector, "max_model_len": 1280}
+        proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_engine", json.dumps(spec)], cwd=root, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+        def reply() -> dict:
+            while True:
+                line = proc.stdout.readline()
+                assert line, f"engine exited ({proc.poll()})"
+                if line.startswith("@@"):
+                    return json.loads(line[2:])
+
+        assert reply() == {"ready": True}
+        answers = []
+        for request in requests:
+            proc.stdin.write(json.dumps(request) + "\n")
+            proc.stdin.flush()
+            answers.append(reply())
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        proc.wait(timeout=120)
+        return answers
+
+    batch = {"op": "generate", "prompts": [doc, *others], "max_tokens": 8}
+    results = {}
+    for mode in (True, False):
+        connector = _connector(tmp_path / str(mode), async_loads=mode)
+        serve(connector, [{"op": "generate", "prompts": [doc], "max_tokens": 8}])  # a first engine writes it
+        results[mode] = serve(connector, [batch])[0]  # a new engine: `doc` is on disk only
+        stats = {}
+        for path in sorted((tmp_path / str(mode) / "stats").glob("*.json")):
+            stats[path.name] = json.loads(path.read_text())
+        results[mode]["stats"] = stats
+    hit = 1024 - BLOCK
+    for mode, result in results.items():
+        assert result["num_cached_tokens"][0] == hit, mode
+        assert result["num_cached_tokens"][1:] == [0, 0, 0], mode
+    assert results[True]["outputs"] == results[False]["outputs"]
+    assert _sum(results[True]["stats"], "async_load_requests") == 1
+    assert _sum(results[False]["stats"], "async_load_requests") == 0
+    assert _sum(results[True]["stats"], "load_error_blocks") == 0

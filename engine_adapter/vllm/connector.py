@@ -78,7 +78,8 @@ class TierKVConnector(KVConnectorBase_V1):
                                            async_saves=self.settings.async_saves)
         else:
             self._scheduler = ConnectorScheduler(self._open_scheduler_store(), self.store_config.block_size,
-                                                 self._stats, async_saves=self.settings.async_saves)
+                                                 self._stats, async_saves=self.settings.async_saves,
+                                                 async_loads=self.settings.async_loads)
         logger.info("kvstrata connector (%s) over %s", role.name, self.store_config.disk_path)
 
     def _open(self, config: StoreConfig) -> KVCacheStore:
@@ -138,6 +139,10 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose delayed free may happen now, requests whose background load ended)."""
+        return self.worker.get_finished(finished_req_ids)
+
     def shutdown(self) -> None:
         """Release the store (the last user in this process flushes and closes it)."""
         if self._worker is not None:
@@ -152,7 +157,8 @@ class TierKVConnector(KVConnectorBase_V1):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+        ids = blocks.get_block_ids() if blocks is not None else ()
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, list(ids[0]) if ids else [])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return TierConnectorMetadata(self.scheduler.build_plan(scheduler_output))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
-from engine_adapter.vllm.transfer_plan import StepPlan, TransferPlanner
+from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
 
@@ -24,9 +24,14 @@ class ConnectorScheduler:
     """Decides, for each request and step, what the worker copies; holds no KV."""
 
     def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
-                 async_saves: bool = True) -> None:
+                 async_saves: bool = True, async_loads: bool = True) -> None:
         self.store = store
         self.async_saves = async_saves
+        self.async_loads = async_loads
+        self._async_wanted: set[str] = set()  # told vLLM "asynchronous" for these lookups
+        self._async_loads: list[BlockTransfer] = []  # to send with the next plan
+        self._loading: set[str] = set()  # their loads were sent; not yet known finished
+        self._delayed: list[str] = []  # finished while loading: freed once the worker says so
         self.block_size = block_size
         self.stats = stats
         self.planner = TransferPlanner(block_size, self._lookup)
@@ -59,17 +64,39 @@ class ConnectorScheduler:
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
         may_load = not (skip() if callable(skip) else False)
-        if self._prefetch and keys.cacheable and may_load and request.request_id not in self._prefetched:
-            self._prefetched.add(request.request_id)
-            self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys)  # runs in the background
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load,
         )
-        return n, False
+        slow = n > 0 and self.async_loads and self._from_slow_tier(
+            request.all_token_ids, num_computed_tokens, num_computed_tokens + n, keys.extra_keys)
+        if slow:
+            self._async_wanted.add(request.request_id)
+        else:
+            self._async_wanted.discard(request.request_id)
+            if self._prefetch and keys.cacheable and may_load and request.request_id not in self._prefetched:
+                self._prefetched.add(request.request_id)
+                self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys)  # in the background
+        return n, slow
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def _from_slow_tier(self, token_ids: Sequence[int], start: int, end: int, extra_keys: ExtraKeys | None) -> bool:
+        """Whether any block of tokens [start, end) would be read from disk or a remote tier."""
+        hashes = self.store.block_hashes(token_ids[:end], extra_keys)
+        with self.store.lock:
+            plan = self.store.stack.locate(hashes)
+        tiers = self.store.tiers
+        return any(tiers[i].kind.value in ("disk", "remote") for i in plan[start // self.block_size :])
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int,
+                                 block_ids: Sequence[int] = ()) -> None:
         self.planner.on_alloc(request.request_id, request.all_token_ids, num_external_tokens)
+        if request.request_id in self._async_wanted:
+            self._async_wanted.discard(request.request_id)
+            load = self.planner.take_load(request.request_id, block_ids) if num_external_tokens else None
+            if load is not None:  # vLLM waits for it (WAITING_FOR_REMOTE_KVS) until get_finished says so
+                self._async_loads.append(load)
+                self._loading.add(request.request_id)
+                self.stats.count("async_load_requests", 1)
         if num_external_tokens:
             self.stats.count("hit_tokens", num_external_tokens)
             self.stats.count("hit_requests", 1)
@@ -96,6 +123,10 @@ class ConnectorScheduler:
 
         plan = self.planner.build(scheduled, block_ids_of)
         plan.finished, self._finished = self._finished, []
+        plan.async_loads, self._async_loads = self._async_loads, []
+        plan.delayed_frees, self._delayed = self._delayed, []
+        for new in scheduler_output.scheduled_new_reqs:  # scheduled: its background load is done
+            self._loading.discard(new.req_id)
         for kind, blocks in self.store.prefetched_blocks.items():  # by source tier, so far
             self.stats.counters[f"prefetch_tokens_{kind.value}"] = blocks * self.block_size
         if plan.loads or plan.saves:
@@ -103,9 +134,18 @@ class ConnectorScheduler:
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM may free the request's blocks at once: every save copied its blocks out of vLLM
-        during the step that planned it (asynchronous saves only write those copies later)."""
+        """vLLM may free the request's blocks at once (every save copied its blocks out of vLLM
+        during the step that planned it), unless a background load may still be writing into
+        them: then True, and the worker reports the request when that load has ended."""
         self.planner.forget(request.request_id)
         self._prefetched.discard(request.request_id)
+        self._async_wanted.discard(request.request_id)
         self._finished.append(request.request_id)
+        if request.request_id in self._loading:
+            # Finished (aborted) while its background load may still write into its blocks:
+            # the worker reports it (finished_sending) once that load has ended.
+            self._loading.discard(request.request_id)
+            self._delayed.append(request.request_id)
+            return True, None
+        self._loading.discard(request.request_id)
         return False, None

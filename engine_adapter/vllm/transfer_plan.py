@@ -37,6 +37,11 @@ class StepPlan:
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)  # requests whose per-request state can go
+    # Loads the worker runs in the background (the request waits for them outside the steps).
+    async_loads: list[BlockTransfer] = field(default_factory=list)
+    # Finished requests whose blocks vLLM frees only once the worker reports them (their
+    # background load may still be writing into those blocks).
+    delayed_frees: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +102,18 @@ class TransferPlanner:
                 )
             load = (num_computed // b, end // b)
         self._requests[req_id] = _Request(token_ids, hit // b, load, extra_keys, cacheable)
+
+    def take_load(self, req_id: str, block_ids: Sequence[int]) -> BlockTransfer | None:
+        """The load `on_alloc` recorded for `req_id`, into `block_ids` (the request's engine
+        blocks), to run now instead of with the request's first scheduled step; None if it
+        has none."""
+        state = self._requests.get(req_id)
+        if state is None or state.load is None:
+            return None
+        first, end = state.load
+        state.load = None
+        tokens = np.asarray(state.token_ids[: end * self.block_size], dtype=np.uint32)
+        return BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end]), state.extra_keys)
 
     def forget(self, req_id: str) -> None:
         """Stop tracking a request (finished or preempted); unknown ids are ignored."""

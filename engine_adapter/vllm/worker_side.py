@@ -2,7 +2,12 @@
 as the scheduler's plan says. Each request's block keys are hashed once and extended as its
 blocks complete (one `BlockChain` per request and direction).
 
-Loads are synchronous (before the forward pass). Saves, with `async_saves` (the default),
+Loads of hits held in memory are synchronous (before the forward pass). With `async_loads`
+(the default) a hit that reads disk or a remote tier is loaded by a background thread while
+vLLM keeps the request waiting outside its steps (`WAITING_FOR_REMOTE_KVS`); `get_finished`
+reports the load's end, blocks it could not load go to `get_block_ids_with_load_errors`
+before that (vLLM recomputes them). A request aborted meanwhile keeps its blocks until its
+load has ended. Saves, with `async_saves` (the default),
 leave the forward path: the step copies the blocks out of vLLM's KV into a staging buffer of
 their own (so vLLM may reuse its blocks at once: `request_finished` never delays a free), and
 one background thread writes them to the tiers, in order. A lookup in this process that
@@ -85,6 +90,13 @@ class ConnectorWorker:
         self._chains: dict[str, BlockChain] = {}  # loads (this thread)
         # Saves: on the writer thread when asynchronous (with chains of their own).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-save") if async_saves else None
+        # Background loads: one thread; vLLM learns of each through get_finished.
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-load")
+        self._load_lock = threading.Lock()
+        self._loads_running: set[str] = set()
+        self._loads_done: set[str] = set()  # to report as finished_recving
+        self._delayed: set[str] = set()  # frees vLLM waits for: reported once their load ended
+        self._told_finished: set[str] = set()  # requests vLLM said finished (get_finished)
         self._save_chains: dict[str, BlockChain] = {}  # the writer thread's
         self._submit_chains: dict[str, BlockChain] = {}  # this thread's, to name queued blocks
 
@@ -114,25 +126,61 @@ class ConnectorWorker:
         return chain
 
     def load(self, plan: StepPlan) -> None:
-        """Copy this step's store hits into vLLM's blocks (before the forward pass)."""
+        """Copy this step's store hits into vLLM's blocks (before the forward pass), and start
+        the plan's background loads."""
         for req_id in plan.finished:
             self._chains.pop(req_id, None)
+        with self._load_lock:
+            self._delayed.update(plan.delayed_frees)
+            for load in plan.async_loads:
+                self._loads_running.add(load.req_id)
+        for load in plan.async_loads:
+            self._loader.submit(self._load_job, load)
         if not plan.loads:
             return
+        for load in plan.loads:
+            self._load_one(load, self._chain(load))
+        self.stats.write()
+
+    def _load_one(self, load: BlockTransfer, chain: BlockChain | None) -> None:
         paged = self._paged()
         bs = self.config.block_size
-        for load in plan.loads:
-            n = len(load.block_ids)
-            staging = paged.staging(n)
-            result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block,
-                                              extra_keys=load.extra_keys, chain=self._chain(load))
-            paged.scatter(staging, load.block_ids[: result.num_blocks])
-            for tier, count in result.blocks_per_tier.items():
-                self.stats.count(f"load_tokens_{tier.value}", count * bs)
-            if result.num_blocks < n:  # evicted since the lookup: vLLM recomputes these
+        n = len(load.block_ids)
+        staging = paged.staging(n)
+        result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block,
+                                          extra_keys=load.extra_keys, chain=chain)
+        paged.scatter(staging, load.block_ids[: result.num_blocks])
+        for tier, count in result.blocks_per_tier.items():
+            self.stats.count(f"load_tokens_{tier.value}", count * bs)
+        if result.num_blocks < n:  # evicted since the lookup: vLLM recomputes these
+            with self._load_lock:
                 self._load_errors.update(load.block_ids[result.num_blocks :])
-                self.stats.count("load_error_blocks", n - result.num_blocks)
-        self.stats.write()
+            self.stats.count("load_error_blocks", n - result.num_blocks)
+
+    def _load_job(self, load: BlockTransfer) -> None:
+        try:
+            self._load_one(load, None)
+        except Exception as exc:  # a fault is blocks to recompute, never a hang
+            logger.warning("kvstrata: background load of %s failed: %s: %s", load.req_id, type(exc).__name__, exc)
+            with self._load_lock:
+                self._load_errors.update(load.block_ids)
+            self.stats.count("load_error_blocks", len(load.block_ids))
+        finally:
+            with self._load_lock:
+                self._loads_running.discard(load.req_id)
+                self._loads_done.add(load.req_id)
+            self.stats.write()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(delayed frees that may happen now, background loads that ended). A delayed free
+        is reported once vLLM has named the request finished and its load has ended."""
+        with self._load_lock:
+            self._told_finished |= finished_req_ids & self._delayed
+            sending = {r for r in self._told_finished if r not in self._loads_running}
+            self._told_finished -= sending
+            self._delayed -= sending
+            recving, self._loads_done = self._loads_done, set()
+        return sending or None, recving or None
 
     def save(self, plan: StepPlan) -> None:
         """Copy this step's newly completed full blocks out of vLLM (now, in the step) and into
@@ -181,11 +229,14 @@ class ConnectorWorker:
         self.stats.count("save_new_blocks", written)
 
     def flush(self) -> None:
-        """Wait until every queued save is written (shutdown)."""
+        """Wait until every background load has ended and every queued save is written
+        (shutdown)."""
+        self._loader.shutdown(wait=True)
         if self._writer is not None:
             self._writer.shutdown(wait=True)
             self._writer = None
 
     def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._load_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
