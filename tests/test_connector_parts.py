@@ -276,3 +276,47 @@ def test_kvstrata_refuses_an_unknown_variable_in_one_line(monkeypatch: pytest.Mo
     assert cli.main(["bench", "hashing", "--tokens", "64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "KVSTRATA_RESULT" in err[0] and "KVSTRATA_RESULTS" in err[0]
+
+
+def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: Path) -> None:
+    """The worker's side of asynchronous loads, over a real store and real paged tensors: a
+    background load fills exactly the named vLLM blocks and is reported as received; a request
+    finished while its load runs is reported for freeing only once that load has ended."""
+    import threading
+
+    from engine_adapter.vllm.stats import ConnectorStats
+    from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
+    from engine_adapter.vllm.worker_side import ConnectorWorker
+
+    layout = opaque_layout(1, 64, 4)
+    config = StoreConfig(layout=layout, block_size=4, cpu_bytes=1 << 20)
+    store = KVCacheStore(config)
+    tokens = np.arange(10, 26, dtype=np.uint32)  # 4 blocks
+    blocks = [torch.full(layout.block_shape(4), i + 1, dtype=torch.uint8) for i in range(4)]
+    store.store_blocks(tokens, blocks)
+    layer = torch.zeros(8, 64, dtype=torch.uint8)  # 8 engine blocks of 64 bytes, one layer
+    worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))
+    worker.register_kv_caches({"l0": layer})
+    gate = threading.Event()
+    original = store.retrieve_into
+
+    def slow_retrieve_into(*args: object, **kwargs: object) -> object:
+        gate.wait(10)  # the load is "on its way" until the test opens the gate
+        return original(*args, **kwargs)
+
+    store.retrieve_into = slow_retrieve_into  # type: ignore[method-assign]
+    load = BlockTransfer("r", tokens, 0, (5, 6, 7, 2))
+    worker.load(StepPlan(async_loads=[load]))
+    worker.load(StepPlan(delayed_frees=["r"]))  # vLLM aborted it meanwhile
+    assert worker.get_finished({"r"}) == (None, None)  # still loading: nothing to report
+    gate.set()
+    worker._loader.submit(lambda: None).result(timeout=10)  # the load job has ended
+    sending, recving = worker.get_finished(set())
+    assert recving == {"r"} and sending == {"r"}  # named finished earlier, load now over
+    for engine_block, value in zip((5, 6, 7, 2), (1, 2, 3, 4)):
+        assert (layer[engine_block] == value).all()
+    assert (layer[[0, 1, 3, 4]] == 0).all()  # nothing else was written
+    assert worker.get_finished(set()) == (None, None)  # each reported once
+    assert worker.take_load_errors() == set()
+    worker.flush()
+    store.close()
