@@ -86,6 +86,8 @@ class Settings:
         async_loads: a hit that reads disk or a remote tier is loaded in the background while
             the request waits outside vLLM's steps (other requests keep running); hits held
             in memory are loaded in the step.
+        load_policy: "auto" (load a hit only where that beats recomputing it at the measured
+            rates; the worker reports vLLM's prefill rate), "always" or "never".
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
 
@@ -113,6 +115,7 @@ class Settings:
     instance_id: str | None = None
     async_saves: bool = True
     async_loads: bool = True
+    load_policy: str = "auto"
     metrics_port: int | None = None
     remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
     results: str = field(default="results", metadata=_ENV)
@@ -146,6 +149,9 @@ class Settings:
         if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
             raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))
+        from kvstore.load_policy import check_mode
+
+        check_mode(self.load_policy)
         try:
             set_(self, "rel_scale", float(self.rel_scale))
         except (TypeError, ValueError):

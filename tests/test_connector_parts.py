@@ -320,3 +320,38 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
     assert worker.take_load_errors() == set()
     worker.flush()
     store.close()
+
+
+def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill(tmp_path: Path) -> None:
+    """The scheduler keeps only the leading hit blocks worth loading; the worker times each
+    step's forward pass against its prefill tokens for the policy."""
+    import time
+
+    from engine_adapter.vllm.scheduler_side import ConnectorScheduler
+    from engine_adapter.vllm.stats import ConnectorStats
+    from engine_adapter.vllm.transfer_plan import StepPlan
+    from engine_adapter.vllm.worker_side import ConnectorWorker
+    from tiers.base import TierKind
+
+    layout = opaque_layout(1, 64, 4)
+    config = StoreConfig(layout=layout, block_size=4, cpu_bytes=4 * layout.block_bytes(4),
+                         disk_path=str(tmp_path / "d"), disk_bytes=1 << 20, disk_sync=False)
+    store = KVCacheStore(config)
+    tokens = list(range(10, 42))  # 8 blocks into 4 CPU slots: the prefix stays, the tail goes to disk
+    store.store_blocks(tokens, [torch.zeros(layout.block_shape(4), dtype=torch.uint8)] * 8)
+    plan = store.stack.locate(store.block_hashes(tokens))
+    assert [store.tiers[i].kind for i in plan] == [TierKind.CPU] * 4 + [TierKind.DISK] * 4
+    scheduler = ConnectorScheduler(store, 4, ConnectorStats("scheduler", None))
+    assert scheduler._lookup(tokens, None) == 32  # no prefill rate yet: load all
+    worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))
+    worker.register_kv_caches({"l0": torch.zeros(8, 64, dtype=torch.uint8)})
+    worker.load(StepPlan())
+    time.sleep(0.01)
+    worker.save(StepPlan(num_prefill_tokens=4000))  # 4000 tokens in >= 10 ms: measured
+    rate = store.load_policy.prefill_rate
+    assert rate is not None and rate < 4000 / 0.01
+    store.load_policy.observe_load(TierKind.CPU, 1 << 30, 1e-3)  # memory: fast
+    store.load_policy.observe_load(TierKind.DISK, 64, 10.0)  # a disk slower than recomputing
+    assert scheduler._lookup(tokens, None) == 16  # the CPU prefix only
+    worker.flush()
+    store.close()

@@ -43,6 +43,19 @@ class ConnectorScheduler:
         self._prefetched: set[str] = set()
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
+        hit = self._stored(token_ids, extra_keys)
+        if hit and self.store.load_policy.mode != "always":
+            # Load or recompute: keep the leading blocks whose loading beats recomputing them
+            # (the worker in this process reports the prefill rate; until then, all of them).
+            b = self.block_size
+            hashes = self.store.block_hashes(token_ids[:hit], extra_keys)
+            with self.store.lock:
+                plan = self.store.stack.locate(hashes)
+            kinds = [self.store.tiers[i].kind for i in plan]
+            hit = min(hit, self.store.load_policy.blocks_to_load(kinds) * b)
+        return hit
+
+    def _stored(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
         hit = self.store.lookup(token_ids, extra_keys=extra_keys)
         if self.async_saves and hit + self.block_size <= len(token_ids) and PENDING.any(self.store):
             # The next block may be on its way to the store (saved by this process's worker,
@@ -53,9 +66,10 @@ class ConnectorScheduler:
         return hit
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens kvstrata holds beyond vLLM's own `num_computed_tokens`, under the request's
-        extra keys (salt, LoRA, multimodal inputs); loaded synchronously. A request that
-        cannot be keyed safely is a miss and is never saved."""
+        """Tokens kvstrata holds (and the load policy says to load) beyond vLLM's own
+        `num_computed_tokens`, under the request's extra keys (salt, LoRA, multimodal inputs),
+        and whether they load in the background (a disk or remote hit, with `async_loads`). A
+        request that cannot be keyed safely is a miss and is never saved."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
         keys = request_keys(request, self.block_size, generate_block_hash_extra_keys)
@@ -122,6 +136,7 @@ class ConnectorScheduler:
             return list(ids[0]) if ids else []
 
         plan = self.planner.build(scheduled, block_ids_of)
+        plan.num_prefill_tokens = sum(n for _, _, n in scheduled if n > 1)
         plan.finished, self._finished = self._finished, []
         plan.async_loads, self._async_loads = self._async_loads, []
         plan.delayed_frees, self._delayed = self._delayed, []

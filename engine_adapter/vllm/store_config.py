@@ -85,6 +85,7 @@ def store_config_for(
         write_through=settings.write_through and settings.disk_path is not None,
         remote_url=settings.remote_url,
         events_endpoint=settings.events_endpoint,
+        load_policy=settings.load_policy,
         instance_id=settings.instance_id,
         model_name=str(vllm_config.model_config.served_model_name)[:256] or None,
     )

@@ -42,6 +42,9 @@ class StepPlan:
     # Finished requests whose blocks vLLM frees only once the worker reports them (their
     # background load may still be writing into those blocks).
     delayed_frees: list[str] = field(default_factory=list)
+    # Tokens this step prefills (chunks of more than one token): the worker times the forward
+    # pass against them, for the load policy's prefill rate.
+    num_prefill_tokens: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -97,6 +98,7 @@ class ConnectorWorker:
         self._loads_done: set[str] = set()  # to report as finished_recving
         self._delayed: set[str] = set()  # frees vLLM waits for: reported once their load ended
         self._told_finished: set[str] = set()  # requests vLLM said finished (get_finished)
+        self._forward_start: float | None = None  # set after the step's loads
         self._save_chains: dict[str, BlockChain] = {}  # the writer thread's
         self._submit_chains: dict[str, BlockChain] = {}  # this thread's, to name queued blocks
 
@@ -136,11 +138,11 @@ class ConnectorWorker:
                 self._loads_running.add(load.req_id)
         for load in plan.async_loads:
             self._loader.submit(self._load_job, load)
-        if not plan.loads:
-            return
         for load in plan.loads:
             self._load_one(load, self._chain(load))
-        self.stats.write()
+        if plan.loads:
+            self.stats.write()
+        self._forward_start = time.perf_counter()  # the forward pass starts now
 
     def _load_one(self, load: BlockTransfer, chain: BlockChain | None) -> None:
         paged = self._paged()
@@ -185,6 +187,10 @@ class ConnectorWorker:
     def save(self, plan: StepPlan) -> None:
         """Copy this step's newly completed full blocks out of vLLM (now, in the step) and into
         the store (in the background with `async_saves`, else now)."""
+        if self._forward_start is not None and plan.num_prefill_tokens >= self.config.block_size:
+            # The load policy's prefill rate: this step's forward pass against its prefill tokens.
+            self.store.load_policy.observe_prefill(plan.num_prefill_tokens, time.perf_counter() - self._forward_start)
+        self._forward_start = None
         for req_id in plan.finished:
             self._submit_chains.pop(req_id, None)
             if self._writer is not None:
