@@ -26,26 +26,10 @@ import numpy as np
 
 from bench.args import CONTEXT, invoke
 from bench.common import print_table, write_results
+from bench.ports import free_port_pair
 from bench.progress import tqdm
 
 BLOCK_SIZE = 16
-
-
-def _free_port_pair() -> int:
-    import socket
-
-    for _ in range(200):
-        port = int(np.random.default_rng().integers(20000, 54000)) & ~1
-        ok = True
-        for p in (port, port + 1):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return port
-    raise OSError("no free pair of loopback ports")
 
 
 def _engine(conn: Connection, name: str, port: int, disk: str, doc_tokens: int) -> None:
@@ -81,7 +65,7 @@ class Fleet:
     def __init__(self, n: int, root: Path, doc_tokens: int) -> None:
         ctx = mp.get_context("spawn")
         self.names = [f"engine-{i}" for i in range(n)]
-        self.ports = [_free_port_pair() for _ in range(n)]
+        self.ports = [free_port_pair() for _ in range(n)]
         self.conns: list[Connection] = []
         self.procs = []
         for name, port in zip(self.names, self.ports):

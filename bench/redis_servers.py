@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from bench.ports import free_port
 from kvstore.settings import Settings
 
 
@@ -26,17 +27,6 @@ def redis_binary() -> str:
             raise AssertionError("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
         pytest.skip("no redis-server or valkey-server installed")
     return path
-
-
-def free_port() -> int:
-    """A free loopback port below 55000 (a cluster node also needs port + 10000)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 55000:
-            return port
-    raise RuntimeError("no free port below 55000")
 
 
 def _ping(port: int) -> bool:

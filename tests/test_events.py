@@ -10,12 +10,12 @@ import msgpack
 import pytest
 import zmq
 
+from bench.ports import free_port_pair
 from kvstore import KVCacheStore, StoreConfig
 from kvstore import events as events_mod
 from kvstore.errors import ConfigError
 from kvstore.events import EventSource, snapshot_endpoint, split_hashes
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tests.netutil import free_port_pair
 
 
 class Subscriber:

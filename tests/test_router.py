@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from bench.ports import free_port_pair
 from tests.conftest import BLOCK
-from tests.netutil import free_port_pair
 
 ROOT = Path(__file__).resolve().parent.parent
 

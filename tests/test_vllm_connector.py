@@ -241,7 +241,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
     import time
     import urllib.request
 
-    from tests.netutil import free_port_pair
+    from bench.ports import free_port_pair
 
     docs = [_prompt(100 + d, 8 * BLOCK) for d in range(3)]
     prompts = [doc + _prompt(200 + 10 * d + q, BLOCK // 2) for d, doc in enumerate(docs) for q in range(3)]
