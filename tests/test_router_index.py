@@ -140,7 +140,7 @@ def test_scoring_weighs_tiers_and_load_and_breaks_ties_round_robin() -> None:
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"token_ids": [1, 2.0]}, "integers"), ({"token_ids": None}, "list"),
+    ({"token_ids": [1, 2.0]}, "integers"), ({"token_ids": [1, None]}, "integers"), ({"token_ids": None}, "list"),
     ({"token_ids": [], "lora_id": [1]}, "lora_id"),
     ({"token_ids": [], "model": 3}, "model"), ({"token_ids": [], "x": 1}, "unknown fields"), ([], "JSON object"),
 ])

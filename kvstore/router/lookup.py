@@ -82,9 +82,9 @@ def parse_query(body: object) -> LookupQuery:
         raise BadRequest(f"token_ids must be a list of integers, got {type(tokens).__name__}")
     if len(tokens) > MAX_TOKENS:
         raise BadRequest(f"token_ids has {len(tokens)} tokens, more than {MAX_TOKENS}")
-    bad = next((t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32), None)
-    if bad is not None or (tokens and any(isinstance(t, bool) for t in tokens)):
-        raise BadRequest(f"token_ids must be integers in [0, 2**32), got {bad!r}")
+    bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32][:1]
+    if bad:
+        raise BadRequest(f"token_ids must be integers in [0, 2**32), got {bad[0]!r}")
     for name in ("cache_salt", "model"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise BadRequest(f"{name} must be a string, got {body[name]!r}")
