@@ -321,12 +321,18 @@ class KVCacheStore:
 
         A record found damaged by a later `retrieve` can make that call return less.
         """
+        return len(self.locate(tokens, extra_keys=extra_keys)) * self.config.block_size
+
+    def locate(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> list[TierKind]:
+        """The tier that would serve each block of the longest cached prefix (what `lookup`
+        measures, with where from); changes nothing."""
         self.check_open()
         _, hashes = self._hash(tokens, extra_keys)
         with self._lock:
             self.check_open()
             self._num_lookup_calls += 1
-            return len(self._stack.locate(hashes)) * self.config.block_size
+            tiers = self._stack.tiers
+            return [tiers[i].kind for i in self._stack.locate(hashes)]
 
     # -- housekeeping ----------------------------------------------------------------------
     def stats(self) -> StoreStats:

@@ -12,6 +12,7 @@ from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
+from tiers.base import TierKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,29 +42,25 @@ class ConnectorScheduler:
         self._prefetch = any(t.kind.value == "cpu" for t in store.tiers) and any(
             t.kind.value in ("disk", "remote") for t in store.tiers)
         self._prefetched: set[str] = set()
+        self._kinds: list[TierKind] = []  # the tier of each block of the last lookup
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
-        hit = self._stored(token_ids, extra_keys)
-        if hit and self.store.load_policy.mode != "always":
-            # Load or recompute: keep the leading blocks whose loading beats recomputing them
-            # (the worker in this process reports the prefill rate; until then, all of them).
-            b = self.block_size
-            hashes = self.store.block_hashes(token_ids[:hit], extra_keys)
-            with self.store.lock:
-                plan = self.store.stack.locate(hashes)
-            kinds = [self.store.tiers[i].kind for i in plan]
-            hit = min(hit, self.store.load_policy.blocks_to_load(kinds) * b)
-        return hit
+        """The planner's lookup: the cached prefix, cut by the load policy to the leading
+        blocks worth loading (the worker in this process reports the prefill rate; until
+        then, all of them). Keeps each block's tier for `get_num_new_matched_tokens`."""
+        self._kinds = self._located(token_ids, extra_keys)
+        return self.store.load_policy.blocks_to_load(self._kinds) * self.block_size
 
-    def _stored(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
-        hit = self.store.lookup(token_ids, extra_keys=extra_keys)
+    def _located(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> list[TierKind]:
+        kinds = self.store.locate(token_ids, extra_keys=extra_keys)
+        hit = len(kinds) * self.block_size
         if self.async_saves and hit + self.block_size <= len(token_ids) and PENDING.any(self.store):
             # The next block may be on its way to the store (saved by this process's worker,
             # queued in the background): wait for that write, then look again.
             nxt = self.store.block_hashes(token_ids[: hit + self.block_size], extra_keys)[-1]
             if PENDING.wait_for(self.store, nxt):
-                hit = self.store.lookup(token_ids, extra_keys=extra_keys)
-        return hit
+                kinds = self.store.locate(token_ids, extra_keys=extra_keys)
+        return kinds
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds (and the load policy says to load) beyond vLLM's own
@@ -78,12 +75,14 @@ class ConnectorScheduler:
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
         may_load = not (skip() if callable(skip) else False)
+        self._kinds = []
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load,
         )
-        slow = n > 0 and self.async_loads and self._from_slow_tier(
-            request.all_token_ids, num_computed_tokens, num_computed_tokens + n, keys.extra_keys)
+        # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
+        to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
+        slow = n > 0 and self.async_loads and any(k in (TierKind.DISK, TierKind.REMOTE) for k in to_load)
         if slow:
             self._async_wanted.add(request.request_id)
         else:
@@ -92,14 +91,6 @@ class ConnectorScheduler:
                 self._prefetched.add(request.request_id)
                 self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys)  # in the background
         return n, slow
-
-    def _from_slow_tier(self, token_ids: Sequence[int], start: int, end: int, extra_keys: ExtraKeys | None) -> bool:
-        """Whether any block of tokens [start, end) would be read from disk or a remote tier."""
-        hashes = self.store.block_hashes(token_ids[:end], extra_keys)
-        with self.store.lock:
-            plan = self.store.stack.locate(hashes)
-        tiers = self.store.tiers
-        return any(tiers[i].kind.value in ("disk", "remote") for i in plan[start // self.block_size :])
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int,
                                  block_ids: Sequence[int] = ()) -> None:
