@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
 
 
-def _prometheus() -> Any:
+def prometheus() -> Any:
+    """The prometheus_client module, or a `ConfigError` naming the extra that installs it."""
     try:
         import prometheus_client
     except ImportError:
@@ -93,7 +94,7 @@ def register_metrics(store: KVCacheStore, registry: Any = None) -> StoreCollecto
     """Export `store`'s metrics to `registry` (default: prometheus_client's REGISTRY) and time
     its store/retrieve/load calls into `kvstrata_latency_seconds{op=...}`. Raises
     `ConfigError` without prometheus_client."""
-    prom = _prometheus()
+    prom = prometheus()
     registry = prom.REGISTRY if registry is None else registry
     namespace = bytes(store.seed).hex()[:8]
     collector = StoreCollector(store, namespace)

@@ -74,7 +74,6 @@ class Router:
         self.fleet = FleetView(stale_after_s=config.stale_after_s)
         self.chooser = Chooser(self.fleet, config.scoring)
         self.num_lookups = self.num_bad_requests = 0
-        self.lookup_seconds: list[float] = []  # recent server times (bounded), for /instances
         self._latency_counts = [0] * (len(_LATENCY_BUCKETS) + 1)
         self._latency_sum = 0.0
         self._tasks: list[asyncio.Task[None]] = []
@@ -221,9 +220,9 @@ class Router:
 
     def metrics_text(self) -> str:
         """Prometheus text exposition of the router's metrics (docs/routing.md)."""
-        from kvstore.metrics import _prometheus
+        from kvstore.metrics import prometheus
 
-        prom = _prometheus()
+        prom = prometheus()
         if self._registry is None:
             self._registry = prom.CollectorRegistry()
             self._registry.register(_RouterCollector(self))
