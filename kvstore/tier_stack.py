@@ -47,10 +47,10 @@ class TierStack:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = tuple(tiers)
         self.write_through = write_through
-        # Tiers below the top that every put reaches at once: the disk with `write_through`,
-        # a remote tier always (other hosts read it).
+        # Tiers below the top that every put reaches at once: a shared tier always (other
+        # hosts read it), a persistent one with `write_through`.
         self._through = [t for t in self.tiers[1:]
-                         if t.kind is TierKind.REMOTE or (write_through and t.kind is TierKind.DISK)]
+                         if t.traits.shared or (write_through and t.traits.persistent)]
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             upper.below = _Below(lower)
         self.num_promotion_failures = 0
@@ -110,7 +110,7 @@ class TierStack:
             tier = self.tiers[plan[num_ok]]
             t0 = time.perf_counter()
             got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
-            if self.on_load is not None and tier.kind is not TierKind.POOL:
+            if self.on_load is not None and not tier.traits.engine_memory:
                 self.on_load(tier.kind, got, time.perf_counter() - t0)
             if got:
                 counts[tier.kind] = counts.get(tier.kind, 0) + got

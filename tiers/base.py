@@ -10,10 +10,9 @@ is useless once its parent is gone). `get_into` takes keys in prefix order.
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NewType, Protocol
+from typing import ClassVar, NamedTuple, NewType, Protocol
 
 import torch
 
@@ -21,13 +20,70 @@ BlockHash = NewType("BlockHash", bytes)
 """Opaque key of one block (to the store: a digest of the block with its whole prefix)."""
 
 
-class TierKind(str, enum.Enum):
-    """Which tier served a block; ordered from fastest to slowest."""
+class _KindMeta(type):
+    """Iterating `TierKind` yields the built-in kinds, fastest first."""
 
-    POOL = "pool"
-    CPU = "cpu"
-    DISK = "disk"
-    REMOTE = "remote"
+    def __iter__(cls) -> Iterator[TierKind]:
+        return iter(_BUILTIN_KINDS)
+
+
+class TierKind(str, metaclass=_KindMeta):
+    """A tier's name: which tier served a block, the label in stats, metrics and events.
+
+    An open set: a tier declares its own (`TierKind("name")`), so a new tier needs no edit
+    here. Instances are interned (`TierKind("cpu") is TierKind.CPU`). What a tier *does* is
+    never read from its kind: it is in its `traits`.
+    """
+
+    POOL: ClassVar[TierKind]
+    CPU: ClassVar[TierKind]
+    DISK: ClassVar[TierKind]
+    REMOTE: ClassVar[TierKind]
+    _interned: ClassVar[dict[str, TierKind]] = {}
+
+    def __new__(cls, name: str) -> TierKind:
+        known = cls._interned.get(name)
+        if known is not None:
+            return known
+        if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+            raise ValueError(f"a tier kind is a lower-case identifier, got {name!r}")
+        kind = cls._interned[name] = super().__new__(cls, name)
+        return kind
+
+    @property
+    def value(self) -> str:
+        """The plain name (as an enum's `value`)."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"TierKind({self.value!r})"
+
+
+TierKind.POOL = TierKind("pool")
+TierKind.CPU = TierKind("cpu")
+TierKind.DISK = TierKind("disk")
+TierKind.REMOTE = TierKind("remote")
+_BUILTIN_KINDS = (TierKind.POOL, TierKind.CPU, TierKind.DISK, TierKind.REMOTE)
+
+
+@dataclass(frozen=True)
+class TierTraits:
+    """What a tier is, declared by the tier itself; the stack, the store, events, metrics
+    and engines decide behaviour from these, never from the tier's kind or class.
+
+    Attributes:
+        engine_memory: the blocks are the paged KV an engine attends over (the block pool):
+            a hit there costs no copy.
+        memory: held in RAM or device memory (fast; gone when the process ends).
+        persistent: survives a restart of the process (a disk).
+        shared: other processes and hosts read and write it (a server): every stored block
+            is written to it at once, and its listing is slow.
+    """
+
+    engine_memory: bool = False
+    memory: bool = False
+    persistent: bool = False
+    shared: bool = False
 
 
 class BlockKey(NamedTuple):
@@ -116,7 +172,8 @@ class Tier(abc.ABC):
     that fails validation is deleted and reported as absent, never returned.
     """
 
-    kind: TierKind
+    kind: ClassVar[TierKind]
+    traits: ClassVar[TierTraits]
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills

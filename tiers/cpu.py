@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import xxhash
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
@@ -28,6 +28,7 @@ class CPUTier(Tier):
     """
 
     kind = TierKind.CPU
+    traits = TierTraits(memory=True)
 
     def __init__(
         self,

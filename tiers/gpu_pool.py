@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
@@ -53,6 +53,7 @@ class BlockPool(Tier):
     """
 
     kind = TierKind.POOL
+    traits = TierTraits(engine_memory=True, memory=True)
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ import lmdb
 import msgpack
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
@@ -44,6 +44,7 @@ class LMDBTier(Tier):
     """Blocks in an LMDB environment, bounded by `capacity_bytes` of disk (pages counted)."""
 
     kind = TierKind.DISK
+    traits = TierTraits(persistent=True)
 
     def __init__(
         self,

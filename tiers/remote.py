@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
 from tiers.errors import ConfigError, CorruptRecordError, StoreClosedError
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
 
@@ -96,6 +96,7 @@ class RemoteTier(Tier):
     """
 
     kind = TierKind.REMOTE
+    traits = TierTraits(persistent=True, shared=True)
 
     def __init__(self, url: str, block_shape: tuple[int, ...], dtype: torch.dtype, *, namespace: bytes,
                  verify_tokens: bool = True, ttl_s: int | None = None, timeout_s: float = 0.5,
