@@ -271,6 +271,19 @@ class BlockChain:
         self.hashes: list[BlockHash] = []
         self._hashed = b""  # the token bytes of the hashed blocks
 
+    def extend(self, block_tokens: np.ndarray) -> list[BlockHash]:
+        """Hash the full blocks that follow the blocks hashed so far: `block_tokens` are
+        their token ids (validated uint32, a whole number of blocks). Returns every key so far
+        (`hashes`); the new ones are appended to it."""
+        if len(block_tokens) % self.block_size:
+            raise InvalidInputError(f"extend takes whole blocks of {self.block_size} tokens, got {len(block_tokens)}")
+        if len(block_tokens):
+            parent = self.hashes[-1] if self.hashes else self.seed
+            self.hashes.extend(chain_hashes(block_tokens, self.block_size, parent, self.extra_keys, self.algo,
+                                            first_block=len(self.hashes)))
+            self._hashed += block_tokens.tobytes()
+        return self.hashes
+
     def hashes_of(self, arr: np.ndarray) -> list[BlockHash]:
         """Keys of every full block of `arr` (validated uint32 tokens), hashing only new blocks."""
         num_full = len(arr) // self.block_size

@@ -387,7 +387,7 @@ def test_allocation_does_not_push_out_the_cpu_blocks_it_is_about_to_load(tmp_pat
         mgr = KVCacheManager(store)
         mgr.add_request("q", [*doc, 1, 2, 3])
         comp = mgr.get_computed_blocks("q")
-        assert comp.lower_plan == [1] * 6
+        assert comp.lower_plan == [TierKind.CPU] * 6
         alloc = mgr.allocate_slots("q", 3, comp)  # evicts 7 `other` blocks from the pool into the CPU tier
         assert alloc.num_computed_tokens == 24 and alloc.blocks_per_tier == {TierKind.CPU: 6}
         got = torch.cat([pool.block_view(b) for b in mgr.block_table("q")[:6]], dim=2)

@@ -117,6 +117,19 @@ class BlockPool(Tier):
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_queue)
 
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue (unreferenced, cached or not)."""
+        return len(self.free_queue)
+
+    def holds(self, block_hash: BlockHash, block: PoolBlock) -> bool:
+        """Whether `block` is the block cached under `block_hash`."""
+        return self.cached.get(block_hash) is block
+
+    def owns(self, block: PoolBlock) -> bool:
+        """Whether `block` is one of this pool's blocks."""
+        return 0 <= block.block_id < self.num_blocks and self.blocks[block.block_id] is block
+
     def allocate(self, num_blocks: int) -> list[PoolBlock]:
         """Pop `num_blocks` from the head of the free queue with ref 1, evicting cached ones.
 

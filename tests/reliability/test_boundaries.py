@@ -298,7 +298,7 @@ def test_manager_vanished_plan_bad_plan_and_closed_store(tmp_path: Path) -> None
     mgr = KVCacheManager(store)
     mgr.add_request("r", np.concatenate([tokens, [1]]))
     computed = mgr.get_computed_blocks("r")
-    assert computed.lower_plan == [1] * 6
+    assert computed.lower_plan == [TierKind.CPU] * 6
     cpu.discard(store.block_hashes(tokens)[2:3])  # a planned block vanishes before allocation
     mgr.allocate_slots("r", 1, computed)
     assert not cpu._refs, "blocks after the vanished one stayed pinned"
@@ -306,7 +306,7 @@ def test_manager_vanished_plan_bad_plan_and_closed_store(tmp_path: Path) -> None
     mgr.free("r")
     free_before = len(pool.free_queue)
     mgr.add_request("s", np.concatenate([tokens, [2]]))
-    for plan in ([1, 7], ["x"], [True], [1.0]):
+    for plan in ([1, 7], ["x"], [True], [1.0], ["cpu"], [TierKind.POOL], [TierKind("nosuch")]):
         with pytest.raises(InvalidInputError, match="computed"):
             mgr.allocate_slots("s", 1, ComputedBlocks(len(plan) * BLOCK, [], plan))  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="computed"):
