@@ -87,7 +87,8 @@ class KVStrataLLM:
 
     def _forward(self, chunks: list[RequestChunk]) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, device=self.model.device)
-        return self.model(batch, self.blocks.kv_cache)
+        logits: torch.Tensor = self.model(batch, self.blocks.kv_cache)
+        return logits
 
     def _prefill(self, rid: str, stats: RequestStats) -> torch.Tensor:
         mgr = self.manager
