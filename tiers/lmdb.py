@@ -1,16 +1,28 @@
-"""Disk tier: LMDB under `disk_path`, checksummed records, byte-bounded LRU eviction.
+"""Disk tier: payloads in slot files, a small LMDB index beside them, byte-bounded LRU.
 
-Records are `tiers/lmdb_record.py`'s; one that fails validation on read is a miss and is
-deleted. The LRU order lives in LMDB itself (sub-databases `atime`
-hash->tick and `lru` tick->hash), so a reopened store finds everything committed and
-evicts in the same order. Reads never take LMDB's writer lock: their recency updates are
-buffered and applied in the next write transaction.
+`disk_path` holds `data.mdb`/`lock.mdb` (the index, `tiers/disk_index.py`) and one sparse
+file of fixed-size slots per payload size (`tiers/disk_files.py`). A write transaction (LMDB's
+writer lock, shared by every process on the directory) applies buffered touches, evicts,
+takes free slots (consecutive ones for a sequence, laid out in prefix order so a prefix reads
+sequentially), writes the payloads straight from the source tensors, syncs them as the
+durability mode asks (`tiers/disk_durability.py`), then commits the entries: an entry is
+committed only after its bytes are written. Reads take the entries from one read
+transaction, read straight into the destinations and verify each block's checksum; a
+mismatch is checked against a fresh transaction before it is called damage (another process
+may have evicted the block and reused its slot meanwhile: a plain miss). Lookups probe an
+in-memory copy of this namespace's hashes (`tiers/disk_mirror.py`) and touch no file.
+
+Every namespace's blocks share one LRU order and one byte budget (each opener's own
+`capacity_bytes` bounds what it writes); `scrub`, `clear` and `held_hashes` act on this
+namespace only unless told otherwise.
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import os
-import struct
+import resource
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -19,107 +31,164 @@ from typing import NamedTuple
 import lmdb
 import msgpack
 import torch
+import xxhash
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers import disk_scan
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
+from tiers.disk_durability import DiskSync, GroupSync
+from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
+from tiers.disk_index import CODEC_RAW, FORMAT, LOG_KEEP, OLD_DB_NAMES, Entry, Index, WriteBatch, block_cost, ns_tag
+from tiers.disk_mirror import Mirror
+from tiers.disk_payload import Prepared, payload_sum, read_payloads, source_pieces, write_payloads
+from tiers.disk_scan import HeldBlock, ScrubResult, summarize
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
-from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
+from tiers.lmdb_record import UnverifiableRecordError
 
-_U64 = struct.Struct("<Q")
-_TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+__all__ = ["DiskSync", "HeldBlock", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
 _MAX_PENDING_TOUCHES = 4096
-_DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
+_FULL_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
 
 
-class ScrubResult(NamedTuple):
-    """What `LMDBTier.scrub` found: records of this namespace that validated, damaged ones it
-    deleted, and records of other stores sharing the directory (left alone)."""
+class PayloadLocation(NamedTuple):
+    """Where a block's bytes lie on disk: its index key, and its payload's file and range."""
 
-    num_ok: int
-    num_corrupt: int
-    num_foreign: int = 0
+    index_key: bytes
+    file: str
+    offset: int
+    length: int
+
+
+def bytes_per_block(block_bytes: int) -> int:
+    """What one block of `block_bytes` counts against `capacity_bytes`."""
+    return block_cost(slot_bytes_for(block_bytes))
 
 
 class LMDBTier(Tier):
-    """Blocks in an LMDB environment, bounded by `capacity_bytes` of disk (pages counted)."""
+    """Blocks on disk, bounded by `capacity_bytes` (slots plus their index entries)."""
 
     kind = TierKind.DISK
     traits = TierTraits(persistent=True)
 
-    def __init__(
-        self,
-        path: str,
-        capacity_bytes: int,
-        block_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        *,
-        verify_tokens: bool = True,
-        sync: bool = True,
-        namespace: bytes = b"",
-        identity: object = None,
-        read_bps: int | None = None,
-    ) -> None:
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
-        self._namespace = self.codec.namespace
-        self._block_bytes = self.codec.block_bytes
+    def __init__(self, path: str, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+                 verify_tokens: bool = True, sync: DiskSync | bool | str = DiskSync.COMMIT, namespace: bytes = b"",
+                 identity: object = None, read_bps: int | None = None) -> None:
+        self._mode = DiskSync.parse(sync, "sync")
+        self._shape, self._dtype = tuple(block_shape), dtype
+        self._block_bytes = math.prod(block_shape) * dtype.itemsize
+        self._slot_bytes = slot_bytes_for(self._block_bytes)
+        self._cost = block_cost(self._slot_bytes)
+        self._layout = xxhash.xxh32_intdigest(f"{dtype}:{list(block_shape)}".encode())
+        self._verify_tokens = verify_tokens
+        self._namespace = bytes(namespace)
+        self._tag = ns_tag(self._namespace)
         self._capacity_bytes = capacity_bytes
-        self._read_bps = read_bps  # a cap on read bandwidth (None: none)
-        self._path, self._env = acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
+        self._read_bps = read_bps
+        entry_bytes = 512 + 4 * (block_shape[2] if len(block_shape) > 2 else 64)
+        map_size = (96 << 20) + 4 * (capacity_bytes // self._cost + 1) * entry_bytes
+        self._path, self._env = acquire_env(path, map_size, self._mode is DiskSync.COMMIT)
         self._pid = os.getpid()
         try:
-            self._dbs = {name: self._env.open_db(name) for name in _DB_NAMES}
-        except lmdb.Error as exc:  # e.g. a foreign LMDB whose main database has a key "meta"
+            self._ix = self._open_index(path)
+        except BaseException:
             release_env(self._path)
-            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
-        self._blocks, self._atime, self._lru, self._meta = (self._dbs[n] for n in _DB_NAMES)
+            raise
+        self._env_syncs = bool(self._env.flags().get("sync", False))
+        self._files = SlotFiles(self._path)
+        self._mirror = Mirror(self._env, self._ix, self._tag)
+        self._mirror.refresh()
         self._pending: list[BlockHash] = []
         self._lock = threading.Lock()
         self._closed = False
         self.counters = TierCounters()
-        self._num_unverifiable = 0
+        self.num_unverifiable = 0  # sound blocks this reader cannot check (no token ids): misses
+        self.num_raced = 0  # blocks evicted by another process while being read: misses
         self._register(identity)
+        self._group = GroupSync(self._sync_all, self._path) if self._mode is DiskSync.GROUP else None
+
+    def _open_index(self, path: str) -> Index:
+        with begin(self._env) as txn:
+            if all(txn.get(name) is not None for name in OLD_DB_NAMES):
+                raise ConfigError(
+                    f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
+                    "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
+                    "that directory away (or delete it) to start an empty disk tier there")
+        try:
+            ix = Index(self._env)
+        except lmdb.Error as exc:  # e.g. a foreign LMDB whose main database has a key "meta"
+            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
+        with begin(self._env) as txn:
+            fmt = txn.get(b"format", db=ix.meta)
+        if fmt is not None and bytes(fmt) != FORMAT:
+            raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)!r}, which this version "
+                              f"of kvstrata does not read (it reads {FORMAT!r}); use another disk_path")
+        return ix
 
     def _register(self, identity: object) -> None:
-        """Record this namespace's identity and budget in `meta` (what `kvstrata inspect`
-        shows). Best effort: a full disk must not fail an open."""
-        entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes}, use_bin_type=True,
-                              default=str)
+        """Record the format and this namespace's identity and budget (for `kvstrata
+        inspect`), and free the slots damaged entries left unnamed. Best effort: a full disk
+        must not fail an open."""
+        entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes,
+                               "tag": self._tag, "block_bytes": self._block_bytes}, use_bin_type=True, default=str)
         try:
             with begin(self._env, write=True) as txn:
-                txn.put(b"ns:" + self._namespace, entry, db=self._meta)
+                txn.put(b"format", FORMAT, db=self._ix.meta)
+                txn.put(b"ns:" + self._namespace, entry, db=self._ix.meta)
+                if self._ix.get_u64(txn, b"leaked"):  # slots named by damaged entries deleted earlier
+                    WriteBatch(self._ix, txn).reclaim()
         except lmdb.Error:
             pass
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
-        return self._capacity_bytes // record_bytes_on_disk(self._block_bytes + 256)
+        return self._capacity_bytes // self._cost
 
     @property
     def path(self) -> str:
         return self._path
 
+    @property
+    def mode(self) -> DiskSync:
+        return self._mode
+
     def __len__(self) -> int:
         self._check_open()
         with begin(self._env) as txn:
-            return int(txn.stat(self._blocks)["entries"])
+            return int(txn.stat(self._ix.index)["entries"])
 
     def held_hashes(self) -> Iterator[BlockHash]:
-        """This namespace's blocks (each record's header names its owner), read in one
-        snapshot."""
+        """This namespace's blocks, from the in-memory index (current as of this call)."""
         self._check_open()
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
-        return iter(mine)
+        return iter(self._mirror.snapshot())
+
+    def held_blocks(self) -> list[HeldBlock]:
+        """This namespace's blocks with their parent hash and token ids, every block after
+        its parent (roots first), read in one snapshot."""
+        self._check_open()
+        return disk_scan.held_blocks(self._env, self._ix, self._tag)
+
+    def payload_location(self, block_hash: BlockHash) -> PayloadLocation | None:
+        """Where one of this namespace's blocks lies: its index key and its payload's file,
+        offset and length (for diagnosis); None if not held. Changes nothing."""
+        self._check_open()
+        key = self._key(block_hash)
+        with begin(self._env, db=self._ix.index) as txn:
+            raw = txn.get(key)
+        if raw is None:
+            return None
+        e = disk_scan.unpack(raw)
+        return PayloadLocation(key, os.path.join(self._path, file_name(e.slot_bytes)), e.slot * e.slot_bytes, e.length)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        n, end = start, len(block_hashes)
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            while n < end and txn.get(block_hashes[n]) is not None:
-                n += 1
-        return n - start
+        self._mirror.refresh()
+        return count_held(self._mirror.hashes, block_hashes, start)
 
+    def _key(self, block_hash: BlockHash) -> bytes:
+        return self._tag + bytes(block_hash)
+
+    # -- reads -----------------------------------------------------------------------------
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
         n = self._read(keys, dsts)
@@ -127,136 +196,190 @@ class LMDBTier(Tier):
             time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
+    def _check_entry(self, e: Entry, key: BlockKey) -> None:
+        if e.codec != CODEC_RAW:
+            raise UnverifiableRecordError(f"payload codec {e.codec} unknown to this reader")
+        if e.layout != self._layout or e.length != self._block_bytes or e.slot_bytes != self._slot_bytes:
+            raise CorruptRecordError("entry layout differs from this tier's")
+        if self._verify_tokens and key.tokens and e.tokens != key.tokens:
+            if not e.tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
+                raise UnverifiableRecordError("entry carries no token ids to verify")
+            raise CorruptRecordError("token ids differ (hash collision or damage)")
+
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        n = 0
-        corrupt: list[BlockHash] = []
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for key, dst in zip(keys, dsts):
-                value = txn.get(key.block_hash)
-                if value is None:
+        entries: list[Entry] = []
+        damaged: tuple[bytes, int | None] | None = None
+        with begin(self._env, db=self._ix.index, buffers=True) as txn:
+            for key in keys[: len(dsts)]:
+                raw = txn.get(self._key(key.block_hash))
+                if raw is None:
                     break
                 try:
-                    payload = self.codec.decode(value, key)
+                    e = disk_scan.unpack(raw)
+                    self._check_entry(e, key)
                 except UnverifiableRecordError:
-                    self._num_unverifiable += 1
+                    self.num_unverifiable += 1
                     break
                 except CorruptRecordError:
-                    corrupt.append(key.block_hash)
+                    damaged = (self._key(key.block_hash), None)
                     break
-                self.codec.copy_out(payload, dst)
-                n += 1
-        if corrupt:
-            self.counters.num_corrupt += len(corrupt)
-            self._discard_damaged(corrupt)
-        return n
+                entries.append(e)
+        ekeys = [self._key(k.block_hash) for k in keys[: len(entries)]]
+        result = read_payloads(self._files, ekeys, entries, dsts, self._dtype, self._shape)
+        if result.failed is not None:
+            e = entries[result.failed]
+            if disk_scan.same_entry(self._env, self._ix, ekeys[result.failed], e):
+                damaged = (ekeys[result.failed], e.gen)
+            else:
+                self.num_raced += 1
+                damaged = None
+        if damaged is not None:
+            self.counters.num_corrupt += 1
+            self._remove([damaged], damaged=True)
+        return result.num_ok
 
     # -- writes ----------------------------------------------------------------------------
+    def _prepare(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], positions: list[int]) -> list[Prepared]:
+        out = []
+        for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
+            key = self._key(keys[p].block_hash)
+            parent = bytes(getattr(keys[p], "parent", b"") or b"")
+            tokens = keys[p].tokens if self._verify_tokens else b""
+            xxh = payload_sum(key, parent, tokens, pieces)
+            entry = Entry(CODEC_RAW, self._layout, self._slot_bytes, 0, self._block_bytes, xxh, 0, 0, parent, tokens)
+            out.append(Prepared(key, entry, pieces, keep))
+        return out
+
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
-        records: dict[BlockHash, bytearray] = {}
-        for i in missing:  # encode outside the write transaction; last duplicate wins
-            records.pop(keys[i].block_hash, None)
-            records[keys[i].block_hash] = self.codec.encode(keys[i], srcs[i])
+        self._mirror.refresh()
+        held = self._mirror.hashes
+        _, fresh = plan_put(keys, held.__contains__, len(keys))
+        touched = [k.block_hash for k in keys]
+        if not fresh:
+            self.touch(touched)
+            return 0
+        blocks = self._prepare(keys, srcs, fresh)
         for attempt in range(4):
             try:
-                written = self._write(records, [k.block_hash for k in keys], extra=attempt)
-                break
+                return self._write(blocks, touched, extra=attempt)
             except lmdb.MapFullError:
                 # A process killed inside a read transaction leaves its slot in the reader
                 # table, pinning every page freed since: clear dead readers, then retry.
                 self._env.reader_check()
-                continue
+            except OSError as exc:
+                reason = self._full_reason(exc)
+                if reason is None:
+                    raise
+                raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
             except lmdb.Error as exc:
-                reason = disk_full_reason(exc, self._path, sum(map(len, records.values())))
+                reason = disk_full_reason(exc, self._path, len(blocks) * self._slot_bytes)
                 if reason is not None:
-                    raise DiskFullError(
-                        f"disk tier at {self._path}: {reason}; nothing was written ({exc})"
-                    ) from exc
+                    raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
                 raise
-        else:
-            raise DiskFullError(
-                f"disk tier at {self._path}: LMDB map full after evicting; nothing was written"
-            )
-        return written
+        raise DiskFullError(f"disk tier at {self._path}: index map full after evicting (a reader may hold an old "
+                            "snapshot); nothing was written")
 
-    def _write(self, records: dict[BlockHash, bytearray], touched: list[BlockHash], extra: int) -> int:
-        """One write transaction: apply buffered touches, evict, insert. Aborts as a whole."""
+    @staticmethod
+    def _full_reason(exc: OSError) -> str | None:
+        if exc.errno == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            return f"file size limit of {limit} bytes reached"
+        return _FULL_ERRNOS.get(exc.errno or 0)
+
+    def _write(self, blocks: list[Prepared], touched: list[BlockHash], extra: int) -> int:
+        """One write transaction: touches, eviction, payloads, entries. Aborts as a whole."""
         with self._lock:
             pending, self._pending = self._pending, []
-        evicted: list[BlockHash] = []
         try:
             with begin(self._env, write=True) as txn:
-                tick, used = self._read_meta(txn)
-                tick = self._touch_in(txn, pending + touched, tick)
-                fresh = [(h, v) for h, v in records.items() if txn.get(h, db=self._blocks) is None]
-                sizes = [record_bytes_on_disk(len(v)) for _, v in fresh]
+                wb = WriteBatch(self._ix, txn)
+                seq_before = wb.seq
+                wb.touch([self._key(h) for h in pending + touched])
+                fresh = [b for b in blocks if wb.get(b.key) is None]  # another process may have written some
                 budget = self._capacity_bytes * (1.0 - 0.15 * extra)
-                total, skip = sum(sizes), 0
-                while skip < len(fresh) and total > budget:  # the most evictable never enter
-                    total -= sizes[skip]
-                    skip += 1
-                fresh, sizes = fresh[skip:], sizes[skip:]
-                used = self._evict_in(txn, used, used + total - budget, evicted)
-                # Records go in prefix order (the reverse of eviction order), so a sequence's
-                # pages lie forwards in the file and a read of its prefix is sequential (the
-                # kernel's readahead then works); ticks still follow eviction order.
-                for j in range(len(fresh) - 1, -1, -1):
-                    h, v = fresh[j]
-                    txn.put(h, v, db=self._blocks)
-                    txn.put(h, _TICK.pack(tick + j), db=self._atime)
-                    txn.put(_TICK.pack(tick + j), h, db=self._lru)
-                tick += len(fresh)
-                used += sum(sizes)
-                self._write_meta(txn, tick, used)
+                skip = 0
+                while skip < len(fresh) and (len(fresh) - skip) * self._cost > budget:
+                    skip += 1  # the most evictable never enter
+                fresh = fresh[skip:]
+                victims = wb.evict(wb.used + len(fresh) * self._cost - budget)
+                slots = wb.allocate(self._slot_bytes, len(fresh))
+                in_prefix_order = fresh[::-1]  # so a prefix lies forwards in the file
+                self._punch(wb.unpunched())
+                write_payloads(self._files, self._slot_bytes, in_prefix_order, slots)
+                if fresh and self._mode is DiskSync.COMMIT:
+                    self._files.sync([self._slot_bytes])
+                slot_of = {b.key: s for b, s in zip(in_prefix_order, slots)}
+                for b in fresh:  # eviction order: the first gets the lowest tick
+                    wb.insert(b.key, b.entry._replace(slot=slot_of[b.key]))
+                wb.finish()
+                txnid = txn.id()
         except BaseException:
             with self._lock:
                 self._pending[:0] = pending
             raise
-        self._announce(False, evicted)  # committed: tell the listener
-        self._announce(True, [h for h, _ in fresh])
+        self._committed(txnid, seq_before, wb)
+        self.counters.num_evictions += len(victims)
+        self._announce(True, [BlockHash(b.key[len(self._tag):]) for b in fresh])
         return len(fresh)
 
-    def _evict_in(self, txn: lmdb.Transaction, used: int, num_bytes: float, evicted: list[BlockHash]) -> int:
-        if num_bytes <= 0:
-            return used
-        freed = 0
-        cursor = txn.cursor(db=self._lru)
-        victims = []
-        for tick_key, h in cursor.iternext():
-            if freed >= num_bytes:
-                break
-            value = txn.get(h, db=self._blocks)
-            victims.append((bytes(tick_key), bytes(h)))
-            freed += record_bytes_on_disk(len(value)) if value is not None else 0
-        for tick_key, h in victims:
-            txn.delete(tick_key, db=self._lru)
-            txn.delete(h, db=self._atime)
-            txn.delete(h, db=self._blocks)
-            evicted.append(BlockHash(h))
-        self.counters.num_evictions += len(victims)
-        return max(0, used - freed)
+    def _committed(self, txnid: int, seq_before: int, wb: WriteBatch) -> None:
+        """After a commit: the in-memory index, durability, and the listener."""
+        self._mirror.applied(txnid, seq_before, wb.seq, wb.removed, wb.added)
+        if self._mode is DiskSync.COMMIT and not self._env_syncs:
+            self._env.sync(True)  # another store in this process opened the index without sync
+        if self._group is not None:
+            self._group.mark()
+        n = len(self._tag)
+        self._announce(False, [BlockHash(k[n:]) for k in wb.removed if k[:n] == self._tag])
 
-    def _touch_in(self, txn: lmdb.Transaction, hashes: Sequence[BlockHash], tick: int) -> int:
-        for h in hashes:
-            old = txn.get(h, db=self._atime)
-            if old is None:
-                continue
-            txn.delete(bytes(old), db=self._lru)
-            txn.put(h, _TICK.pack(tick), db=self._atime)
-            txn.put(_TICK.pack(tick), h, db=self._lru)
-            tick += 1
-        return tick
+    def _punch(self, freed: list[tuple[int, int]]) -> None:
+        by_size: dict[int, list[int]] = {}
+        for slot_bytes, slot in freed:
+            by_size.setdefault(slot_bytes, []).append(slot)
+        for slot_bytes, slots in by_size.items():
+            slots.sort()
+            spans: list[tuple[int, int]] = []
+            for s in slots:
+                if spans and spans[-1][0] + spans[-1][1] == s:
+                    spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+                else:
+                    spans.append((s, 1))
+            self._files.punch(slot_bytes, spans)
 
-    def _read_meta(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        tick = txn.get(b"tick", db=self._meta)
-        used = txn.get(b"bytes", db=self._meta)
-        return (_U64.unpack(tick)[0] if tick else 0), (_U64.unpack(used)[0] if used else 0)
+    def _sync_all(self) -> None:
+        """The group commit: data files first, then the index."""
+        self._files.sync(list(self._files.file_sizes()))
+        self._env.sync(True)
 
-    def _write_meta(self, txn: lmdb.Transaction, tick: int, used: int) -> None:
-        txn.put(b"tick", _U64.pack(tick), db=self._meta)
-        txn.put(b"bytes", _U64.pack(used), db=self._meta)
+    def _remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
+                reclaim: bool = False) -> int:
+        """Delete entries (a generation: only if the entry still has it); return how many.
+        `damaged` entries free no slot (`WriteBatch.remove`); `reclaim` frees every slot no
+        entry names."""
+        num = 0
+        with begin(self._env, write=True, buffers=True) as txn:
+            wb = WriteBatch(self._ix, txn)
+            seq_before = wb.seq
+            for key, gen in items:
+                raw = wb.get(key)
+                if raw is None:
+                    continue
+                if gen is not None:
+                    try:
+                        if disk_scan.unpack(raw).gen != gen:
+                            continue
+                    except CorruptRecordError:
+                        pass
+                wb.remove(key, damaged=damaged)
+                num += 1
+            wb.finish()
+            if reclaim:
+                wb.reclaim()
+            txnid = txn.id()
+        self._committed(txnid, seq_before, wb)
+        return num
 
+    # -- recency, deletion, lifecycle ------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         self._check_open()
         with self._lock:
@@ -272,7 +395,7 @@ class LMDBTier(Tier):
         so reads and `close()` never fail for want of room.
         """
         try:
-            self._write({}, [], extra=0)
+            self._write([], [], extra=0)
         except lmdb.Error as exc:
             full = disk_full_reason(exc, self._path, 0) is not None
             if not isinstance(exc, lmdb.MapFullError) and not full:
@@ -283,55 +406,23 @@ class LMDBTier(Tier):
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
-        gone: list[BlockHash] = []
-        with begin(self._env, write=True) as txn:
-            tick, used = self._read_meta(txn)
-            for h in block_hashes:
-                value = txn.get(h, db=self._blocks)
-                if value is None:
-                    continue
-                used -= record_bytes_on_disk(len(value))
-                old = txn.get(h, db=self._atime)
-                if old is not None:
-                    txn.delete(bytes(old), db=self._lru)
-                txn.delete(h, db=self._atime)
-                txn.delete(h, db=self._blocks)
-                gone.append(h)
-            self._write_meta(txn, tick, max(0, used))
-        self._announce(False, gone)
-        return len(gone)
-
-    def _discard_damaged(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Delete damaged records, then recount the bytes used from the records left.
-
-        A damaged record's length need not be the length it was accounted at (a truncated or
-        overwritten value), so subtracting it would leave the accounting off for good.
-        """
-        with begin(self._env, write=True, buffers=True) as txn:
-            tick, _ = self._read_meta(txn)
-            for h in block_hashes:
-                old = txn.get(h, db=self._atime)
-                if old is not None:
-                    txn.delete(bytes(old), db=self._lru)
-                txn.delete(h, db=self._atime)
-                txn.delete(h, db=self._blocks)
-            cursor = txn.cursor(db=self._blocks)
-            used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
-            self._write_meta(txn, tick, used)
-        self._announce(False, block_hashes)
+        return self._remove([(self._key(h), None) for h in block_hashes])
 
     def clear(self, *, all_namespaces: bool = False) -> None:
-        """Delete this namespace's records (their owner is in each header); with
-        `all_namespaces`, every record in the directory, whoever wrote it."""
+        """Delete this namespace's blocks; with `all_namespaces`, every block in the
+        directory, whoever wrote it (the data files are emptied)."""
         self._check_open()
         if all_namespaces:
-            mine = list(self.held_hashes())
+            mine = self._mirror.snapshot()
             with begin(self._env, write=True) as txn:
-                for db in (self._blocks, self._atime, self._lru, self._meta):
-                    txn.drop(db, delete=False)
+                disk_scan.wipe(self._ix, txn, LOG_KEEP)
+                self._files.truncate_all()
+            self._mirror.refresh()
             self._announce(False, mine)
         else:
-            self._discard_damaged(list(self.held_hashes()))
+            with begin(self._env, buffers=True) as txn:
+                keys = list(self._ix.keys_of(txn, self._tag))
+            self._remove([(k, None) for k in keys])
         with self._lock:
             self._pending.clear()
 
@@ -339,12 +430,15 @@ class LMDBTier(Tier):
         if self._closed:
             return
         try:
-            if self._pending:
+            if self._pending and os.getpid() == self._pid:
                 self.flush()
         finally:
             self._closed = True
             if os.getpid() == self._pid:
+                if self._group is not None:
+                    self._group.close()
                 release_env(self._path)
+            self._files.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -357,59 +451,25 @@ class LMDBTier(Tier):
 
     def check_integrity(self) -> None:
         self._check_open()
-        with begin(self._env, buffers=False) as txn:
-            _, used = self._read_meta(txn)
-            total = 0
-            n_blocks = 0
-            for h, value in txn.cursor(db=self._blocks):
-                n_blocks += 1
-                total += record_bytes_on_disk(len(value))
-                tick = txn.get(h, db=self._atime)
-                if tick is None or txn.get(tick, db=self._lru) != h:
-                    raise RuntimeError(f"disk tier: block {h.hex()} missing from the LRU index (a bug)")
-            n_lru = txn.stat(self._lru)["entries"]
-            n_atime = txn.stat(self._atime)["entries"]
-            if not n_blocks == n_lru == n_atime:
-                raise RuntimeError(
-                    f"disk tier: {n_blocks} blocks, {n_atime} atime, {n_lru} lru entries (a bug)"
-                )
-            if total != used:
-                raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
+        disk_scan.check_integrity(self._env, self._ix, self._mirror, self._tag)
 
     def scrub(self) -> ScrubResult:
-        """Validate every record (header, key, checksum; layout for this namespace's); delete
-        the damaged ones. Sound records of other stores sharing the directory are counted and
-        left alone.
-
-        Reads in one snapshot, then deletes in one write transaction. Token ids are checked
-        against the record's own header only (the caller's tokens are not known here).
-        """
+        """Verify every block's entry and payload checksum (any namespace) and delete the
+        damaged ones; sound blocks of other namespaces are counted and left alone. Reads in
+        one snapshot, deletes in one write transaction. Token ids are checked against the
+        entry's own (the caller's tokens are not known here)."""
         self._check_open()
-        damaged: list[BlockHash] = []
-        num_ok = num_foreign = 0
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for h, value in txn.cursor():
-                key = BlockKey(BlockHash(bytes(h)))
-                try:
-                    hdr, _ = self.codec.parse(value, key.block_hash)  # damaged for every reader
-                    if hdr.get("ns", self._namespace) != self._namespace or (
-                        "ns" not in hdr and not self.codec.is_own_layout(hdr)
-                    ):
-                        num_foreign += 1  # sound, another store's: not ours to judge or delete
-                        continue
-                    self.codec.decode(value, key)
-                except CorruptRecordError:
-                    damaged.append(key.block_hash)
-                else:
-                    num_ok += 1
+        result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._layout,
+                                          self._block_bytes)
         if damaged:
-            self.counters.num_corrupt += len(damaged)
-            self._discard_damaged(damaged)
-        return ScrubResult(num_ok, len(damaged), num_foreign)
+            num = self._remove(damaged, damaged=True, reclaim=True)
+            self.counters.num_corrupt += num
+            result = result._replace(num_corrupt=num)
+        return result
 
     def occupancy(self) -> Occupancy:
         self._check_open()
         with begin(self._env) as txn:
-            _, used = self._read_meta(txn)
-            num = int(txn.stat(self._blocks)["entries"])
+            used = self._ix.get_u64(txn, b"used")
+            num = int(txn.stat(self._ix.index)["entries"])
         return Occupancy(num, self.capacity_blocks, used, self._capacity_bytes)

@@ -1,0 +1,248 @@
+"""Whole-index passes of the disk tier: integrity, scrub, roots-first enumeration, wipe, and
+the per-namespace summary `kvstrata inspect` prints (`summarize`, read-only)."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import lmdb
+import msgpack
+import numpy as np
+
+from tiers.base import BlockHash
+from tiers.disk_files import SlotFiles
+from tiers.disk_index import (
+    CODEC_RAW,
+    DB_NAMES,
+    OLD_DB_NAMES,
+    TAG_BYTES,
+    Entry,
+    Index,
+    block_cost,
+    unpack_entry,
+)
+from tiers.disk_mirror import Mirror
+from tiers.disk_payload import payload_sum
+from tiers.errors import CorruptRecordError
+from tiers.lmdb_env import _ENVS, begin
+
+unpack = unpack_entry
+_BE_TICK = 8
+
+
+class ScrubResult(NamedTuple):
+    """What a scrub found: blocks of this namespace that verified, damaged blocks it deleted
+    (any namespace's: damage is damage to every reader), and sound blocks of other stores
+    sharing the directory (left alone)."""
+
+    num_ok: int
+    num_corrupt: int
+    num_foreign: int = 0
+
+
+class HeldBlock(NamedTuple):
+    """A block held on disk: its hash, its parent's hash (b"" when unknown) and token ids."""
+
+    block_hash: BlockHash
+    parent: bytes
+    tokens: bytes
+
+
+def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
+    """Whether `key` still names the payload `e` names (else it was evicted or rewritten
+    since `e` was read: a failed read of it was a race, not damage)."""
+    with begin(env, db=ix.index, buffers=True) as txn:
+        raw = txn.get(key)
+        if raw is None:
+            return False
+        try:
+            cur = unpack_entry(raw)
+        except CorruptRecordError:
+            return True  # the entry itself is damaged now
+    return (cur.gen, cur.slot_bytes, cur.slot, cur.xxh) == (e.gen, e.slot_bytes, e.slot, e.xxh)
+
+
+def held_blocks(env: lmdb.Environment, ix: Index, tag: bytes) -> list[HeldBlock]:
+    """One namespace's blocks, each after its parent (blocks whose parent is not held come
+    first), from one snapshot."""
+    n = len(tag)
+    items: dict[BlockHash, tuple[bytes, bytes]] = {}
+    with begin(env, buffers=True) as txn:
+        for key in ix.keys_of(txn, tag):
+            try:
+                e = unpack_entry(txn.get(key, db=ix.index))
+            except CorruptRecordError:
+                continue
+            items[BlockHash(key[n:])] = (e.parent, e.tokens)
+    children: dict[bytes, list[BlockHash]] = {}
+    queue: deque[BlockHash] = deque()
+    for h, (parent, _) in items.items():
+        if parent and parent in items and parent != h:
+            children.setdefault(parent, []).append(h)
+        else:
+            queue.append(h)
+    out: list[HeldBlock] = []
+    seen: set[BlockHash] = set()
+    while queue:
+        h = queue.popleft()
+        seen.add(h)
+        out.append(HeldBlock(h, *items[h]))
+        queue.extend(c for c in children.get(h, ()) if c not in seen)
+    out.extend(HeldBlock(h, *items[h]) for h in items if h not in seen)  # a cycle: only by damage
+    return out
+
+
+def check_integrity(env: lmdb.Environment, ix: Index, mirror: Mirror, tag: bytes) -> None:
+    """Raise `RuntimeError` (a bug) unless, in one snapshot: every entry is in the LRU order
+    and the order holds nothing else, no slot is named twice or both named and free, every
+    slot lies below its file's high-water mark, the accounted bytes match the entries, and
+    this process's in-memory copy matches the namespace's keys."""
+    with begin(env) as txn:
+        hwm = ix.hwms(txn)
+        free = set(ix.free_slots(txn))
+        used = ix.get_u64(txn, b"used")
+        total = num_entries = 0
+        sound = True
+        slots: set[tuple[int, int]] = set()
+        for key, raw in ix.entries(txn):
+            num_entries += 1
+            try:
+                e = unpack_entry(raw)
+            except CorruptRecordError:
+                sound = False  # damage, deleted when read; not an invariant of the code
+                continue
+            total += block_cost(e.slot_bytes)
+            if txn.get(e.tick.to_bytes(_BE_TICK, "big"), db=ix.order) != key:
+                raise RuntimeError(f"disk tier: block {key.hex()} missing from the LRU order (a bug)")
+            where = (e.slot_bytes, e.slot)
+            if where in slots or where in free:
+                raise RuntimeError(f"disk tier: slot {where} named twice or named and free (a bug)")
+            if e.slot >= hwm.get(e.slot_bytes, 0):
+                raise RuntimeError(f"disk tier: slot {where} beyond its file's high-water mark (a bug)")
+            slots.add(where)
+        num_order = int(txn.stat(ix.order)["entries"])
+        if num_order != num_entries:
+            raise RuntimeError(f"disk tier: {num_entries} entries but {num_order} in the LRU order (a bug)")
+        if any(s >= hwm.get(size, 0) for size, s in free):
+            raise RuntimeError("disk tier: a free slot beyond its file's high-water mark (a bug)")
+        if sound and total != used:
+            raise RuntimeError(f"disk tier: accounted {used} bytes, entries take {total} (a bug)")
+        mirror.check(txn)
+
+
+def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes, layout: int,
+          block_bytes: int) -> tuple[ScrubResult, list[tuple[bytes, int | None]]]:
+    """Verify every entry and payload of one snapshot; return the counts and the damaged
+    (key, generation) pairs for the caller to delete (a generation: only if unchanged)."""
+    with begin(env) as txn:
+        items = list(ix.entries(txn))
+    num_ok = num_foreign = 0
+    damaged: list[tuple[bytes, int | None]] = []
+    buffers: dict[int, np.ndarray] = {}
+    for key, raw in items:
+        try:
+            e = unpack_entry(raw)
+        except CorruptRecordError:
+            damaged.append((key, None))
+            continue
+        own = key[:TAG_BYTES] == tag
+        if e.codec != CODEC_RAW:
+            num_foreign += not own
+            continue  # a payload this version cannot decode: not judged
+        buf = buffers.get(e.slot_bytes)
+        if buf is None:
+            buf = buffers[e.slot_bytes] = np.empty(e.slot_bytes, dtype=np.uint8)
+        payload = buf[: e.length]
+        got = files.read(e.slot_bytes, e.slot, [payload])
+        if got < e.length or payload_sum(key, e.parent, e.tokens, [payload]) != e.xxh or (
+                own and (e.layout != layout or e.length != block_bytes)):
+            damaged.append((key, e.gen))
+        elif own:
+            num_ok += 1
+        else:
+            num_foreign += 1
+    return ScrubResult(num_ok, len(damaged), num_foreign), damaged
+
+
+def wipe(ix: Index, txn: lmdb.Transaction, log_keep: int) -> None:
+    """Delete every entry, slot and log record of every namespace (the caller empties the
+    data files before committing). Every process's in-memory copy rebuilds (the log position
+    it holds no longer exists)."""
+    seq = ix.get_u64(txn, b"seq")
+    for db in (ix.index, ix.order, ix.free, ix.log):
+        txn.drop(db, delete=False)
+    hwm_keys = [bytes(k) for k in txn.cursor(db=ix.meta).iternext(values=False) if bytes(k).startswith(b"hwm")]
+    for key in hwm_keys:
+        txn.delete(key, db=ix.meta)
+    ix.put_u64(txn, b"seq", seq + log_keep + 1)
+    ix.put_u64(txn, b"used", 0)
+
+
+@contextmanager
+def _read_only_index(path: str) -> Iterator[tuple[lmdb.Environment, Any]]:
+    """The index under `path`, read-only: this process's open environment if it has one,
+    else a read-only open (readers take no writer lock)."""
+    real = os.path.realpath(path)
+    shared = _ENVS.find(real)
+    if shared is not None:
+        yield shared, [shared.open_db(n) for n in DB_NAMES]
+        return
+    try:
+        env = lmdb.open(real, readonly=True, lock=True, max_dbs=8, create=False)
+    except lmdb.Error as exc:
+        raise ValueError(f"{path!r} is not a readable LMDB environment: {exc}") from None
+    try:
+        with env.begin() as txn:
+            if all(txn.get(name) is not None for name in OLD_DB_NAMES):
+                raise ValueError(f"{path!r} holds a disk tier in kvstrata's first on-disk format, which this "
+                                 "version does not read")
+        try:
+            dbs = [env.open_db(n, create=False) for n in DB_NAMES]
+        except lmdb.Error:
+            raise ValueError(f"{path!r} is an LMDB environment but not a kvstrata disk tier") from None
+        yield env, dbs
+    finally:
+        env.close()
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Per-namespace summary of the disk tier at `path`: identity, budget, blocks, bytes,
+    least and most recent LRU ticks; the data files. Raises `ValueError` naming the problem
+    if `path` holds no kvstrata disk tier."""
+    if not os.path.isfile(os.path.join(path, "data.mdb")):
+        raise ValueError(f"{path!r} holds no kvstrata disk tier (no data.mdb)")
+    with _read_only_index(path) as (env, dbs):
+        index_db, _, _, _, meta = dbs
+        spaces: dict[bytes, dict[str, Any]] = {}
+        with env.begin(buffers=True) as txn:
+            for key, value in txn.cursor(db=meta):
+                if bytes(key).startswith(b"ns:"):
+                    entry = msgpack.unpackb(bytes(value), raw=False)
+                    tag = entry.get("tag") or b""
+                    spaces[tag] = {"namespace": bytes(key)[3:].hex(), "identity": entry.get("identity"),
+                                   "capacity_bytes": entry.get("capacity_bytes"), "blocks": 0, "bytes": 0,
+                                   "oldest_tick": None, "newest_tick": None}
+            for key, raw in txn.cursor(db=index_db):
+                tag = bytes(key)[:TAG_BYTES]
+                space = spaces.setdefault(tag, {"namespace": f"(unregistered tag {tag.hex()})", "identity": None,
+                                                "capacity_bytes": None, "blocks": 0, "bytes": 0,
+                                                "oldest_tick": None, "newest_tick": None})
+                try:
+                    e = unpack_entry(raw)
+                except CorruptRecordError:
+                    continue
+                space["blocks"] += 1
+                space["bytes"] += block_cost(e.slot_bytes)
+                old, new = space["oldest_tick"], space["newest_tick"]
+                space["oldest_tick"] = e.tick if old is None else min(old, e.tick)
+                space["newest_tick"] = e.tick if new is None else max(new, e.tick)
+        info = env.info()
+    files = SlotFiles(path).file_sizes()
+    return {"path": os.path.abspath(path), "map_bytes": info["map_size"],
+            "index_bytes": os.path.getsize(os.path.join(path, "data.mdb")),
+            "data_files": {str(size): n for size, n in sorted(files.items())},
+            "namespaces": {s.pop("namespace"): s for s in spaces.values()}}
