@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from tiers.disk_durability import DiskSync
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
 _DTYPES: dict[str, torch.dtype] = {
@@ -142,8 +143,12 @@ class StoreConfig:
         hash_algo: `HashAlgo` or its name.
         verify_tokens: keep each block's token ids beside it and treat a hit whose tokens
             differ as a miss (a guard against hash collisions).
-        disk_sync: fsync each LMDB commit (durable across power loss; a killed process
-            never loses a committed block either way).
+        disk_sync: durability of disk-tier writes across a power loss (a killed process
+            never loses a committed block in any mode): `DiskSync.COMMIT` (default; each
+            store's blocks are synced to the device before it returns), `DiskSync.GROUP`
+            (synced by a background thread within 0.2 s) or `DiskSync.NONE` (the kernel
+            writes back when it likes). A name or a bool is accepted (True: COMMIT, False:
+            NONE); see `tiers/disk_durability.py`.
         write_through: write stored blocks to the disk tier at once as well as to the CPU
             tier (they survive a killed process; CPU eviction costs no write). Otherwise
             blocks reach disk when the CPU tier evicts them, or on `close()`.
@@ -190,7 +195,7 @@ class StoreConfig:
     disk_bytes: int = 8 << 30
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     verify_tokens: bool = True
-    disk_sync: bool = True
+    disk_sync: DiskSync | bool | str = DiskSync.COMMIT
     write_through: bool = False
     persist_on_close: bool = True
     pool_blocks: int = 0
@@ -234,6 +239,7 @@ class StoreConfig:
         except UnicodeEncodeError as exc:
             raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        object.__setattr__(self, "disk_sync", DiskSync.parse(self.disk_sync, "StoreConfig.disk_sync"))
         if self.disk_path is not None:
             try:
                 path = os.fspath(self.disk_path)

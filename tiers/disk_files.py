@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ if sys.platform.startswith("linux"):
     except (OSError, AttributeError):
         _fallocate = None
 
-Pieces = list[np.ndarray]  # C-contiguous uint8 arrays, in the block's byte order
+Pieces = list[Any]  # C-contiguous byte buffers (NumPy uint8 arrays, memoryviews), in the block's byte order
 
 
 def slot_bytes_for(payload_bytes: int) -> int:
@@ -74,7 +75,7 @@ def array_pieces(a: np.ndarray) -> Pieces | None:
     return list(flat)
 
 
-def _advance(pieces: Sequence[np.ndarray], done: int) -> Pieces:
+def _advance(pieces: Pieces, done: int) -> Pieces:
     """`pieces` without their first `done` bytes."""
     out: Pieces = []
     for p in pieces:
@@ -86,7 +87,7 @@ def _advance(pieces: Sequence[np.ndarray], done: int) -> Pieces:
     return out
 
 
-def write_all(fd: int, pieces: Sequence[np.ndarray], offset: int) -> None:
+def write_all(fd: int, pieces: Pieces, offset: int) -> None:
     """Write every piece at `offset` onwards, `IOV_MAX` pieces per call, resuming short
     writes. Raises `OSError` (ENOSPC, EDQUOT, EFBIG, EIO) if the file system refuses."""
     todo = list(pieces)
@@ -103,7 +104,7 @@ def write_all(fd: int, pieces: Sequence[np.ndarray], offset: int) -> None:
             todo = _advance(batch, done) + todo[_IOV_MAX:]
 
 
-def read_all(fd: int, pieces: Sequence[np.ndarray], offset: int) -> int:
+def read_all(fd: int, pieces: Pieces, offset: int) -> int:
     """Fill the pieces from `offset` onwards; return the bytes read (fewer at end of file)."""
     total = 0
     todo = list(pieces)
@@ -137,14 +138,15 @@ class SlotFiles:
         with self._lock:
             fd = self._fds.get(slot_bytes)
             if fd is None:
-                fd = os.open(os.path.join(self._dir, file_name(slot_bytes)), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                path = os.path.join(self._dir, file_name(slot_bytes))
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
                 self._fds[slot_bytes] = fd
             return fd
 
-    def write(self, slot_bytes: int, slot: int, pieces: Sequence[np.ndarray]) -> None:
+    def write(self, slot_bytes: int, slot: int, pieces: Pieces) -> None:
         write_all(self.fd(slot_bytes), pieces, slot * slot_bytes)
 
-    def read(self, slot_bytes: int, slot: int, pieces: Sequence[np.ndarray]) -> int:
+    def read(self, slot_bytes: int, slot: int, pieces: Pieces) -> int:
         return read_all(self.fd(slot_bytes), pieces, slot * slot_bytes)
 
     def sync(self, classes: Sequence[int]) -> None:

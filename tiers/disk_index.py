@@ -18,6 +18,7 @@ process, a full disk) still names.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -236,10 +237,8 @@ class WriteBatch:
             if raw is None:
                 stale.append(bytes(tick_key))  # cannot happen unless the index was damaged
                 continue
-            try:
+            with contextlib.suppress(CorruptRecordError):  # a damaged one goes too, freeing nothing known
                 freed += block_cost(unpack_entry(raw).slot_bytes)
-            except CorruptRecordError:
-                pass
             victims.append(bytes(key))
         for tick_key in stale:
             txn.delete(tick_key, db=ix.order)
@@ -323,7 +322,7 @@ class WriteBatch:
         entries = list(_sound(ix, txn))
         self.used = sum(block_cost(unpack_entry(raw).slot_bytes) for _, raw in entries)
         stale = [bytes(t) for t, k in txn.cursor(db=ix.order) if (r := txn.get(k, db=ix.index)) is None
-                 or _tick_of(r) != _BE.unpack(bytes(t))[0]]
+                 or _tick_of(bytes(r)) != _BE.unpack(bytes(t))[0]]
         for tick_key in stale:
             txn.delete(tick_key, db=ix.order)
         for key, raw in entries:

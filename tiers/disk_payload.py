@@ -80,7 +80,7 @@ def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared]
     pad = slot_bytes - blocks[0].entry.length if blocks else 0
     gap = memoryview(bytes(pad)) if pad else None
     for start, end in runs(slots, max(1, _MAX_RUN_BYTES // slot_bytes)):
-        pieces: list = []
+        pieces: Pieces = []
         for b in blocks[start:end]:
             pieces.extend(b.pieces)
             if gap is not None and end - start > 1:
@@ -118,7 +118,7 @@ def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Ent
                 targets.append((staged, staging))
         pad = slot_bytes - entries[start].length
         gap = memoryview(bytearray(pad)) if pad and end - start > 1 else None
-        flat: list = []
+        flat: Pieces = []
         for pieces, _ in targets:
             flat.extend(pieces)
             if gap is not None:
@@ -126,11 +126,11 @@ def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Ent
         got = files.read(slot_bytes, slots[start], flat)
         for i in range(start, end):
             e = entries[i]
-            pieces, staging = targets[i - start]
+            pieces, staged_copy = targets[i - start]
             if got < (i - start) * slot_bytes + e.length or payload_sum(keys[i], e.parent, e.tokens, pieces) != e.xxh:
                 return ReadResult(n, i)
-            if staging is not None:
-                dsts[i].copy_(staging)
+            if staged_copy is not None:
+                dsts[i].copy_(staged_copy)
             n += 1
             if on_block is not None:
                 on_block(i)

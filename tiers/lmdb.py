@@ -19,10 +19,8 @@ namespace only unless told otherwise.
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import resource
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -35,19 +33,19 @@ import xxhash
 
 from tiers import disk_scan
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
-from tiers.disk_durability import DiskSync, GroupSync
+from tiers.disk_durability import DiskSync
 from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
 from tiers.disk_index import CODEC_RAW, FORMAT, LOG_KEEP, OLD_DB_NAMES, Entry, Index, WriteBatch, block_cost, ns_tag
 from tiers.disk_mirror import Mirror
-from tiers.disk_payload import Prepared, payload_sum, read_payloads, source_pieces, write_payloads
+from tiers.disk_payload import Prepared, read_payloads
 from tiers.disk_scan import HeldBlock, ScrubResult, summarize
+from tiers.disk_writer import DiskWriter, Layout
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
-from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
+from tiers.lmdb_env import acquire_env, begin, release_env
 from tiers.lmdb_record import UnverifiableRecordError
 
 __all__ = ["DiskSync", "HeldBlock", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
 _MAX_PENDING_TOUCHES = 4096
-_FULL_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
 
 
 class PayloadLocation(NamedTuple):
@@ -93,7 +91,6 @@ class LMDBTier(Tier):
         except BaseException:
             release_env(self._path)
             raise
-        self._env_syncs = bool(self._env.flags().get("sync", False))
         self._files = SlotFiles(self._path)
         self._mirror = Mirror(self._env, self._ix, self._tag)
         self._mirror.refresh()
@@ -104,7 +101,9 @@ class LMDBTier(Tier):
         self.num_unverifiable = 0  # sound blocks this reader cannot check (no token ids): misses
         self.num_raced = 0  # blocks evicted by another process while being read: misses
         self._register(identity)
-        self._group = GroupSync(self._sync_all, self._path) if self._mode is DiskSync.GROUP else None
+        layout = Layout(self._tag, self._layout, self._block_bytes, self._slot_bytes, verify_tokens)
+        self._writer = DiskWriter(self._env, self._ix, self._files, self._mirror, path=self._path, layout=layout,
+                                  mode=self._mode, capacity_bytes=capacity_bytes)
 
     def _open_index(self, path: str) -> Index:
         with begin(self._env) as txn:
@@ -239,145 +238,40 @@ class LMDBTier(Tier):
         return result.num_ok
 
     # -- writes ----------------------------------------------------------------------------
-    def _prepare(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], positions: list[int]) -> list[Prepared]:
-        out = []
-        for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
-            key = self._key(keys[p].block_hash)
-            parent = bytes(getattr(keys[p], "parent", b"") or b"")
-            tokens = keys[p].tokens if self._verify_tokens else b""
-            xxh = payload_sum(key, parent, tokens, pieces)
-            entry = Entry(CODEC_RAW, self._layout, self._slot_bytes, 0, self._block_bytes, xxh, 0, 0, parent, tokens)
-            out.append(Prepared(key, entry, pieces, keep))
-        return out
-
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         self._mirror.refresh()
-        held = self._mirror.hashes
-        _, fresh = plan_put(keys, held.__contains__, len(keys))
+        _, fresh = plan_put(keys, self._mirror.hashes.__contains__, len(keys))
         touched = [k.block_hash for k in keys]
         if not fresh:
             self.touch(touched)
             return 0
-        blocks = self._prepare(keys, srcs, fresh)
-        for attempt in range(4):
-            try:
-                return self._write(blocks, touched, extra=attempt)
-            except lmdb.MapFullError:
-                # A process killed inside a read transaction leaves its slot in the reader
-                # table, pinning every page freed since: clear dead readers, then retry.
-                self._env.reader_check()
-            except OSError as exc:
-                reason = self._full_reason(exc)
-                if reason is None:
-                    raise
-                raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
-            except lmdb.Error as exc:
-                reason = disk_full_reason(exc, self._path, len(blocks) * self._slot_bytes)
-                if reason is not None:
-                    raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
-                raise
-        raise DiskFullError(f"disk tier at {self._path}: index map full after evicting (a reader may hold an old "
-                            "snapshot); nothing was written")
+        return self._write(self._writer.prepare(keys, srcs, fresh), touched)
 
-    @staticmethod
-    def _full_reason(exc: OSError) -> str | None:
-        if exc.errno == errno.EFBIG:
-            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            return f"file size limit of {limit} bytes reached"
-        return _FULL_ERRNOS.get(exc.errno or 0)
-
-    def _write(self, blocks: list[Prepared], touched: list[BlockHash], extra: int) -> int:
-        """One write transaction: touches, eviction, payloads, entries. Aborts as a whole."""
+    def _write(self, blocks: list[Prepared], touched: list[BlockHash]) -> int:
+        """One write transaction with the buffered touches; they are kept if it fails."""
         with self._lock:
             pending, self._pending = self._pending, []
         try:
-            with begin(self._env, write=True) as txn:
-                wb = WriteBatch(self._ix, txn)
-                seq_before = wb.seq
-                wb.touch([self._key(h) for h in pending + touched])
-                fresh = [b for b in blocks if wb.get(b.key) is None]  # another process may have written some
-                budget = self._capacity_bytes * (1.0 - 0.15 * extra)
-                skip = 0
-                while skip < len(fresh) and (len(fresh) - skip) * self._cost > budget:
-                    skip += 1  # the most evictable never enter
-                fresh = fresh[skip:]
-                victims = wb.evict(wb.used + len(fresh) * self._cost - budget)
-                slots = wb.allocate(self._slot_bytes, len(fresh))
-                in_prefix_order = fresh[::-1]  # so a prefix lies forwards in the file
-                self._punch(wb.unpunched())
-                write_payloads(self._files, self._slot_bytes, in_prefix_order, slots)
-                if fresh and self._mode is DiskSync.COMMIT:
-                    self._files.sync([self._slot_bytes])
-                slot_of = {b.key: s for b, s in zip(in_prefix_order, slots)}
-                for b in fresh:  # eviction order: the first gets the lowest tick
-                    wb.insert(b.key, b.entry._replace(slot=slot_of[b.key]))
-                wb.finish()
-                txnid = txn.id()
+            done = self._writer.put(blocks, [self._key(h) for h in pending + touched])
         except BaseException:
             with self._lock:
                 self._pending[:0] = pending
             raise
-        self._committed(txnid, seq_before, wb)
-        self.counters.num_evictions += len(victims)
-        self._announce(True, [BlockHash(b.key[len(self._tag):]) for b in fresh])
-        return len(fresh)
-
-    def _committed(self, txnid: int, seq_before: int, wb: WriteBatch) -> None:
-        """After a commit: the in-memory index, durability, and the listener."""
-        self._mirror.applied(txnid, seq_before, wb.seq, wb.removed, wb.added)
-        if self._mode is DiskSync.COMMIT and not self._env_syncs:
-            self._env.sync(True)  # another store in this process opened the index without sync
-        if self._group is not None:
-            self._group.mark()
+        self.counters.num_evictions += done.num_evicted
+        self._announce_removed(done.removed)
         n = len(self._tag)
-        self._announce(False, [BlockHash(k[n:]) for k in wb.removed if k[:n] == self._tag])
-
-    def _punch(self, freed: list[tuple[int, int]]) -> None:
-        by_size: dict[int, list[int]] = {}
-        for slot_bytes, slot in freed:
-            by_size.setdefault(slot_bytes, []).append(slot)
-        for slot_bytes, slots in by_size.items():
-            slots.sort()
-            spans: list[tuple[int, int]] = []
-            for s in slots:
-                if spans and spans[-1][0] + spans[-1][1] == s:
-                    spans[-1] = (spans[-1][0], spans[-1][1] + 1)
-                else:
-                    spans.append((s, 1))
-            self._files.punch(slot_bytes, spans)
-
-    def _sync_all(self) -> None:
-        """The group commit: data files first, then the index."""
-        self._files.sync(list(self._files.file_sizes()))
-        self._env.sync(True)
+        self._announce(True, [BlockHash(k[n:]) for k in done.added])
+        return len(done.added)
 
     def _remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
                 reclaim: bool = False) -> int:
-        """Delete entries (a generation: only if the entry still has it); return how many.
-        `damaged` entries free no slot (`WriteBatch.remove`); `reclaim` frees every slot no
-        entry names."""
-        num = 0
-        with begin(self._env, write=True, buffers=True) as txn:
-            wb = WriteBatch(self._ix, txn)
-            seq_before = wb.seq
-            for key, gen in items:
-                raw = wb.get(key)
-                if raw is None:
-                    continue
-                if gen is not None:
-                    try:
-                        if disk_scan.unpack(raw).gen != gen:
-                            continue
-                    except CorruptRecordError:
-                        pass
-                wb.remove(key, damaged=damaged)
-                num += 1
-            wb.finish()
-            if reclaim:
-                wb.reclaim()
-            txnid = txn.id()
-        self._committed(txnid, seq_before, wb)
-        return num
+        removed = self._writer.remove(items, damaged=damaged, reclaim=reclaim).removed
+        self._announce_removed(removed)
+        return len(removed)
+
+    def _announce_removed(self, keys: list[bytes]) -> None:
+        n = len(self._tag)
+        self._announce(False, [BlockHash(k[n:]) for k in keys if k[:n] == self._tag])
 
     # -- recency, deletion, lifecycle ------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -395,11 +289,8 @@ class LMDBTier(Tier):
         so reads and `close()` never fail for want of room.
         """
         try:
-            self._write([], [], extra=0)
-        except lmdb.Error as exc:
-            full = disk_full_reason(exc, self._path, 0) is not None
-            if not isinstance(exc, lmdb.MapFullError) and not full:
-                raise
+            self._write([], [])
+        except DiskFullError:
             with self._lock:
                 self._pending.clear()
         return True
@@ -435,8 +326,7 @@ class LMDBTier(Tier):
         finally:
             self._closed = True
             if os.getpid() == self._pid:
-                if self._group is not None:
-                    self._group.close()
+                self._writer.close()
                 release_env(self._path)
             self._files.close()
 

@@ -48,8 +48,12 @@ def damage_payload(loc: PayloadLocation, kind: str, rng: np.random.Generator) ->
 
 
 def read_entry(path: Path, key: bytes) -> Entry:
-    with lmdb.open(str(path), max_dbs=8, readonly=True) as env, env.begin(db=env.open_db(b"index", create=False)) as txn:
-        raw = txn.get(key)
+    env = lmdb.open(str(path), max_dbs=8, readonly=True)
+    try:
+        with env.begin(db=env.open_db(b"index", create=False)) as txn:
+            raw = txn.get(key)
+    finally:
+        env.close()
     assert raw is not None, "no index entry under that key"
     return unpack_entry(raw)
 

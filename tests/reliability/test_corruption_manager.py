@@ -62,7 +62,7 @@ def test_damaged_disk_record_shortens_the_prefix(tmp_path: Path, kind: str, figu
         assert isinstance(disk, LMDBTier)
         locations = {i: disk.payload_location(store.block_hashes(prompts[i])[index]) for i, index in damaged.items()}
     values = {}
-    for i, loc in locations.items():
+    for loc in locations.values():
         assert loc is not None
         if kind == "payload-bit":
             diskdamage.damage_payload(loc, "payload-bit", rng)

@@ -1,0 +1,194 @@
+"""The disk tier's write transactions: payloads first, then the entries that name them.
+
+One write transaction (LMDB's writer lock, shared by every process on the directory) applies
+buffered touches, evicts down to the budget, takes slots (free ones first, then new ones at
+the end of the file; laid out in prefix order, so a prefix reads forwards), gives the space
+of slots left free back to the file system, writes the payloads straight from the source
+tensors, syncs them as the durability mode asks, and only then puts the entries and commits.
+A process killed anywhere in between leaves the index as it was before (its payload bytes
+land in slots no committed entry names). A full file system, a file-size limit or a full
+index map is a `DiskFullError` with nothing written.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import lmdb
+import torch
+
+from tiers.base import BlockKey
+from tiers.disk_durability import DiskSync, GroupSync
+from tiers.disk_files import SlotFiles
+from tiers.disk_index import CODEC_RAW, Entry, Index, WriteBatch, block_cost, unpack_entry
+from tiers.disk_mirror import Mirror
+from tiers.disk_payload import Prepared, payload_sum, source_pieces, write_payloads
+from tiers.errors import CorruptRecordError, DiskFullError
+from tiers.lmdb_env import begin, disk_full_reason
+
+_FULL_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
+
+
+class WriteOutcome(NamedTuple):
+    """What a committed write transaction did: index keys it added and removed (any
+    namespace's), and how many it evicted to make room."""
+
+    added: list[bytes]
+    removed: list[bytes]
+    num_evicted: int
+
+
+class Layout(NamedTuple):
+    """What every block of one disk tier is: its namespace tag, layout tag, sizes, and
+    whether token ids are kept."""
+
+    tag: bytes
+    layout: int
+    block_bytes: int
+    slot_bytes: int
+    verify_tokens: bool
+
+
+class DiskWriter:
+    """The write side of one disk tier (thread-safe through LMDB's writer lock)."""
+
+    def __init__(self, env: lmdb.Environment, ix: Index, files: SlotFiles, mirror: Mirror, *, path: str,
+                 layout: Layout, mode: DiskSync, capacity_bytes: int) -> None:
+        self._env, self._ix, self._files, self._mirror = env, ix, files, mirror
+        self._path, self._lay, self._mode = path, layout, mode
+        self._capacity_bytes = capacity_bytes
+        self._cost = block_cost(layout.slot_bytes)
+        self._env_syncs = bool(env.flags().get("sync", False))
+        self._group = GroupSync(self.sync_all, path) if mode is DiskSync.GROUP else None
+
+    def prepare(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], positions: list[int]) -> list[Prepared]:
+        """Entries and checksums of the blocks at `positions`, before any lock is taken."""
+        lay = self._lay
+        out = []
+        for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
+            key = lay.tag + bytes(keys[p].block_hash)
+            parent = bytes(getattr(keys[p], "parent", b"") or b"")  # set where keys carry their parent
+            tokens = keys[p].tokens if lay.verify_tokens else b""
+            xxh = payload_sum(key, parent, tokens, pieces)
+            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, xxh, 0, 0, parent, tokens)
+            out.append(Prepared(key, entry, pieces, keep))
+        return out
+
+    def put(self, blocks: list[Prepared], touches: list[bytes]) -> WriteOutcome:
+        """Write `blocks` (eviction order) not held yet and apply `touches`, in one
+        transaction (retried after clearing dead readers when the map is full). Raises
+        `DiskFullError`, having written nothing, when there is no room."""
+        for attempt in range(4):
+            try:
+                return self._write(blocks, touches, attempt)
+            except lmdb.MapFullError:
+                # A process killed inside a read transaction leaves its slot in the reader
+                # table, pinning every page freed since: clear dead readers, then retry.
+                self._env.reader_check()
+            except OSError as exc:
+                reason = self.full_reason(exc)
+                if reason is None:
+                    raise
+                raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
+            except lmdb.Error as exc:
+                reason = disk_full_reason(exc, self._path, len(blocks) * self._lay.slot_bytes)
+                if reason is not None:
+                    raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
+                raise
+        raise DiskFullError(f"disk tier at {self._path}: index map full after evicting (a reader may hold an old "
+                            "snapshot); nothing was written")
+
+    @staticmethod
+    def full_reason(exc: OSError) -> str | None:
+        """Why a failed file write was for want of room, or None if it was not."""
+        if exc.errno == errno.EFBIG:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            return f"file size limit of {limit} bytes reached"
+        return _FULL_ERRNOS.get(exc.errno or 0)
+
+    def _write(self, blocks: list[Prepared], touches: list[bytes], extra: int) -> WriteOutcome:
+        slot_bytes, cost = self._lay.slot_bytes, self._cost
+        with begin(self._env, write=True) as txn:
+            wb = WriteBatch(self._ix, txn)
+            seq_before = wb.seq
+            wb.touch(touches)
+            fresh = [b for b in blocks if wb.get(b.key) is None]  # another process may have written some
+            budget = self._capacity_bytes * (1.0 - 0.15 * extra)
+            skip = 0
+            while skip < len(fresh) and (len(fresh) - skip) * cost > budget:
+                skip += 1  # the most evictable never enter
+            fresh = fresh[skip:]
+            victims = wb.evict(wb.used + len(fresh) * cost - budget)
+            slots = wb.allocate(slot_bytes, len(fresh))
+            in_prefix_order = fresh[::-1]
+            self._punch(wb.unpunched())
+            write_payloads(self._files, slot_bytes, in_prefix_order, slots)
+            if fresh and self._mode is DiskSync.COMMIT:
+                self._files.sync([slot_bytes])
+            slot_of = {b.key: s for b, s in zip(in_prefix_order, slots)}
+            for b in fresh:  # eviction order: the first gets the lowest tick
+                wb.insert(b.key, b.entry._replace(slot=slot_of[b.key]))
+            wb.finish()
+            txnid = txn.id()
+        self._committed(txnid, seq_before, wb)
+        return WriteOutcome(wb.added, wb.removed, len(victims))
+
+    def remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
+               reclaim: bool = False) -> WriteOutcome:
+        """Delete entries (with a generation: only if the entry still has it). `damaged`
+        entries free no slot (`WriteBatch.remove`); `reclaim` frees every slot no entry
+        names."""
+        with begin(self._env, write=True) as txn:
+            wb = WriteBatch(self._ix, txn)
+            seq_before = wb.seq
+            for key, gen in items:
+                raw = wb.get(key)
+                if raw is None:
+                    continue
+                if gen is not None:
+                    try:
+                        if unpack_entry(raw).gen != gen:
+                            continue  # rewritten since it was read: not the damaged one
+                    except CorruptRecordError:
+                        pass
+                wb.remove(key, damaged=damaged)
+            wb.finish()
+            if reclaim:
+                wb.reclaim()
+            txnid = txn.id()
+        self._committed(txnid, seq_before, wb)
+        return WriteOutcome([], wb.removed, 0)
+
+    def _committed(self, txnid: int, seq_before: int, wb: WriteBatch) -> None:
+        self._mirror.applied(txnid, seq_before, wb.seq, wb.removed, wb.added)
+        if self._mode is DiskSync.COMMIT and not self._env_syncs:
+            self._env.sync(True)  # another store in this process opened the index without sync
+        if self._group is not None:
+            self._group.mark()
+
+    def _punch(self, freed: list[tuple[int, int]]) -> None:
+        by_size: dict[int, list[int]] = {}
+        for slot_bytes, slot in freed:
+            by_size.setdefault(slot_bytes, []).append(slot)
+        for slot_bytes, slots in by_size.items():
+            slots.sort()
+            spans: list[tuple[int, int]] = []
+            for s in slots:
+                if spans and spans[-1][0] + spans[-1][1] == s:
+                    spans[-1] = (spans[-1][0], spans[-1][1] + 1)
+                else:
+                    spans.append((s, 1))
+            self._files.punch(slot_bytes, spans)
+
+    def sync_all(self) -> None:
+        """The group commit: the data files first, then the index."""
+        self._files.sync(list(self._files.file_sizes()))
+        self._env.sync(True)
+
+    def close(self) -> None:
+        """Stop the group-commit thread (after its last sync)."""
+        if self._group is not None:
+            self._group.close()
