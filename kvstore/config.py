@@ -173,7 +173,9 @@ class StoreConfig:
             cap); to share a device with other work, or to emulate a slower one.
         result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
             returns (pre-faulted, huge pages where the kernel allows): a result dropped by
-            the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
+            the caller is reused instead of faulted in anew. Beyond it, the most recent
+            result too large to fit is kept as well (one buffer, at most 1/8 of RAM), so long
+            prompts are recycled too. 0: a fresh allocation each time.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
         events_endpoint: publish KV events (blocks entering and leaving each tier) on this
