@@ -3,26 +3,29 @@
 A payload is one block's bytes in row-major order (codec 0, raw). Its xxh3-64 covers the
 block's index key, parent hash and token ids (`disk_index.checksum`) and then the payload, so
 bytes that landed in the wrong slot, a torn write, or an entry moved under another key all
-fail. Writes of blocks in consecutive slots go out as one `pwritev` straight from the source
-tensors; reads of consecutive slots come in as one `preadv` straight into the destinations,
-each block then verified in place (a host destination that fails keeps undefined bytes: it
-was read there to be checked). Device tensors and views without a byte layout go through a
-host staging copy.
+fail. Writes of blocks in consecutive slots go out as gathered `pwritev` calls straight from
+the source tensors; reads come in as `preadv` calls straight into the destinations, each
+block verified in place (a host destination that fails keeps undefined bytes: it was read
+there to be checked). Both move about a MiB per call and hash it while it is in the CPU
+cache, so the checksum costs no extra trip through memory. Device tensors and views without
+a byte layout go through a host staging copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from tiers.blockbatch import BlockBatch
 from tiers.blockcopy import host_bytes
-from tiers.disk_files import Pieces, SlotFiles, array_pieces, tensor_pieces
+from tiers.disk_files import Pieces, SlotFiles, array_pieces, read_all, tensor_pieces, write_all
 from tiers.disk_index import Entry, checksum
 
-_MAX_RUN_BYTES = 256 << 20  # one read call at most; bounds the staging a device read needs
+_MAX_RUN_BYTES = 1 << 30  # slots per run at most (keeps the Python lists of one run bounded)
+_CHUNK = 1 << 20  # bytes per gathered read or write: hashed while they are in the cache
 
 
 class Prepared(NamedTuple):
@@ -74,18 +77,50 @@ def runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
     return out
 
 
-def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared], slots: Sequence[int]) -> None:
-    """Write `blocks[i]` into slot `slots[i]`, one gathered write per run of consecutive
-    slots. Raises `OSError` if the file system refuses (nothing is committed then)."""
-    pad = slot_bytes - blocks[0].entry.length if blocks else 0
+def _cut(pieces: Pieces) -> Pieces:
+    """The pieces, the ones larger than a chunk cut into chunk-sized views."""
+    out: Pieces = []
+    for p in pieces:
+        n = p.nbytes
+        if n <= _CHUNK:
+            out.append(p)
+        else:
+            flat = p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8)
+            out.extend(flat[i : i + _CHUNK] for i in range(0, n, _CHUNK))
+    return out
+
+
+def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared], slots: Sequence[int]) -> list[int]:
+    """Write `blocks[i]` into slot `slots[i]` and return each block's checksum. Each run of
+    consecutive slots is one stream of gathered writes of about `_CHUNK` bytes; every piece is
+    hashed just before it is written, so the write copies it from the cache. Raises `OSError`
+    if the file system refuses (nothing is committed then)."""
+    sums: list[int] = []
+    if not blocks:
+        return sums
+    fd = files.fd(slot_bytes)
+    pad = slot_bytes - blocks[0].entry.length
     gap = memoryview(bytes(pad)) if pad else None
     for start, end in runs(slots, max(1, _MAX_RUN_BYTES // slot_bytes)):
-        pieces: Pieces = []
-        for b in blocks[start:end]:
-            pieces.extend(b.pieces)
-            if gap is not None and end - start > 1:
-                pieces.append(gap)  # keeps the next block at its slot's offset
-        files.write(slot_bytes, slots[start], pieces)
+        offset = slots[start] * slot_bytes
+        chunk: Pieces = []
+        size = 0
+        for j in range(start, end):
+            b = blocks[j]
+            h = checksum(b.key, b.entry.parent, b.entry.tokens)
+            tail = [gap] if gap is not None and j + 1 < end else []  # keeps the next block at its slot
+            for piece in _cut(b.pieces) + tail:
+                if piece is not gap:
+                    h.update(piece)
+                chunk.append(piece)
+                size += piece.nbytes
+                if size >= _CHUNK:
+                    write_all(fd, chunk, offset)
+                    offset, chunk, size = offset + size, [], 0
+            sums.append(int(h.intdigest()))
+        if chunk:
+            write_all(fd, chunk, offset)
+    return sums
 
 
 class ReadResult(NamedTuple):
@@ -95,43 +130,59 @@ class ReadResult(NamedTuple):
     failed: int | None
 
 
+Target = tuple[Pieces, torch.Tensor | None]  # the pieces a block is read into, and its staging copy
+
+
+def _targets(dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[int]) -> list[Target]:
+    """Where each block is read to: its destination's own memory, or a host staging copy."""
+    out: list[Target] = []
+    for dst in dsts:
+        pieces = tensor_pieces(dst)
+        if pieces is None:
+            staging = torch.empty(tuple(shape), dtype=dtype)
+            pieces = tensor_pieces(staging)
+            assert pieces is not None  # a contiguous host tensor always has a byte view
+            out.append((_cut(pieces), staging))
+        else:
+            out.append((_cut(pieces), None))
+    return out
+
+
 def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Entry],
-                  dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[int],
-                  on_block: Callable[[int], None] | None = None) -> ReadResult:
+                  dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[int]) -> ReadResult:
     """Read `entries[i]`'s payload into `dsts[i]` and verify it, in order; stop at the first
-    block whose bytes are short or fail their checksum."""
-    n = 0
-    slots = [e.slot for e in entries]
+    block whose bytes are short or fail their checksum (its destination, and the start of
+    the next one, then hold undefined bytes). Reads of about `_CHUNK` bytes, each hashed
+    right after it lands, while it is in the cache."""
     if not entries:
         return ReadResult(0, None)
     slot_bytes = entries[0].slot_bytes
+    fd = files.fd(slot_bytes)
+    slots = [e.slot for e in entries]
+    n = 0
     for start, end in runs(slots, max(1, _MAX_RUN_BYTES // slot_bytes)):
-        targets: list[tuple[Pieces, torch.Tensor | None]] = []
-        for i in range(start, end):
-            pieces = tensor_pieces(dsts[i])
-            if pieces is not None:
-                targets.append((pieces, None))
-            else:
-                staging = torch.empty(tuple(shape), dtype=dtype)
-                staged = tensor_pieces(staging)
-                assert staged is not None
-                targets.append((staged, staging))
-        pad = slot_bytes - entries[start].length
-        gap = memoryview(bytearray(pad)) if pad and end - start > 1 else None
-        flat: Pieces = []
-        for pieces, _ in targets:
-            flat.extend(pieces)
-            if gap is not None:
-                flat.append(gap)
-        got = files.read(slot_bytes, slots[start], flat)
-        for i in range(start, end):
-            e = entries[i]
-            pieces, staged_copy = targets[i - start]
-            if got < (i - start) * slot_bytes + e.length or payload_sum(keys[i], e.parent, e.tokens, pieces) != e.xxh:
-                return ReadResult(n, i)
-            if staged_copy is not None:
-                dsts[i].copy_(staged_copy)
+        targets = _targets(dsts[start:end], dtype, shape)
+        for j in range(start, end):
+            e = entries[j]
+            offset = slots[j] * slot_bytes
+            pieces, staging = targets[j - start]
+            h = checksum(keys[j], e.parent, e.tokens)
+            ok = True
+            i = 0
+            while i < len(pieces) and ok:  # chunks of about _CHUNK bytes
+                chunk: Pieces = []
+                size = 0
+                while i < len(pieces) and (not chunk or size + pieces[i].nbytes <= _CHUNK):
+                    chunk.append(pieces[i])
+                    size += pieces[i].nbytes
+                    i += 1
+                ok = read_all(fd, chunk, offset) == size
+                offset += size
+                for piece in chunk:
+                    h.update(piece)
+            if not ok or h.intdigest() != e.xxh:
+                return ReadResult(n, j)
+            if staging is not None:
+                dsts[j].copy_(staging)
             n += 1
-            if on_block is not None:
-                on_block(i)
     return ReadResult(n, None)

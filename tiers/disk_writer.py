@@ -25,7 +25,7 @@ from tiers.disk_durability import DiskSync, GroupSync
 from tiers.disk_files import SlotFiles
 from tiers.disk_index import CODEC_RAW, Entry, Index, WriteBatch, block_cost, unpack_entry
 from tiers.disk_mirror import Mirror
-from tiers.disk_payload import Prepared, payload_sum, source_pieces, write_payloads
+from tiers.disk_payload import Prepared, source_pieces, write_payloads
 from tiers.errors import CorruptRecordError, DiskFullError
 from tiers.lmdb_env import begin, disk_full_reason
 
@@ -65,15 +65,15 @@ class DiskWriter:
         self._group = GroupSync(self.sync_all, path) if mode is DiskSync.GROUP else None
 
     def prepare(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], positions: list[int]) -> list[Prepared]:
-        """Entries and checksums of the blocks at `positions`, before any lock is taken."""
+        """Entries (slot and checksum still 0) and payload pieces of the blocks at
+        `positions`, before any lock is taken."""
         lay = self._lay
         out = []
         for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
             key = lay.tag + bytes(keys[p].block_hash)
             parent = bytes(getattr(keys[p], "parent", b"") or b"")  # set where keys carry their parent
             tokens = keys[p].tokens if lay.verify_tokens else b""
-            xxh = payload_sum(key, parent, tokens, pieces)
-            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, xxh, 0, 0, parent, tokens)
+            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, 0, 0, 0, parent, tokens)
             out.append(Prepared(key, entry, pieces, keep))
         return out
 
@@ -125,12 +125,13 @@ class DiskWriter:
             slots = wb.allocate(slot_bytes, len(fresh))
             in_prefix_order = fresh[::-1]
             self._punch(wb.unpunched())
-            write_payloads(self._files, slot_bytes, in_prefix_order, slots)
+            sums = write_payloads(self._files, slot_bytes, in_prefix_order, slots)
             if fresh and self._mode is DiskSync.COMMIT:
                 self._files.sync([slot_bytes])
-            slot_of = {b.key: s for b, s in zip(in_prefix_order, slots)}
+            where = {b.key: (s, x) for b, s, x in zip(in_prefix_order, slots, sums)}
             for b in fresh:  # eviction order: the first gets the lowest tick
-                wb.insert(b.key, b.entry._replace(slot=slot_of[b.key]))
+                slot, xxh = where[b.key]
+                wb.insert(b.key, b.entry._replace(slot=slot, xxh=xxh))
             wb.finish()
             txnid = txn.id()
         self._committed(txnid, seq_before, wb)
