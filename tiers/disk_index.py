@@ -88,11 +88,7 @@ def block_cost(slot_bytes: int) -> int:
 
 def checksum(key: bytes, parent: bytes, tokens: bytes) -> Any:
     """An xxh3-64 state over what binds a payload to its entry; the payload is fed next."""
-    h = xxhash.xxh3_64()
-    h.update(key)
-    h.update(len(parent).to_bytes(2, "little") + parent)
-    h.update(tokens)
-    return h
+    return xxhash.xxh3_64(b"".join((key, len(parent).to_bytes(2, "little"), parent, tokens)))
 
 
 class Index:

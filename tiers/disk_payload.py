@@ -100,7 +100,7 @@ def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared]
         return sums
     fd = files.fd(slot_bytes)
     pad = slot_bytes - blocks[0].entry.length
-    gap = memoryview(bytes(pad)) if pad else None
+    tail = [memoryview(bytes(pad))] if pad else []  # keeps the next block at its slot's offset
     for start, end in runs(slots, max(1, _MAX_RUN_BYTES // slot_bytes)):
         offset = slots[start] * slot_bytes
         chunk: Pieces = []
@@ -108,15 +108,34 @@ def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared]
         for j in range(start, end):
             b = blocks[j]
             h = checksum(b.key, b.entry.parent, b.entry.tokens)
-            tail = [gap] if gap is not None and j + 1 < end else []  # keeps the next block at its slot
-            for piece in _cut(b.pieces) + tail:
-                if piece is not gap:
+            if b.entry.length <= _CHUNK:  # a small block: hashed whole, written with its neighbours
+                for piece in b.pieces:
                     h.update(piece)
-                chunk.append(piece)
-                size += piece.nbytes
+                chunk += b.pieces
+                size += b.entry.length
+                if tail and j + 1 < end:
+                    chunk += tail
+                    size += pad
                 if size >= _CHUNK:
                     write_all(fd, chunk, offset)
                     offset, chunk, size = offset + size, [], 0
+            else:  # a large one: a chunk at a time, each hashed just before its write
+                if chunk:
+                    write_all(fd, chunk, offset)
+                    offset, chunk, size = offset + size, [], 0
+                part: Pieces = []
+                part_size = 0
+                for piece in _cut(b.pieces):
+                    h.update(piece)
+                    part.append(piece)
+                    part_size += piece.nbytes
+                    if part_size >= _CHUNK:
+                        write_all(fd, part, offset)
+                        offset, part, part_size = offset + part_size, [], 0
+                if part:
+                    write_all(fd, part, offset)
+                    offset += part_size
+                offset += pad if j + 1 < end else 0
             sums.append(int(h.intdigest()))
         if chunk:
             write_all(fd, chunk, offset)
