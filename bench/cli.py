@@ -30,6 +30,7 @@ BENCHMARKS = {
     "workload": "bench.workload",
     "load-policy": "bench.load_policy",
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
+    "peer": "bench.peer",
 }
 COMMANDS = {
     "demo": "bench.demo",
@@ -64,6 +65,7 @@ _BENCH_SUMMARIES = {
     "workload": "The field's synthetic workloads through the reference runner.",
     "load-policy": "Load or recompute: TTFT under load_policy auto/always/never, slow disk.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
+    "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
 }
 
 
