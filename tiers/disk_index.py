@@ -43,6 +43,7 @@ _BE = struct.Struct(">Q")
 _SLOT = struct.Struct(">QQ")
 _ENTRY = struct.Struct("<BBHIQQQQQQ")  # format, codec, parent length, layout, slot bytes, slot, length, xxh, gen, tick
 _ENTRY_FORMAT = 1
+_TICK_AT = _ENTRY.size - 8  # the LRU tick is the header's last field
 
 
 class Entry(NamedTuple):
@@ -174,19 +175,19 @@ class WriteBatch:
         return None if raw is None else bytes(raw)
 
     def touch(self, keys: Sequence[bytes]) -> None:
-        """Make held keys most recently used, the last one most; absent ones are skipped."""
+        """Make held keys most recently used, the last one most (a key listed twice counts
+        where it is listed last); absent ones are skipped."""
         txn, ix = self._txn, self._ix
-        for key in keys:
+        for key in reversed(dict.fromkeys(reversed(keys))):  # each key once, at its last place
             raw = txn.get(key, db=ix.index)
-            if raw is None:
-                continue
-            try:
-                e = unpack_entry(bytes(raw))
-            except CorruptRecordError:
-                continue  # a reader finds it damaged and deletes it
-            txn.delete(_BE.pack(e.tick), db=ix.order)
+            if raw is None or len(raw) < _ENTRY.size or raw[0] != _ENTRY_FORMAT:
+                continue  # absent, or damaged: a reader finds it and deletes it
+            raw = bytes(raw)
+            old = _BE.pack(_U64.unpack_from(raw, _TICK_AT)[0])
+            if txn.get(old, db=ix.order) == key:  # (a damaged tick must not unlink another block)
+                txn.delete(old, db=ix.order)
             txn.put(_BE.pack(self.tick), key, db=ix.order)
-            txn.put(key, pack_entry(e._replace(tick=self.tick)), db=ix.index)
+            txn.put(key, raw[:_TICK_AT] + _U64.pack(self.tick) + raw[_TICK_AT + 8 :], db=ix.index)
             self.tick += 1
 
     def remove(self, key: bytes, *, damaged: bool = False) -> Entry | None:
@@ -284,12 +285,16 @@ class WriteBatch:
             txn.put(b"p" + _SLOT.pack(slot_bytes, slot), b"", db=ix.free)
         return out
 
-    def insert(self, key: bytes, entry: Entry) -> None:
+    def insert(self, key: bytes, entry: Entry, slot: int, xxh: int) -> None:
+        """Add `entry` (a new block: not held) in `slot` with checksum `xxh`, most recently
+        used."""
         txn, ix = self._txn, self._ix
-        txn.put(key, pack_entry(entry._replace(tick=self.tick, gen=self.gen)), db=ix.index)
+        e = entry
+        txn.put(key, _ENTRY.pack(_ENTRY_FORMAT, e.codec, len(e.parent), e.layout, e.slot_bytes, slot, e.length, xxh,
+                                 self.gen, self.tick) + e.parent + e.tokens, db=ix.index)
         txn.put(_BE.pack(self.tick), key, db=ix.order)
         self.tick += 1
-        self.used += block_cost(entry.slot_bytes)
+        self.used += block_cost(e.slot_bytes)
         self.added.append(key)
 
     def finish(self) -> None:

@@ -79,6 +79,8 @@ def runs(slots: Sequence[int], max_blocks: int) -> list[tuple[int, int]]:
 
 def _cut(pieces: Pieces) -> Pieces:
     """The pieces, the ones larger than a chunk cut into chunk-sized views."""
+    if all(p.nbytes <= _CHUNK for p in pieces):
+        return pieces
     out: Pieces = []
     for p in pieces:
         n = p.nbytes
@@ -154,9 +156,10 @@ Target = tuple[Pieces, torch.Tensor | None]  # the pieces a block is read into, 
 
 def _targets(dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[int]) -> list[Target]:
     """Where each block is read to: its destination's own memory, or a host staging copy."""
+    rows = host_bytes(dsts.rows) if isinstance(dsts, BlockBatch) else None
     out: list[Target] = []
-    for dst in dsts:
-        pieces = tensor_pieces(dst)
+    for i in range(len(dsts)):
+        pieces = array_pieces(rows[dsts.row_ids[i]]) if rows is not None else tensor_pieces(dsts[i])  # type: ignore[attr-defined]
         if pieces is None:
             staging = torch.empty(tuple(shape), dtype=dtype)
             pieces = tensor_pieces(staging)
@@ -170,38 +173,61 @@ def _targets(dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[i
 def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Entry],
                   dsts: Sequence[torch.Tensor], dtype: torch.dtype, shape: Sequence[int]) -> ReadResult:
     """Read `entries[i]`'s payload into `dsts[i]` and verify it, in order; stop at the first
-    block whose bytes are short or fail their checksum (its destination, and the start of
-    the next one, then hold undefined bytes). Reads of about `_CHUNK` bytes, each hashed
-    right after it lands, while it is in the cache."""
+    block whose bytes are short or fail their checksum (its destination, and those of the
+    blocks read with it, then hold undefined bytes). Reads of about `_CHUNK` bytes (several
+    small blocks, or a part of a large one), each hashed right after it lands, while it is in
+    the cache."""
     if not entries:
         return ReadResult(0, None)
     slot_bytes = entries[0].slot_bytes
     fd = files.fd(slot_bytes)
     slots = [e.slot for e in entries]
+    targets = _targets(dsts, dtype, shape)
     n = 0
-    for start, end in runs(slots, max(1, _MAX_RUN_BYTES // slot_bytes)):
-        targets = _targets(dsts[start:end], dtype, shape)
-        for j in range(start, end):
-            e = entries[j]
-            offset = slots[j] * slot_bytes
-            pieces, staging = targets[j - start]
-            h = checksum(keys[j], e.parent, e.tokens)
-            ok = True
-            i = 0
-            while i < len(pieces) and ok:  # chunks of about _CHUNK bytes
-                chunk: Pieces = []
-                size = 0
-                while i < len(pieces) and (not chunk or size + pieces[i].nbytes <= _CHUNK):
-                    chunk.append(pieces[i])
-                    size += pieces[i].nbytes
-                    i += 1
-                ok = read_all(fd, chunk, offset) == size
-                offset += size
-                for piece in chunk:
-                    h.update(piece)
-            if not ok or h.intdigest() != e.xxh:
-                return ReadResult(n, j)
-            if staging is not None:
-                dsts[j].copy_(staging)
-            n += 1
+    for start, end in runs(slots, max(1, _CHUNK // slot_bytes)):  # small blocks: one read per run
+        e = entries[start]
+        if end - start > 1 or e.length <= _CHUNK:
+            flat: Pieces = []
+            for j in range(start, end):
+                flat += targets[j][0]
+                if j + 1 < end and slot_bytes > e.length:
+                    flat.append(bytearray(slot_bytes - e.length))
+            got = read_all(fd, flat, slots[start] * slot_bytes)
+            for j in range(start, end):
+                if not _verified(keys[j], entries[j], targets[j], got >= (j - start) * slot_bytes + e.length):
+                    return ReadResult(n, j)
+                _land(dsts[j], targets[j])
+                n += 1
+            continue
+        pieces = targets[start][0]  # one large block, a chunk at a time
+        h = checksum(keys[start], e.parent, e.tokens)
+        offset, i, ok = slots[start] * slot_bytes, 0, True
+        while i < len(pieces) and ok:
+            chunk: Pieces = []
+            size = 0
+            while i < len(pieces) and (not chunk or size + pieces[i].nbytes <= _CHUNK):
+                chunk.append(pieces[i])
+                size += pieces[i].nbytes
+                i += 1
+            ok = read_all(fd, chunk, offset) == size
+            offset += size
+            for piece in chunk:
+                h.update(piece)
+        if not ok or h.intdigest() != e.xxh:
+            return ReadResult(n, start)
+        _land(dsts[start], targets[start])
+        n += 1
     return ReadResult(n, None)
+
+
+def _verified(key: bytes, e: Entry, target: Target, complete: bool) -> bool:
+    h = checksum(key, e.parent, e.tokens)
+    for piece in target[0]:
+        h.update(piece)
+    return complete and h.intdigest() == e.xxh
+
+
+def _land(dst: torch.Tensor, target: Target) -> None:
+    """Copy a verified block from its staging copy (if it needed one) to its destination."""
+    if target[1] is not None:
+        dst.copy_(target[1])

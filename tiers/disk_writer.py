@@ -130,8 +130,7 @@ class DiskWriter:
                 self._files.sync([slot_bytes])
             where = {b.key: (s, x) for b, s, x in zip(in_prefix_order, slots, sums)}
             for b in fresh:  # eviction order: the first gets the lowest tick
-                slot, xxh = where[b.key]
-                wb.insert(b.key, b.entry._replace(slot=slot, xxh=xxh))
+                wb.insert(b.key, b.entry, *where[b.key])
             wb.finish()
             txnid = txn.id()
         self._committed(txnid, seq_before, wb)
