@@ -225,3 +225,17 @@ def test_blocks_evicted_by_another_process_while_read_are_misses_not_damage(tmp_
     finally:
         proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_foreign_lmdb_is_refused_before_anything_is_written_into_it(tmp_path: Path) -> None:
+    env = lmdb.open(str(tmp_path), map_size=1 << 20)
+    with env.begin(write=True) as txn:
+        txn.put(b"someone", b"else's value")
+    env.close()
+    with pytest.raises(ConfigError, match="not kvstrata's"):
+        open_store(str(tmp_path))
+    env = lmdb.open(str(tmp_path), map_size=1 << 20)
+    with env.begin() as txn:
+        assert [bytes(k) for k in txn.cursor().iternext(values=False)] == [b"someone"]  # no sub-database created
+    env.close()
+    assert not list(tmp_path.glob("slots-*"))

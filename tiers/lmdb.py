@@ -35,7 +35,18 @@ from tiers import disk_scan
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.disk_durability import DiskSync
 from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
-from tiers.disk_index import CODEC_RAW, FORMAT, LOG_KEEP, OLD_DB_NAMES, Entry, Index, WriteBatch, block_cost, ns_tag
+from tiers.disk_index import (
+    CODEC_RAW,
+    DB_NAMES,
+    FORMAT,
+    LOG_KEEP,
+    OLD_DB_NAMES,
+    Entry,
+    Index,
+    WriteBatch,
+    block_cost,
+    ns_tag,
+)
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
 from tiers.disk_scan import HeldBlock, ScrubResult, summarize
@@ -107,14 +118,18 @@ class LMDBTier(Tier):
 
     def _open_index(self, path: str) -> Index:
         with begin(self._env) as txn:
-            if all(txn.get(name) is not None for name in OLD_DB_NAMES):
-                raise ConfigError(
-                    f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
-                    "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
-                    "that directory away (or delete it) to start an empty disk tier there")
+            names = {bytes(k) for k in txn.cursor().iternext(values=False)}
+        if names - set(DB_NAMES) and not set(OLD_DB_NAMES) <= names:  # checked before anything is created
+            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's (its keys include "
+                              f"{sorted(names - set(DB_NAMES))[:3]}); nothing was changed")
+        if set(OLD_DB_NAMES) <= names:
+            raise ConfigError(
+                f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
+                "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
+                "that directory away (or delete it) to start an empty disk tier there")
         try:
             ix = Index(self._env)
-        except lmdb.Error as exc:  # e.g. a foreign LMDB whose main database has a key "meta"
+        except lmdb.Error as exc:  # a key of ours that is no sub-database: not our store
             raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
         with begin(self._env) as txn:
             fmt = txn.get(b"format", db=ix.meta)
