@@ -27,7 +27,6 @@ import lmdb
 import msgpack
 import xxhash
 
-from tiers.base import BlockHash
 from tiers.errors import CorruptRecordError
 
 FORMAT = b"2"
@@ -363,7 +362,3 @@ def _sound(ix: Index, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
         except CorruptRecordError:
             continue
         yield key, raw
-
-
-def block_key(tag: bytes, block_hash: BlockHash) -> bytes:
-    return tag + bytes(block_hash)
