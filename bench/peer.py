@@ -6,7 +6,8 @@ prefixes of `--lookup-tokens` (hashing included, as each engine's lookup does), 
 chunk back, and finally a fresh process opens the same directory and looks the first prompt
 up again (does the cache survive a restart?). Each side runs in its own process, the two
 alternating for `--rounds` rounds in a fresh directory each; the table gives medians and
-kvstrata / LMCache ratios, with a raw write and read of the same bytes from the same rounds.
+kvstrata / LMCache ratios, with a raw write and read of the same bytes (one file) from the
+same rounds.
 
 The LMCache side (`bench/peer_lmcache.py`) runs under `--lmcache-python`, an interpreter
 with `pip install lmcache` (default: this one when it can import lmcache); it drives
@@ -75,27 +76,23 @@ def kvstrata_side(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def raw_side(spec: dict[str, Any]) -> dict[str, Any]:
-    """A raw buffered write and a warm read of the same bytes, one file per chunk."""
+    """A raw buffered write of the same bytes into one new file, and a warm read of it."""
     import torch
 
     from bench.peer_lmcache import _kv
 
     data = [_kv(s, spec["prompt_tokens"]).reshape(-1).view(torch.uint8).numpy() for s in spec["seeds"]]
-    chunk = len(data[0]) * 256 // spec["prompt_tokens"]
-    paths = []
+    path = os.path.join(spec["dir"], "raw.bin")
     t0 = time.perf_counter()
-    for i, d in enumerate(data):
-        for j in range(0, len(d), chunk):
-            path = os.path.join(spec["dir"], f"raw-{i}-{j}")
-            with open(path, "wb") as f:
-                f.write(d[j : j + chunk])
-            paths.append(path)
+    with open(path, "wb") as f:
+        for d in data:
+            f.write(d)
     out = {"write_s": time.perf_counter() - t0, "bytes": sum(len(d) for d in data)}
-    buf = bytearray(chunk)
+    buf = bytearray(len(data[0]))
     t0 = time.perf_counter()
-    for path in paths:
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(buf)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
     out["read_s"] = time.perf_counter() - t0
     return out
 
