@@ -70,6 +70,7 @@ class RemoteTier(Tier):
         self._warn_drop, self._warn_data = RateLimitedWarning(), RateLimitedWarning()
         self._closed = False
         self._client_lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._client: Any = None
         self._check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
@@ -93,19 +94,28 @@ class RemoteTier(Tier):
             return self._client
 
     def _call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any]) -> Any:
-        """`fn(client)` within the deadline for `nbytes`; None (a counted, rate-limited fault)
-        if the server fails, the deadline passes, or `health`'s breaker is open."""
+        """`fn(client)` within the deadline for `nbytes`; None if the server fails, the deadline
+        passes, or `health`'s breaker is open. A list of replies with a command the server
+        refused (its exception in its place) is returned as is. Each fault is counted in
+        `health`, with a rate-limited warning."""
         if not health.available():
             return None
         try:
             with deadline(self._limit(nbytes)):
                 result = fn(self._connect())
         except Exception as exc:  # every server fault is a miss or a dropped write
-            health.fault(f"remote tier {redacted(self._url)}: {what} failed "
-                         f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
+            self._fault(health, what, exc)
             return None
-        health.ok()
+        refused = [r for r in result if isinstance(r, Exception)] if isinstance(result, list) else []
+        if refused:  # e.g. OOM from a full noeviction server
+            self._fault(health, f"{what} ({len(refused)} of {len(result)} commands)", refused[0])
+        else:
+            health.ok()
         return result
+
+    def _fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"remote tier {redacted(self._url)}: {what} failed "
+                     f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
 
     def _pipelined(self, health: Health, what: str, nbytes: int, commands: Callable[[Any], object]) -> list[Any] | None:
         """The replies to the commands `commands(pipe)` queues, in one round trip (None: a fault).
@@ -209,7 +219,8 @@ class RemoteTier(Tier):
         return self._writes.put(records, len(keys))
 
     def _dropped(self, num: int, why: str) -> None:
-        self.num_write_drops += num
+        with self._count_lock:  # the caller's thread and the writer's
+            self.num_write_drops += num
         if num:
             self._warn_drop(f"remote tier {redacted(self._url)}: {num} block writes dropped ({why})")
 
@@ -220,10 +231,6 @@ class RemoteTier(Tier):
         if replies is None:
             return [False] * len(batch)
         stored = [reply is True for reply in replies]
-        refused = [reply for reply in replies if isinstance(reply, Exception)]
-        if refused:  # e.g. OOM from a full noeviction server
-            self.writes.fault(f"remote tier {redacted(self._url)}: the server refused {len(refused)} writes "
-                              f"({type(refused[0]).__name__}: {scrub(str(refused[0]), self._secrets)})")
         self._announce(True, [self._hash_of(r.key) for r, ok in zip(batch, stored) if ok])
         return stored
 

@@ -104,9 +104,10 @@ class WriteQueue:
             return "an earlier block of the same write was not stored"
         return ""
 
-    def _take_batch(self) -> tuple[list[Record], int] | None:
-        """The next batch and how many queued records were skipped (holding the condition);
-        None once closed and empty. Skipped: records of failed groups, and all once closed."""
+    def _take_batch(self) -> list[Record] | None:
+        """The next batch (holding the condition); None once closed and empty. Records of
+        failed groups are dropped here (reported before `flush` can see the queue empty),
+        and every record once closed."""
         while not self._queue and not self._closed:
             self._cond.wait()
         if not self._queue:
@@ -124,21 +125,20 @@ class WriteQueue:
         # A failed group matters while its records are queued or its put is still running.
         oldest = self._queue[0].group if self._queue else self._groups + 1
         self._failed = {g for g in self._failed if g >= oldest or g in self._active}
+        if skipped:
+            self._on_drop(skipped, "the tier is closing" if self._closed else
+                          "an earlier block of the same write was not stored")
         self._progress += 1
         self._in_flight = len(batch)
         self._cond.notify_all()
-        return batch, skipped
+        return batch
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                taken = self._take_batch()
-            if taken is None:
+                batch = self._take_batch()
+            if batch is None:
                 return
-            batch, skipped = taken
-            if skipped:
-                self._on_drop(skipped, "the tier is closing" if self._closed else
-                              "an earlier block of the same write was not stored")
             failed: set[int] = set()
             if batch:
                 why = "the server did not store them"
