@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -139,3 +140,19 @@ def test_each_block_of_a_store_reaches_the_server_once() -> None:
         res = store.retrieve(t)
         assert res.num_tokens == len(t)
         check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+@pytest.mark.slow
+def test_demo_remote_at_its_default_size_shares_the_whole_document(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvstrata demo-remote` with its defaults (8,192 tokens, 256 MiB of KV), against a server
+    with a password given in the URL: host B gets every token from the remote tier, and the
+    printed URL shows no password."""
+    from bench import cli
+
+    with redis_server("--requirepass", "demoS3cret") as server:
+        url = f"redis://127.0.0.1:{server.port}/0?password=demoS3cret"
+        rc = cli.main(["demo-remote", "--url", url, "--disk-path", str(tmp_path / "d")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "{'remote': 8192}" in out and "demoS3cret" not in out

@@ -252,7 +252,11 @@ class RemoteTier(Tier):
                 if len(found) >= limit:
                     break
 
+        foreign = self.num_foreign_keys
         self._call(self.reads, "scan", _REPLY_BYTES * limit + _BATCH_BYTES, scan)
+        if self.num_foreign_keys > foreign:
+            self._warn_data(f"remote tier {redacted(self._url)}: {self.num_foreign_keys - foreign} keys under "
+                            f"this namespace's prefix are not kvstrata's blocks; skipped")
         return iter(found)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
