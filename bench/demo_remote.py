@@ -26,6 +26,7 @@ from bench.args import CONTEXT, Directory, invoke
 from bench.common import print_table
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
+from tiers.remote import redacted
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
@@ -106,7 +107,7 @@ def command(**options: Any) -> int:
         ["host B", "retrieve again", b["second_tiers"], f"{b['second_s'] * 1e3:.0f}",
          "yes" if b["second_exact"] else "NO"],
     ]
-    where = "a loopback redis-server" if server else url
+    where = "a loopback redis-server" if server else redacted(url)
     print(f"document: {args.tokens} tokens, {mib:.0f} MiB of KV; remote tier at {where}")
     print_table("kvstrata demo-remote: two hosts, one shared remote tier",
                 ["host", "step", "tokens by tier", "ms", "bit-exact"], rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -197,7 +197,7 @@ class StoreConfig:
     pool_device: str | None = None
     pool_demotion: str = "on_evict"
     cpu_checksums: bool = False
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
     io_threads: int = 4

@@ -110,7 +110,7 @@ class Settings:
     disk_sync: bool = False
     verify_tokens: bool = True
     stats_path: str | None = None
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
     events_endpoint: str | None = None
     instance_id: str | None = None
     async_saves: bool = True

@@ -27,8 +27,16 @@ class _Below:
 
     def __init__(self, lower: Tier) -> None:
         self._lower = lower
+        # Blocks the running `TierStack.put` writes into `lower` itself: not demoted twice.
+        self.skip: frozenset[BlockHash] = frozenset()
 
     def demote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        if self.skip:
+            keep = [i for i, k in enumerate(keys) if k.block_hash not in self.skip]
+            if len(keep) < len(keys):
+                keys, srcs = [keys[i] for i in keep], take(srcs, keep)
+            if not keys:
+                return 0
         return self._lower.put(keys, srcs)
 
     def holds(self, block_hash: BlockHash) -> bool:
@@ -51,8 +59,10 @@ class TierStack:
         # hosts read it), a persistent one with `write_through`.
         self._through = [t for t in self.tiers[1:]
                          if t.traits.shared or (write_through and t.traits.persistent)]
+        self._belows: list[_Below] = []
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             upper.below = _Below(lower)
+            self._belows.append(upper.below)
         self.num_promotion_failures = 0
         # Told (tier kind, blocks, seconds) after each load from a tier below the pool.
         self.on_load: Callable[[TierKind, int, float], None] | None = None
@@ -123,15 +133,36 @@ class TierStack:
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Write blocks (prefix order) into the top tier, tail first (a sequence's tail is
         evicted before its prefix); with write-through into the disk tier too, and always into
-        a remote tier. Returns how
-        many the top tier newly wrote. Raises `DiskFullError` if the tiers cannot make room."""
+        a remote tier. Returns how many the top tier newly wrote. Raises `DiskFullError` if the
+        local tiers cannot make room; the remote tier is written all the same.
+
+        Each tier below the top gets these blocks once, from here: blocks of this call that
+        overflow a tier above are not demoted into a tier this call writes through anyway
+        (which would send a remote tier the same records twice, the overflow first). Every
+        tier gets them tail first; the remote tier sends them parents first.
+        """
         if not keys:
             return 0
-        written = self.top.put(keys[::-1], srcs[::-1])
-        for tier in self._through:
-            tier.put(keys[::-1], srcs[::-1])
+        order_keys, order_srcs = keys[::-1], srcs[::-1]
+        through = {id(t) for t in self._through}
+        written = 0
+        try:
+            hashes = frozenset(k.block_hash for k in keys)
+            for below, lower in zip(self._belows, self.tiers[1:]):
+                below.skip = hashes if id(lower) in through else frozenset()
+            try:
+                written = self.top.put(order_keys, order_srcs)
+            finally:
+                for below in self._belows:
+                    below.skip = frozenset()
+            for tier in self._through:
+                if not tier.traits.shared:
+                    tier.put(order_keys, order_srcs)
+        finally:  # other hosts read a shared tier: a full local disk does not keep it from them
+            for tier in self._through:
+                if tier.traits.shared:
+                    tier.put(order_keys, order_srcs)
         return written
-
     def flush(self) -> bool:
         """Wait until writes queued for tiers that write in the background are done; False
         if one timed out."""
