@@ -67,8 +67,6 @@ def _connector(tmp_path: Path, **overrides: object) -> dict:
         "disk_bytes": "256MiB",
         "cpu_bytes": "64MiB",
         "stats_path": str(tmp_path / "stats"),
-        # These tests check which tier serves each hit; the load policy's own tests set "auto".
-        "load_policy": "always",
     }
     config.update(overrides)
     return config
@@ -258,7 +256,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
             extra = {"metrics_port": metrics_port} if (tag, name) == ("routed", "a") else {}
             spec = {"model": model, "kv_events": f"tcp://*:{vllm_events}",  # vLLM binds only a wildcard address
                     "connector": _connector(tmp_path / tag / name, events_endpoint=f"tcp://127.0.0.1:{events}",
-                                            instance_id=name, load_policy="auto", **extra)}
+                                            instance_id=name, **extra)}
             proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_engine", json.dumps(spec)], cwd=root,
                                     env=env, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -358,7 +356,7 @@ def test_async_saves_land_even_when_vllm_reuses_the_blocks_at_once(model: str, t
     for mode in (True, False):
         runs[mode] = _run({"model": model, "prompts": [a, b], "rounds": [[0, 1, 0]], "num_blocks": 42,
                            "max_model_len": 1280,
-                           "connector": _connector(tmp_path / str(mode), async_saves=mode, load_policy="auto")})
+                           "connector": _connector(tmp_path / str(mode), async_saves=mode)})
     hit = 1024 - BLOCK
     for mode, result in runs.items():
         first, _, again = result["rounds"][0]
