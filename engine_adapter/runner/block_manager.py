@@ -285,7 +285,7 @@ class KVCacheManager:
         plan = self.store.stack.locate(req.hashes[:end])[first:]
         end = first + next((i for i, t in enumerate(plan) if t == 0), len(plan))  # lower tiers only
         arr = np.asarray(req.token_ids[: end * self.block_size], dtype="<u4")
-        keys = self.store.block_keys(arr, req.hashes[:end])
+        keys = self.store.block_keys(arr, req.hashes[:end], req.extra_keys)
         views = [self.pool.block_view(b.block_id) for b in req.blocks[first:end]]
         got, counts = self.store.stack.load(keys[first:end], views, plan[: end - first])
         for kind, n in counts.items():
@@ -311,7 +311,7 @@ class KVCacheManager:
         if not cache_blocks or full <= req.num_cached_blocks:
             return 0
         arr = np.asarray(req.token_ids[: full * self.block_size], dtype="<u4")
-        keys = self.store.block_keys(arr, req.hashes[:full])
+        keys = self.store.block_keys(arr, req.hashes[:full], req.extra_keys)
         start = req.num_cached_blocks
         with self.store.lock:
             n = self.pool.cache_blocks(req.blocks[start:full], req.hashes[start:full],
