@@ -60,7 +60,7 @@ def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tupl
             load_weight: float, stale_after: float, forget_after: float, max_sources: int, max_blocks: int,
             token_file: str | None, curve_cert: str | None, curve_server: str | None) -> None:
     from kvstore.events_auth import CurveClient, load_public
-    from router.config import RouterConfig, Subscription, read_token
+    from router.config import RouterConfig, read_token
     from router.service import serve
 
     try:
@@ -68,7 +68,7 @@ def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tupl
         if token is None and host not in ("127.0.0.1", "localhost", "::1"):
             raise ConfigError(f"--host {host} is reachable from other hosts: give --token-file (docs/security.md)")
         config = RouterConfig(
-            subscriptions=tuple(Subscription.parse(s) for s in subscribe),
+            subscriptions=tuple(_subscription(s) for s in subscribe),
             scoring=Scoring(tier_weights, load_weight),
             limits=Limits(max_sources=max_sources, max_blocks_per_slot=max_blocks, stale_after_s=stale_after,
                           forget_after_s=forget_after),
@@ -81,6 +81,15 @@ def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tupl
         serve(config, host, port)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _subscription(text: str) -> Any:
+    from router.config import Subscription
+
+    try:
+        return Subscription.parse(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--subscribe {text!r}: {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

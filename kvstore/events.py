@@ -70,7 +70,7 @@ class EventSource:
 
     def meta(self) -> dict[str, Any]:
         return {"instance": self.instance_id, "model": self.model, "epoch": self.epoch, "remote": self.remote,
-                "ns": self.namespace_id}
+                "ns": self.namespace_id, "block_size": self.block_size}
 
 
 @dataclass(frozen=True)

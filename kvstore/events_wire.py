@@ -16,7 +16,8 @@ batch number counting from 0 per publisher lifetime, `payload` the msgpack array
 Media: the pool is "GPU", the CPU tier "CPU", the disk "DISK", the shared remote tier
 "SHARED" (Dynamo's external tier). kvstrata's own facts ride under the extra key
 "kvstrata", which other readers ignore: the instance label, model label, publisher epoch,
-the remote tier's redacted identity and a fingerprint of the namespace (never the seed),
+the remote tier's redacted identity, a fingerprint of the namespace (never the seed), the
+block size,
 and on `AllBlocksCleared` the media it clears (none named: all of them).
 
 Replay (vLLM's protocol): a DEALER sends `[b"", start_seq]` to the ROUTER on the replay

@@ -37,6 +37,7 @@ class Meta:
     remote: str | None = None
     namespace: str | None = None
     media: tuple[str, ...] | None = None  # on AllBlocksCleared: the media it clears
+    block_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,8 +104,11 @@ def _meta(value: object) -> Meta | None:
         if not isinstance(media, list) or len(media) > 16:
             raise BadMessage("media is not a short list")
         media = tuple(_text(m, "a medium", 32) or "" for m in media)
+    size = value.get("block_size")
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE):
+        raise BadMessage(f"block_size is not an int in [1, {MAX_BLOCK_SIZE}]: {size!r:.40}")
     return Meta(_text(value.get("instance"), "instance", 256), _text(value.get("model"), "model", 256), epoch,
-                _text(value.get("remote"), "remote", 1024), _text(value.get("ns"), "ns", 64), media)
+                _text(value.get("remote"), "remote", 1024), _text(value.get("ns"), "ns", 64), media, size)
 
 
 def _stored(event: dict[Any, Any], meta: Meta | None) -> Stored:

@@ -209,6 +209,8 @@ class FleetView:
                 src.slot.chain.clear()
             src.epoch = meta.epoch
         src.announced_model = meta.model or src.announced_model
+        if meta.block_size is not None and src.block_size is None:
+            self._block_size_ok(src, meta.block_size)
         self._set_remote(src, (meta.remote, meta.namespace) if meta.remote and meta.namespace else None)
 
     def _target(self, src: Source, tier: int) -> Slot | None:
