@@ -44,7 +44,7 @@ class Reader:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if self.sub.poll(50):
-                topic, seq, payload = self.sub.recv_multipart()
+                _topic, seq, payload = self.sub.recv_multipart()
                 ts, events, dp_rank = msgpack.unpackb(payload)
                 assert isinstance(ts, float) and dp_rank == 0
                 self.batches.append((int.from_bytes(seq, "big"), events))
@@ -61,7 +61,7 @@ class Reader:
         out = []
         try:
             while dealer.poll(timeout_ms):
-                empty, topic, seq, payload = dealer.recv_multipart()
+                _empty, _topic, seq, payload = dealer.recv_multipart()
                 if seq == END_SEQ:
                     return out
                 out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
@@ -262,7 +262,7 @@ def test_curve_admits_only_the_readers_it_knows(tmp_path: Path) -> None:
     keys.mkdir()
     clients.mkdir()
     server_public, server_secret = zmq.auth.create_certificates(str(keys), "server")
-    reader_public, reader_secret = zmq.auth.create_certificates(str(keys), "reader")
+    reader_public, _reader_secret = zmq.auth.create_certificates(str(keys), "reader")
     zmq.auth.create_certificates(str(keys), "stranger")
     os.replace(reader_public, clients / "reader.key")
     port = free_port_pair()
