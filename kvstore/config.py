@@ -187,6 +187,9 @@ class StoreConfig:
         events_insecure: allow `events_endpoint` on an address other hosts can reach without
             CURVE (for readers that cannot speak it, as Dynamo and llm-d): anyone who
             connects then reads every block's token ids. Off: such an endpoint is refused.
+        events_connect: connect to `events_endpoint` instead of binding it, for a reader that
+            binds (llm-d's indexer); no replay endpoint unless `events_replay_endpoint` names
+            one.
         instance_id: this engine instance's name in the events (default `HOST:PID`).
         model_name: a short model label for routers to filter on (default: `namespace`,
             cut to 128 characters).
@@ -223,6 +226,7 @@ class StoreConfig:
     events_curve_cert: str | None = None
     events_curve_clients: str | None = None
     events_insecure: bool = False
+    events_connect: bool = False
     instance_id: str | None = None
     model_name: str | None = None
 
@@ -292,7 +296,8 @@ class StoreConfig:
             from kvstore.events_wire import check_events
 
             check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
-                         self.events_curve_cert, self.events_curve_clients, self.events_insecure, "StoreConfig.")
+                         self.events_curve_cert, self.events_curve_clients, self.events_insecure, "StoreConfig.",
+                         self.events_connect)
         for name in ("instance_id", "model_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):

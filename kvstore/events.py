@@ -78,10 +78,11 @@ class PublisherConfig:
     """Where and how a store publishes (from `StoreConfig.events_*`)."""
 
     endpoint: str
-    replay_endpoint: str
+    replay_endpoint: str | None
     topic: bytes = b""
     curve: CurveServer | None = None
     max_mirror_blocks: int = 1 << 20
+    connect: bool = False  # connect to `endpoint` (a reader that binds, as llm-d's indexer) instead of binding
 
 
 class EventPublisher:
@@ -120,13 +121,18 @@ class EventPublisher:
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
         self._rep.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
-            self._pub.bind(config.endpoint)
-            self._rep.bind(config.replay_endpoint)
+            if config.connect:
+                self._pub.connect(config.endpoint)
+            else:
+                self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._rep.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._shutdown_sockets()
             raise ConfigError(f"events_endpoint {config.endpoint!r} (and {config.replay_endpoint!r} for replay) "
                               f"cannot be bound: {exc}") from None
-        if not config.curve and not (is_local(config.endpoint) and is_local(config.replay_endpoint)):
+        listening = [e for e in (None if config.connect else config.endpoint, config.replay_endpoint) if e]
+        if not config.curve and not all(is_local(e) for e in listening):
             logger.warning("kvstrata: KV events on %s are unauthenticated and reachable from other hosts: anyone "
                            "who connects reads every block's token ids (docs/security.md)", config.endpoint)
         self._pid = os.getpid()
@@ -359,8 +365,10 @@ def new_epoch() -> int:
 
 
 def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
-                     curve_clients: str | None, max_mirror_blocks: int) -> PublisherConfig:
-    """A `PublisherConfig` from store settings (validated there)."""
+                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
+    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
+    answers replays only where `replay` names an endpoint to bind."""
     curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
-    return PublisherConfig(endpoint, replay or default_replay_endpoint(endpoint), topic.encode(), curve,
-                           max(1, max_mirror_blocks))
+    if replay is None and not connect:
+        replay = default_replay_endpoint(endpoint)
+    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

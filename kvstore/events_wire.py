@@ -78,7 +78,7 @@ def is_local(endpoint: str) -> bool:
 
 
 def check_events(endpoint: object, replay: object, topic: object, curve_cert: object, curve_clients: object,
-                 insecure: object, owner: str = "") -> None:
+                 insecure: object, owner: str = "", connect: object = False) -> None:
     """Validate the `events_*` settings together; `ConfigError` naming the bad one."""
     check_endpoint(endpoint, f"{owner}events_endpoint")
     assert isinstance(endpoint, str)
@@ -91,9 +91,13 @@ def check_events(endpoint: object, replay: object, topic: object, curve_cert: ob
             raise ConfigError(f"{owner}{name} must be a path, got {value!r}")
     if (curve_cert is None) != (curve_clients is None):
         raise ConfigError(f"{owner}events_curve_cert and {owner}events_curve_clients go together (got only one)")
-    if not isinstance(insecure, bool):
-        raise ConfigError(f"{owner}events_insecure must be a bool, got {insecure!r}")
-    reachable = not is_local(endpoint) or (isinstance(replay, str) and not is_local(replay))
+    if not isinstance(insecure, bool) or not isinstance(connect, bool):
+        raise ConfigError(f"{owner}events_insecure and {owner}events_connect must be bools, got "
+                          f"{insecure!r}, {connect!r}")
+    if connect and curve_cert is not None:
+        raise ConfigError(f"{owner}events_curve_cert authenticates the readers of a bound endpoint; with "
+                          f"{owner}events_connect the reader binds (CURVE is not supported there)")
+    reachable = (not connect and not is_local(endpoint)) or (isinstance(replay, str) and not is_local(replay))
     if reachable and curve_cert is None and not insecure:
         raise ConfigError(
             f"{owner}events_endpoint {endpoint!r} can be reached from other hosts, and KV events show every "

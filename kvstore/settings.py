@@ -90,6 +90,8 @@ class Settings:
         events_curve_clients: see `events_curve_cert`.
         events_insecure: allow an events endpoint other hosts can reach without CURVE (for
             Dynamo and llm-d, which cannot speak it); refused otherwise.
+        events_connect: connect to `events_endpoint` instead of binding it (for a reader that
+            binds, as llm-d's indexer).
         instance_id: this engine's name in its KV events (default `HOST:PID`).
         async_saves: write saved blocks to the tiers on a background thread (the step only
             copies them out of vLLM into buffers of their own).
@@ -128,6 +130,7 @@ class Settings:
     events_curve_cert: str | None = None
     events_curve_clients: str | None = None
     events_insecure: bool = False
+    events_connect: bool = False
     instance_id: str | None = None
     async_saves: bool = True
     async_loads: bool = True
@@ -148,7 +151,7 @@ class Settings:
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
         for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "async_loads", "require_redis",
-                     "require_vllm", "require_dynamo", "events_insecure"):
+                     "require_vllm", "require_dynamo", "events_insecure", "events_connect"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         for name in ("disk_path", "stats_path"):
             value = getattr(self, name)
@@ -163,7 +166,8 @@ class Settings:
             raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
         if self.events_endpoint is not None:
             check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
-                         self.events_curve_cert, self.events_curve_clients, self.events_insecure)
+                         self.events_curve_cert, self.events_curve_clients, self.events_insecure,
+                         connect=self.events_connect)
         if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
             raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))

@@ -170,7 +170,7 @@ class KVCacheStore:
             namespace_id=xxhash.xxh3_64_hexdigest(bytes(self._seed)), epoch=new_epoch())
         capacity = sum(t.capacity_blocks for t in self._stack.tiers if t.kind is not TierKind.REMOTE)
         config = publisher_config(endpoint, cfg.events_replay_endpoint, cfg.events_topic, cfg.events_curve_cert,
-                                  cfg.events_curve_clients, min(capacity + (1 << 16), 1 << 22))
+                                  cfg.events_curve_clients, min(capacity + (1 << 16), 1 << 22), cfg.events_connect)
         publisher = EventPublisher(config, source, warm)
         for tier in self._stack.tiers:
             tier.listener = publisher.on_change

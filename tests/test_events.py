@@ -287,3 +287,28 @@ def test_curve_admits_only_the_readers_it_knows(tmp_path: Path) -> None:
             r.close()
         ctx.destroy(linger=0)
         store.close()
+
+
+def test_a_store_can_connect_to_a_reader_that_binds(tmp_path: Path) -> None:
+    """llm-d's indexer binds and engines connect: with events_connect the store does."""
+    port = free_port_pair()
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    store = _store(tmp_path / "d", port, events_connect=True, events_topic="kv@pod-a@model-x")
+    try:
+        store.store(list(range(8)), make_kv(8))
+        seen: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(e["type"] == "BlockStored" for e in seen):
+            if sub.poll(100):
+                topic, _, payload = sub.recv_multipart()
+                assert topic == b"kv@pod-a@model-x"
+                seen.extend(msgpack.unpackb(payload)[1])
+        assert any(e["type"] == "BlockStored" and e["medium"] == "CPU" for e in seen)
+        assert store.events is not None and store.events.config.replay_endpoint is None
+    finally:
+        store.close()
+        sub.close(linger=0)

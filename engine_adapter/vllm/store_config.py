@@ -90,6 +90,7 @@ def store_config_for(
         events_curve_cert=settings.events_curve_cert,
         events_curve_clients=settings.events_curve_clients,
         events_insecure=settings.events_insecure,
+        events_connect=settings.events_connect,
         load_policy=settings.load_policy,
         instance_id=settings.instance_id,
         model_name=str(vllm_config.model_config.served_model_name)[:256] or None,
