@@ -312,3 +312,25 @@ def test_a_store_can_connect_to_a_reader_that_binds(tmp_path: Path) -> None:
     finally:
         store.close()
         sub.close(linger=0)
+
+
+def test_records_without_a_parent_are_read_but_not_announced(tmp_path: Path) -> None:
+    """Records written without KV events (as by an older kvstrata) carry no parent: they still
+    verify and load, and a store publishing events counts them instead of announcing them."""
+    plain = KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(tmp_path / "d"),
+                                     disk_bytes=16 << 20, disk_sync=False))
+    kv = make_kv(8)
+    plain.store(list(range(8)), kv)
+    plain.close()
+    port = free_port_pair()
+    store = _store(tmp_path / "d", port)
+    reader = Reader(port)
+    try:
+        disk = next(t for t in store.tiers if t.kind.value == "disk")
+        assert disk.num_unannounceable == 2  # type: ignore[attr-defined]
+        assert not any(e["type"] == "BlockStored" for _, b in reader.drain(1.5) for e in b)
+        got = store.retrieve(list(range(8)))
+        assert got.num_tokens == 8 and got.kv is not None and got.kv.equal(kv)
+    finally:
+        reader.close()
+        store.close()
