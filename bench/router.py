@@ -25,7 +25,9 @@ import numpy as np
 from bench.args import CONTEXT, invoke, nonneg, positive
 from bench.common import print_table, write_results
 from bench.progress import tqdm
+from router.decode import Stored
 from router.fleet import FleetView, Limits
+from router.index import KVIndex
 from router.keys import chain
 from router.lookup import Chooser, Scoring, parse_query
 
@@ -67,6 +69,31 @@ def build_fleet(num_blocks: int, instances: int, shared: bool, block_size: int) 
     return fleet
 
 
+def via_events(num_blocks: int, block_size: int) -> dict[str, float]:
+    """One source announcing `num_blocks` blocks (chains of 64) as decoded `BlockStored`
+    events: resident bytes per block (index + the source's chain map) and apply time per
+    block, against writing the same number of keys into the index directly."""
+    fleet = FleetView(Limits(max_blocks_per_slot=num_blocks + 1))
+    src = fleet.add("tcp://127.0.0.1:1", "events")
+    rng = np.random.default_rng(2)
+    chains = [Stored(tuple(range(i, i + 64)), None, rng.integers(0, 128_000, size=64 * block_size).astype("<u4"),
+                     block_size, "CPU", None, None, None) for i in range(0, num_blocks, 64)]
+    gc.collect()
+    before = _rss()
+    t0 = time.perf_counter()
+    fleet.apply(src, list(chains))
+    apply_s = time.perf_counter() - t0
+    gc.collect()
+    used = _rss() - before
+    direct = KVIndex()
+    t0 = time.perf_counter()
+    direct.add(0, 1, range(len(chains) * 64))
+    direct_s = time.perf_counter() - t0
+    n = len(chains) * 64
+    return {"blocks": n, "bytes_per_block": used / n, "apply_us_per_block": apply_s / n * 1e6,
+            "index_add_us_per_block": direct_s / n * 1e6}
+
+
 def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_size: int,
         http_lookups: int) -> dict[str, object]:
     memory_rows, memory = [], {}
@@ -84,6 +111,12 @@ def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_
         memory_rows.append([layout, entries, used / 2**20, used / entries, used / (num_blocks * instances)])
     print_table(f"Router index: {instances} instances x {num_blocks:,} blocks each (resident memory)",
                 ["layout", "entries", "MiB", "B/entry", "B/(block x instance)"], memory_rows)
+    events = via_events(min(num_blocks, 1 << 18), block_size)
+    print_table(f"One source announcing {events['blocks']:,} blocks through events (chains of 64)",
+                ["B/block (index + chain map)", "apply us/block", "index.add us/block (baseline)", "x baseline"],
+                [[events["bytes_per_block"], events["apply_us_per_block"], events["index_add_us_per_block"],
+                  events["apply_us_per_block"] / events["index_add_us_per_block"]]])
+    memory["via_events"] = events
     assert fleet is not None  # the shared layout, kept for the lookups
 
     # One instance holds the whole query prefix (in the pool tier); the rest hold nothing of it.
