@@ -177,7 +177,9 @@ class EventPublisher:
         """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
         if self._num_pending + len(items) > _MAX_PENDING:
             self.num_dropped += self._num_pending + len(items)
-            self._pending, self._num_pending, self._welcome_due = [], 0, True
+            # clears are kept: a welcome does not clear the shared tier, which they may name
+            self._pending = [p for p in self._pending if p[1] is None]
+            self._num_pending, self._welcome_due = 0, True
             logger.warning("kvstrata: KV events queue overflowed; the whole state will be published instead")
             return
         self._pending.append((kind, stored, items))
@@ -209,13 +211,11 @@ class EventPublisher:
                        else removed_event(items, MEDIUM[kind], meta))
         return out
 
-    def _whole_state(self, *, fold_pending: bool) -> list[dict[str, Any]]:
+    def _whole_state(self) -> list[dict[str, Any]]:
         """`AllBlocksCleared` of this store's own media, then every mirrored block, parents
-        first. With `fold_pending` the queued events are dropped: the mirror holds them."""
+        first (the caller sends the queued events before it)."""
         with self._lock:
             blocks = self._mirror.copy()
-            if fold_pending:
-                self._pending, self._num_pending = [], 0
         items = ((key, MEDIUM[kind]) for key, bits in root_first(blocks, self.source.seed)
                  for kind in TierKind if bits & _BIT[kind])
         meta = self.source.meta()
@@ -253,7 +253,7 @@ class EventPublisher:
                 pending = self._take_pending()  # sent first: their numbers come before the reply's
                 if pending:
                     self._send(self._events(pending))
-                reply = [(self._seq, encode_batch(g)) for g in cut(self._whole_state(fold_pending=False))]
+                reply = [(self._seq, encode_batch(g)) for g in cut(self._whole_state())]
                 self.num_snapshots += 1
             else:
                 self.num_refused += 1
@@ -293,7 +293,8 @@ class EventPublisher:
                     now = time.monotonic()
                     if self._welcome_due and now - last_welcome >= WELCOME_INTERVAL_S:
                         self._welcome_due, last_welcome, last = False, now, now
-                        self._send(self._whole_state(fold_pending=True))
+                        pending = self._take_pending()  # first: a clear of the shared tier among them
+                        self._send(self._events(pending) + self._whole_state())
                         self.num_welcomes += 1
                         continue
                     pending = self._take_pending()
