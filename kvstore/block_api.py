@@ -59,9 +59,15 @@ class BlockAPI:
         """A `BlockChain` in the store's namespace, to hash one growing request once."""
         return self.store.chain(extra_keys)
 
-    def keys(self, tokens: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
-        """The `BlockKey` of each hash, with its token ids when the store verifies them."""
-        return self.store.block_keys(tokens, hashes)
+    def keys(self, chain: BlockChain, tokens: np.ndarray, start: int, end: int) -> list[BlockKey]:
+        """The `BlockKey`s of blocks `start .. end - 1` of the sequence `chain` hashed, whose
+        tokens from block `start` on are `tokens`: with their token ids when the store verifies
+        them, and their parent and extras when it publishes KV events."""
+        hashes = chain.hashes
+        if start >= end:
+            return []
+        return self.store.block_keys(tokens, hashes[start:end], chain.extra_keys, first_block=start,
+                                     parent=hashes[start - 1] if start else None)
 
     @contextlib.contextmanager
     def locked(self, *, require_open: bool = True) -> Iterator[None]:

@@ -171,9 +171,25 @@ class StoreConfig:
             the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
-        events_endpoint: publish KV events (blocks entering and leaving each tier) on this
-            ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for `kvstrata router`; the
-            next port answers snapshot requests (docs/routing.md). None: no events.
+        events_endpoint: publish KV events (blocks entering and leaving each tier) in vLLM's
+            format on this ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for
+            `kvstrata router`, Dynamo or llm-d (docs/routing.md), e.g.
+            `tcp://127.0.0.1:5590`. An address other hosts can reach needs CURVE keys or
+            `events_insecure` (docs/security.md). None: no events.
+        events_replay_endpoint: where the publisher answers vLLM's replay requests (default:
+            the port after `events_endpoint`, or `<path>.replay`).
+        events_topic: the ZeroMQ topic of every message (default ""; llm-d's indexer wants
+            `kv@<pod>@<model>`).
+        events_curve_cert: the publisher's secret ZeroMQ certificate file; with
+            `events_curve_clients` (a directory of the readers' public certificates) every
+            reader is authenticated and the events are encrypted (docs/security.md).
+        events_curve_clients: see `events_curve_cert`.
+        events_insecure: allow `events_endpoint` on an address other hosts can reach without
+            CURVE (for readers that cannot speak it, as Dynamo and llm-d): anyone who
+            connects then reads every block's token ids. Off: such an endpoint is refused.
+        events_connect: connect to `events_endpoint` instead of binding it, for a reader that
+            binds (llm-d's indexer); no replay endpoint unless `events_replay_endpoint` names
+            one.
         instance_id: this engine instance's name in the events (default `HOST:PID`).
         model_name: a short model label for routers to filter on (default: `namespace`,
             cut to 128 characters).
@@ -205,6 +221,12 @@ class StoreConfig:
     load_policy: str = "auto"
     disk_read_bps: int | None = None
     events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = ""
+    events_curve_cert: str | None = None
+    events_curve_clients: str | None = None
+    events_insecure: bool = False
+    events_connect: bool = False
     instance_id: str | None = None
     model_name: str | None = None
 
@@ -271,9 +293,11 @@ class StoreConfig:
         if self.disk_read_bps is not None:
             require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
         if self.events_endpoint is not None:
-            from kvstore.events import check_endpoint
+            from kvstore.events_wire import check_events
 
-            check_endpoint(self.events_endpoint, "StoreConfig.events_endpoint")
+            check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
+                         self.events_curve_cert, self.events_curve_clients, self.events_insecure, "StoreConfig.",
+                         self.events_connect)
         for name in ("instance_id", "model_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):

@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import numpy as np
 import torch
+import xxhash
 
 from kvstore.buffers import BufferPool
 from kvstore.config import StoreConfig
@@ -27,7 +28,7 @@ from kvstore.errors import (
     LayoutMismatchError,
     StoreClosedError,
 )
-from kvstore.events import EventPublisher, EventSource, new_epoch
+from kvstore.events import EventPublisher, EventSource, new_epoch, publisher_config
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
 from kvstore.load_policy import LoadPolicy
 from kvstore.tier_factory import build_tiers
@@ -41,6 +42,7 @@ from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 P = ParamSpec("P")
+_UNKNOWN = object()  # block_keys: the extra keys are not known
 R = TypeVar("R")
 
 
@@ -151,33 +153,29 @@ class KVCacheStore:
         self.prefetched_blocks: dict[TierKind, int] = {}  # by the tier they came from
 
     def _publish(self, endpoint: str) -> EventPublisher:
-        """Start publishing KV events: every tier reports to the publisher from now on."""
+        """Start publishing KV events: every tier reports to the publisher from now on, and a
+        warm disk is announced with the publisher's first batches. The disk's records are
+        read once, here, before the store is handed out: nothing waits on the store's lock."""
         cfg = self.config
         remote = next((t for t in self._stack.tiers if isinstance(t, RemoteTier)), None)
+        disk = next((t for t in self._stack.tiers if isinstance(t, LMDBTier)), None)
+        warm = list(disk.held_keys()) if disk is not None else []
+        if disk is not None and disk.num_unannounceable:
+            logger.info("kvstrata: %d disk blocks are not announced in KV events: their records carry no parent or "
+                        "token ids (written by an older kvstrata, or without verify_tokens)", disk.num_unannounceable)
         source = EventSource(
             instance_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
-            model=cfg.model_name or cfg.namespace[:128], seed=bytes(self._seed), algo=cfg.hash_algo.value,
-            block_size=cfg.block_size, remote=remote.identity if remote is not None else None, epoch=new_epoch())
-        publisher = EventPublisher(endpoint, source, self._event_snapshot)
+            model=cfg.model_name or cfg.namespace[:128], seed=bytes(self._seed), block_size=cfg.block_size,
+            remote=remote.identity if remote is not None else None,
+            namespace_id=xxhash.xxh3_64_hexdigest(bytes(self._seed)), epoch=new_epoch())
+        capacity = sum(t.capacity_blocks for t in self._stack.tiers if t.kind is not TierKind.REMOTE)
+        config = publisher_config(endpoint, cfg.events_replay_endpoint, cfg.events_topic, cfg.events_curve_cert,
+                                  cfg.events_curve_clients, min(capacity + (1 << 16), 1 << 22), cfg.events_connect)
+        publisher = EventPublisher(config, source, warm)
         for tier in self._stack.tiers:
             tier.listener = publisher.on_change
+            tier.describe = publisher.complete
         return publisher
-
-    def _event_snapshot(self) -> tuple[dict[TierKind, list[BlockHash]], list[list[Any]]]:
-        """Every tier's blocks, and the events not yet published, taken together (the remote
-        tier, slow to list and shared, outside the lock: its events are idempotent)."""
-        held: dict[TierKind, list[BlockHash]] = {}
-        for tier in self._stack.tiers:
-            if tier.kind is TierKind.REMOTE and not self._closed:
-                held[tier.kind] = list(tier.held_hashes())
-        with self._lock:
-            if self._closed:
-                return {}, []
-            for tier in self._stack.tiers:
-                if tier.kind is not TierKind.REMOTE:
-                    held[tier.kind] = list(tier.held_hashes())
-            assert self.events is not None
-            return held, self.events.take_pending()
 
     # -- context manager -------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
@@ -231,13 +229,34 @@ class KVCacheStore:
             raise InvalidInputError("chain must come from this store's chain() with the same extra_keys")
         return arr, chain.hashes_of(arr)
 
-    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
-        """`BlockKey`s of `hashes` with the token bytes of `arr` when tokens are verified."""
-        if not self.config.verify_tokens:
+    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash],
+                   extra_keys: ExtraKeys | object | None = _UNKNOWN, *, first_block: int = 0,
+                   parent: BlockHash | None = None) -> list[BlockKey]:
+        """`BlockKey`s of `hashes`, the keys of blocks `first_block, first_block + 1, ...` of
+        a sequence whose tokens from block `first_block` on are `arr` (`parent`: the key of
+        block `first_block - 1`, needed when `first_block > 0`), with their token bytes when
+        tokens are verified or KV events published. With KV events and the `extra_keys` the
+        hashes were made with (None: none), each key also names its parent and its extras, so
+        the events can describe the block; without `extra_keys` the blocks are described from
+        what was announced of them before, or not announced."""
+        events = self.events
+        if not self.config.verify_tokens and events is None:
             return [BlockKey(h) for h in hashes]
         b = self.config.block_size
         buf = arr.tobytes()
-        return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
+        if events is None:
+            return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
+        if first_block and parent is None:
+            raise InvalidInputError("block_keys from block > 0 needs the parent key")
+        first_parent = parent if first_block else self._seed
+        known = extra_keys is not _UNKNOWN
+        extras = extra_keys if isinstance(extra_keys, ExtraKeys) else None
+        keys = [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4], hashes[i - 1] if i else first_parent,
+                         (extras.block_extras(first_block + i, b) if extras is not None else b"") if known else None)
+                for i, h in enumerate(hashes)]
+        if known:
+            events.describe(keys)
+        return keys
 
     # -- the API ---------------------------------------------------------------------------
     @_timed("store")
@@ -252,7 +271,7 @@ class KVCacheStore:
         arr, hashes = self._hash(tokens, extra_keys)
         kv = check_kv(self.config, kv, len(arr))
         b = self.config.block_size
-        keys = self.block_keys(arr, hashes)
+        keys = self.block_keys(arr, hashes, extra_keys)
         srcs = BlockBatch(block_rows(kv, b))
         with self._lock:
             self.check_open()
@@ -288,7 +307,7 @@ class KVCacheStore:
         arr, hashes = self._hash(tokens, extra_keys)
         if out is not None and out.shape[2] < len(arr) // self.config.block_size * self.config.block_size:
             raise LayoutMismatchError(f"out holds {out.shape[2]} tokens, fewer than the {len(arr)} given")
-        keys = self.block_keys(arr, hashes)
+        keys = self.block_keys(arr, hashes, extra_keys)
         cfg = self.config
         b = cfg.block_size
         with self._lock:
@@ -372,7 +391,7 @@ class KVCacheStore:
         self.check_open()
         arr, hashes = self._hash(tokens, extra_keys, chain)
         check_blocks(self.config, srcs, len(arr), first_block)
-        keys = self.block_keys(arr, hashes)[first_block : first_block + len(srcs)]
+        keys = self.block_keys(arr, hashes, extra_keys)[first_block : first_block + len(srcs)]
         with self._lock:
             self.check_open()
             self._num_store_calls += 1
@@ -399,7 +418,7 @@ class KVCacheStore:
         self.check_open()
         arr, hashes = self._hash(tokens, extra_keys, chain)
         check_blocks(self.config, dsts, len(arr), first_block, destination=True)
-        keys = self.block_keys(arr, hashes)[first_block : first_block + len(dsts)]
+        keys = self.block_keys(arr, hashes, extra_keys)[first_block : first_block + len(dsts)]
         b = self.config.block_size
         with self._lock:
             self.check_open()

@@ -293,8 +293,9 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
     engines = start_engines("routed")
     port = free_port_pair()
     args = [sys.executable, "-m", "bench.cli", "router", "--port", str(port)]
-    for name, (_, events, vllm_events) in engines.items():
-        args += ["--subscribe", f"tcp://127.0.0.1:{events}", "--vllm-events", f"{name}=tcp://127.0.0.1:{vllm_events}"]
+    for name, (_, events, vllm_events) in engines.items():  # one instance: the store's events and vLLM's own
+        args += ["--subscribe", f"{name}=tcp://127.0.0.1:{events},tcp://127.0.0.1:{events + 1}",
+                 "--subscribe", f"{name}=tcp://127.0.0.1:{vllm_events}"]
     router = subprocess.Popen(args, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
 
@@ -308,7 +309,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
         while True:  # both engines heard from
             try:
                 with urllib.request.urlopen(url + "/healthz", timeout=2) as resp:
-                    if json.loads(resp.read())["synced"] == 2:
+                    if json.loads(resp.read())["synced"] >= 2:  # the stores (vLLM publishes when it caches)
                         break
             except OSError:
                 pass
@@ -340,7 +341,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
         follow = answers[3 * d + 1]["instances"][answers[3 * d + 1]["best"]]
         assert follow["matched_tokens"] >= 8 * BLOCK and follow["by_tier"]["pool"] >= 8 * BLOCK, \
             (follow, instances)
-    assert sum(i["vllm_gpu_blocks"] for i in instances.values()) > 0, instances
+    assert sum(src["blocks"]["pool"] for i in instances.values() for src in i["sources"]) > 0, instances
     stored = [line for line in metrics.splitlines()
               if line.startswith("kvstrata_blocks_stored_total") and 'tier="cpu"' in line]
     assert stored and float(stored[0].rsplit(" ", 1)[1]) > 0, metrics[:2000]

@@ -87,10 +87,18 @@ class TierTraits:
 
 
 class BlockKey(NamedTuple):
-    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes)."""
+    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes).
+
+    `parent` (the hash of the block before it, or the namespace seed for a first block) and
+    `extras` (the canonical encoding of what besides tokens entered its hash; b"" for
+    nothing) describe the block to KV-event readers; None means not known. Tiers keep them
+    only where they persist keys (disk records), and never use them to find a block.
+    """
 
     block_hash: BlockHash
     tokens: bytes = b""
+    parent: bytes | None = None
+    extras: bytes | None = None
 
 
 def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], room: int) -> tuple[list[int], list[int]]:
@@ -177,19 +185,38 @@ class Tier(abc.ABC):
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
-    # Told of every block entering (True) or leaving (False) this tier, by the tier itself;
-    # set by the store when it publishes KV events. Must not raise or block.
-    listener: Callable[[TierKind, bool, Sequence[BlockHash]], None] | None = None
+    # Told of every block entering (True) or leaving (False) this tier, by the tier itself,
+    # as keys (a tier that knows only hashes gives keys of bare hashes); set by the store when
+    # it publishes KV events. Must not raise or block.
+    listener: Callable[[TierKind, bool, Sequence[BlockKey]], None] | None = None
+    # Asked by a tier that persists keys (the disk) for what the store knows of a block that
+    # arrives without its parent or extras (a block demoted from a faster tier); returns the
+    # key completed where known. Set by the store with KV events. Must not raise or block.
+    describe: Callable[[BlockKey], BlockKey] | None = None
 
-    def _announce(self, stored: bool, block_hashes: Sequence[BlockHash]) -> None:
-        """Tell the listener (if any) that `block_hashes` entered or left this tier."""
+    def _announce(self, stored: bool, blocks: Sequence[BlockKey | BlockHash]) -> None:
+        """Tell the listener (if any) that `blocks` (keys, or bare hashes) entered or left
+        this tier."""
         listener = self.listener
-        if listener is not None and block_hashes:
-            listener(self.kind, stored, block_hashes)
+        if listener is not None and blocks:
+            listener(self.kind, stored, [b if isinstance(b, BlockKey) else BlockKey(b) for b in blocks])
+
+    def _described(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
+        """`keys`, each completed by `describe` where it lacks a parent or extras."""
+        describe = self.describe
+        if describe is None:
+            return keys
+        return [k if k.parent is not None and k.extras is not None else describe(k) for k in keys]
 
     def held_hashes(self) -> Iterator[BlockHash]:
         """Every block this tier holds now, in no particular order (for KV-event snapshots).
         A tier that cannot enumerate its blocks yields nothing. Changes nothing."""
+        return iter(())
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        """The keys of the blocks this tier holds with what it persisted of them (token ids,
+        parent, extras), for announcing a warm tier after a restart. Tiers that persist no
+        keys yield nothing. Changes nothing."""
         return iter(())
 
     @property

@@ -77,6 +77,7 @@ class LMDBTier(Tier):
         self._closed = False
         self.counters = TierCounters()
         self._num_unverifiable = 0
+        self.num_unannounceable = 0  # see held_keys
         self._register(identity)
 
     def _register(self, identity: object) -> None:
@@ -111,6 +112,24 @@ class LMDBTier(Tier):
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
         return iter(mine)
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        """This namespace's blocks whose records carry token ids, parent and extras, read in
+        one snapshot; `num_unannounceable` counts this namespace's records without them
+        (written before they existed, or without token verification)."""
+        self._check_open()
+        keys: list[BlockKey] = []
+        mine = 0
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
+            for h, v in txn.cursor():
+                if self.codec.owner(v) != self._namespace:
+                    continue
+                mine += 1
+                key = self.codec.announced_key(v, bytes(h))
+                if key is not None:
+                    keys.append(key)
+        self.num_unannounceable = mine - len(keys)
+        return iter(keys)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
@@ -152,6 +171,7 @@ class LMDBTier(Tier):
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        keys = self._described(keys)  # a demoted block's parent and extras, for its record
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
         records: dict[BlockHash, bytearray] = {}

@@ -2,8 +2,10 @@
 
 Record = b"KVS1" | u32 header length | msgpack header | raw block bytes. The header names the
 format version, the key, the namespace of the store that wrote it, the layout (dtype,
-shape), the payload length, the block's token ids and an xxh3-64 checksum over key,
-namespace, tokens and payload. Any mismatch on read is a `CorruptRecordError`.
+shape), the payload length, the block's token ids, optionally its parent's hash ("par") and
+extra keys ("ext") for KV-event announcements after a restart, and an xxh3-64 checksum over
+key, namespace, tokens, parent, extras and payload. Any mismatch on read is a
+`CorruptRecordError`. Records written before "par"/"ext" existed verify as before.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from tiers.base import BlockKey
+from tiers.base import BlockHash, BlockKey
 from tiers.blockcopy import copy_block
 from tiers.errors import CorruptRecordError
 
@@ -61,12 +63,19 @@ class RecordCodec:
         return hdr.get("dtype") == self._dtype_name and hdr.get("shape") == self._shape
 
     def _header(self, key: BlockKey, checksum: bytes) -> bytes:
-        return msgpack.packb(  # type: ignore[no-any-return]  # msgpack is untyped: packb returns bytes
-            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
-             "shape": self._shape, "n": self._block_bytes,
-             "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
-            use_bin_type=True,
-        )
+        fields = {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
+                  "shape": self._shape, "n": self._block_bytes,
+                  "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum}
+        if key.parent is not None and key.extras is not None:
+            fields["par"], fields["ext"] = bytes(key.parent), bytes(key.extras)
+        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]  # untyped: bytes
+
+    @staticmethod
+    def _described(key: BlockKey) -> bytes:
+        """What the checksum covers of a key's parent and extras (b"" without them)."""
+        if key.parent is None or key.extras is None:
+            return b""
+        return bytes(key.parent) + bytes(key.extras)
 
     @staticmethod
     def _checksum(block_hash: bytes, tokens: bytes, payload: memoryview | bytes) -> bytes:
@@ -84,7 +93,8 @@ class RecordCodec:
         payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
         copy_block(payload.view(self._dtype).view(self._shape), src)
         tokens = key.tokens if self._verify_tokens else b""
-        header = self._header(key, self._checksum(key.block_hash, self._namespace + tokens, memoryview(buf)[off:]))
+        covered = self._namespace + tokens + self._described(key)
+        header = self._header(key, self._checksum(key.block_hash, covered, memoryview(buf)[off:]))
         buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
         buf[_PREFIX.size : off] = header
         return buf
@@ -111,10 +121,10 @@ class RecordCodec:
             raise CorruptRecordError("record stored under another key")
         if hdr.get("n") != len(payload):
             raise CorruptRecordError("payload length mismatch")
-        tokens, ns = hdr.get("tok"), hdr.get("ns", b"")
-        if not isinstance(tokens, bytes) or not isinstance(ns, bytes):
-            raise CorruptRecordError("bad token or namespace field")
-        if RecordCodec._checksum(block_hash, ns + tokens, payload) != hdr.get("xxh"):
+        tokens, ns, par, ext = hdr.get("tok"), hdr.get("ns", b""), hdr.get("par", b""), hdr.get("ext", b"")
+        if not all(isinstance(f, bytes) for f in (tokens, ns, par, ext)):
+            raise CorruptRecordError("bad token, namespace, parent or extras field")
+        if RecordCodec._checksum(block_hash, ns + tokens + par + ext, payload) != hdr.get("xxh"):
             raise CorruptRecordError("checksum mismatch")
         return hdr, payload
 
@@ -143,6 +153,18 @@ class RecordCodec:
         except Exception:  # garbage of any kind: nothing can be read
             return None
         return hdr if isinstance(hdr, dict) else None
+
+    def announced_key(self, value: memoryview | bytes, block_hash: bytes) -> BlockKey | None:
+        """The key a record's header describes (token ids, parent, extras) if it is this
+        namespace's and carries all three; else None. Reads the header only (the payload's
+        checksum is checked when the block is read)."""
+        hdr = self._read_header(value)
+        if not hdr or hdr.get("ns") != self._namespace:
+            return None
+        tokens, par, ext = hdr.get("tok"), hdr.get("par"), hdr.get("ext")
+        if not (isinstance(tokens, bytes) and tokens and isinstance(par, bytes) and isinstance(ext, bytes)):
+            return None
+        return BlockKey(BlockHash(bytes(block_hash)), tokens, par, ext)
 
     def owner(self, value: memoryview | bytes) -> bytes | None:
         """The namespace tag in a record's header; None if unreadable or absent (older records)."""

@@ -126,7 +126,7 @@ class KVCacheManager:
         """The keys of blocks `start .. end - 1` of the request (with their token ids)."""
         b = self.block_size
         arr = np.asarray(req.token_ids[start * b : end * b], dtype="<u4")
-        return self.blocks.keys(arr, req.hashes[start:end])
+        return self.blocks.keys(req.chain, arr, start, end)
 
     # -- ask / act ---------------------------------------------------------------------------
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
