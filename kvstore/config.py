@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
-from tiers.admission import AdmissionKind, AdmissionSpec, parse_admission
+from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
 from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
@@ -212,7 +212,7 @@ class StoreConfig:
     pool_demotion: str = "on_evict"
     cpu_checksums: bool = False
     cpu_eviction: EvictionKind = EvictionKind.LRU
-    demote_admission: AdmissionSpec = AdmissionSpec()
+    demote_admission: AdmissionSpec = ADMIT_ALL
     cpu_tenant_quota_bytes: int | None = None
     remote_url: str | None = None
     remote_ttl_s: int | None = None

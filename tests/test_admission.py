@@ -113,9 +113,9 @@ def test_store_config_admission_and_eviction_are_validated(tmp_path: Path) -> No
     cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=64 * LAYOUT.block_bytes(BLOCK), demote_admission="seen:2",
                       cpu_eviction="arc")
     assert cfg.demote_admission == AdmissionSpec(AdmissionKind.SEEN, 2) and cfg.cpu_eviction == "arc"
-    with pytest.raises(ConfigError, match="StoreConfig.demote_admission must be 'all' or 'seen:N'"):
+    with pytest.raises(ConfigError, match=r"StoreConfig\.demote_admission must be 'all' or 'seen:N'"):
         StoreConfig(LAYOUT, demote_admission="tinylfu")
-    with pytest.raises(ConfigError, match="StoreConfig.demote_admission must be 'all', 'tinylfu' or 'seen:N'"):
+    with pytest.raises(ConfigError, match=r"StoreConfig\.demote_admission must be 'all', 'tinylfu' or 'seen:N'"):
         StoreConfig(LAYOUT, demote_admission="seen:0")
     with pytest.raises(ConfigError, match=r"StoreConfig.cpu_eviction must be one of .*, got 'fifo'"):
         StoreConfig(LAYOUT, cpu_eviction="fifo")

@@ -106,7 +106,7 @@ def test_store_config_quota(tmp_path: object) -> None:
         (stats,) = cpu.tenant_stats()  # keys carry no tenant yet: one default tenant, over quota
         assert stats.label == "default" and stats.num_blocks == 8 and stats.quota_blocks == 4
         s.check_integrity()
-    with pytest.raises(ConfigError, match="StoreConfig.cpu_tenant_quota_bytes=10 holds no block"):
+    with pytest.raises(ConfigError, match=r"StoreConfig\.cpu_tenant_quota_bytes=10 holds no block"):
         StoreConfig(LAYOUT, block_size=BLOCK, cpu_tenant_quota_bytes=10)
 
 

@@ -28,8 +28,8 @@ def test_replay_counts_the_hits_of_a_real_store(kind: EvictionKind) -> None:
     unique = len({b for ids in reqs for b in ids})
     capacity = unique // 16
     block_bytes = trace._LAYOUT.block_bytes(trace.TRACE_BLOCK_TOKENS)
-    cfg = StoreConfig(trace._LAYOUT, block_size=trace.TRACE_BLOCK_TOKENS, namespace="t", cpu_bytes=capacity * block_bytes,
-                      verify_tokens=False, persist_on_close=False, cpu_eviction=kind)
+    cfg = StoreConfig(trace._LAYOUT, block_size=trace.TRACE_BLOCK_TOKENS, namespace="t",
+                      cpu_bytes=capacity * block_bytes, verify_tokens=False, persist_on_close=False, cpu_eviction=kind)
     payload = torch.zeros(trace._LAYOUT.block_shape(max(map(len, reqs)) * trace.TRACE_BLOCK_TOKENS),
                           dtype=trace._LAYOUT.dtype)
     hits = {k: 0 for k in TierKind}
@@ -48,7 +48,7 @@ def test_replay_counts_the_hits_of_a_real_store(kind: EvictionKind) -> None:
 def brute_force_best(requests: list[list[int]], capacity: int) -> int:
     """The most prefix hits over every choice of victim (or bypass) at every miss."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(r: int, j: int, cache: frozenset[int]) -> int:
         if r == len(requests):
             return 0

@@ -104,6 +104,9 @@ class AdmissionSpec:
         return f"seen:{self.threshold}" if self.kind is AdmissionKind.SEEN else self.kind.value
 
 
+ADMIT_ALL = AdmissionSpec()
+
+
 def parse_admission(value: AdmissionSpec | str, name: str = "admission") -> AdmissionSpec:
     """`value` as an `AdmissionSpec`; `ConfigError` naming `name` and the forms otherwise."""
     if isinstance(value, AdmissionSpec):
