@@ -11,6 +11,12 @@ reported at a realistic block size (`--token-kib`, default 128 KiB/token: Llama-
 i.e. 64 MiB per 512-token block). Three configurations per pool size:
 (a) GPU-only LRU prefix cache (the vLLM baseline), (b) kvstrata with a CPU tier of
 `--cpu-x` pools and a disk tier of `--disk-x` pools, (c) an infinite cache (the ceiling).
+
+With `--policy lru,s3fifo,arc,lfu` (or `all`) it replays the eviction and admission policies
+instead, on both packaged traces unless `--trace` is given, at capacities from 1/64 to 1/2 of
+the unique blocks, with Belady's optimum and LRU in the same run (bench/trace_policy.py); with
+`--fleet N` the shared tier of a fleet under each policy, with `--quota` one tenant's flood
+against another's quota, with `--cost N` the CPU tier's cost per block under each policy.
 """
 
 from __future__ import annotations
@@ -236,7 +242,7 @@ class AdmissionList(click.ParamType):
 @click.option("--policy", "policies", type=Choices([*POLICY_CHOICES, "all"]), default=None,
               help="replay the eviction policies instead (comma list, or all), with Belady's optimum and LRU; "
                    "simulated over the shipped policy classes (bench/trace_policy.py)")
-@click.option("--admission", "admissions", type=AdmissionList(), default="all,seen:2,seen:3", show_default=True,
+@click.option("--admission", "admissions", type=AdmissionList(), default="all,seen:2", show_default=True,
               help="with --policy: demotion admissions to compare, the first the baseline")
 @click.option("--lower-x", type=positive(), default=4, show_default=True,
               help="with --policy: the tier below (disk, or the fleet's shared tier) in tier capacities")
@@ -246,12 +252,16 @@ class AdmissionList(click.ParamType):
 @click.option("--flood-x", type=positive(), default=2, show_default=True,
               help="with --quota: one-off requests of the flooding tenant per request of the other")
 @click.option("--seed", type=nonneg(), default=0, show_default=True, help="with --quota: the flood's lengths")
+@click.option("--cost", "cost_rounds", type=positive(), default=None,
+              help="with --policy: time the CPU tier under each policy against LRU in N interleaved rounds of a "
+                   "real store (bench/trace_cost.py; --limit defaults to 2000 requests)")
 def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_x: int, disk_x: int, token_kib: int,
             limit: int | None, fleet: int | None, remote_url: str | None, policies: list[str] | None,
-            admissions: list[str], lower_x: int, parents: bool, quota: bool, flood_x: int, seed: int) -> None:
+            admissions: list[str], lower_x: int, parents: bool, quota: bool, flood_x: int, seed: int,
+            cost_rounds: int | None) -> None:
     if policies is not None:
         run_policy_mode(list(trace_paths), fractions, policies, admissions, lower_x, token_kib, limit, parents,
-                        fleet, quota, flood_x, seed)
+                        fleet, quota, flood_x, seed, cost_rounds)
         return
     trace_path = trace_paths[0] if trace_paths else str(DEFAULT_TRACE.resolve())
     fractions = fractions or parse_fractions("1/32,1/16,1/8,1/4")
@@ -269,8 +279,8 @@ def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_
 
 def run_policy_mode(trace_paths: list[str], fractions: list[Fraction] | None, policies: list[str],
                     admissions: list[str], lower_x: int, token_kib: int, limit: int | None, parents: bool,
-                    fleet: int | None, quota: bool, flood_x: int, seed: int) -> None:
-    """`--policy`: the policy study, or with `--fleet` / `--quota` the fleet or tenant experiment."""
+                    fleet: int | None, quota: bool, flood_x: int, seed: int, cost_rounds: int | None) -> None:
+    """`--policy`: the policy study, or with `--fleet` / `--quota` / `--cost` one of the others."""
     from bench.trace_policy import Trace, run_policies
 
     if "all" in policies:
@@ -279,6 +289,12 @@ def run_policy_mode(trace_paths: list[str], fractions: list[Fraction] | None, po
     paths = trace_paths or [str(TRACES_DIR / f"{n}_trace.jsonl.gz") for n in ("conversation", "synthetic")]
     fractions = fractions or parse_fractions(DEFAULT_FRACTIONS)
     block_gib = token_kib * TRACE_BLOCK_TOKENS / 2**20
+    if cost_rounds is not None:
+        from bench.trace_cost import run_cost
+
+        trace = Trace.load(paths[0], limit or 2000)
+        write_results(f"trace_cost_{trace.name}", run_cost(trace, policies, cost_rounds))
+        return
     if fleet is not None or quota:
         for path in paths:
             trace = Trace.load(path, limit)

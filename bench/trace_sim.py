@@ -91,8 +91,8 @@ class SimTier:
                 self.num_evictions += len(victims)
             added = [ids[i] for i in new]
             parent = self.parent
-            res.add_many(added, [parent.get(b) for b in added], [tenant] * len(added))
-            res.touch(ids)
+            res.add_many(added, [parent.get(b) for b in added] if parent else None, [tenant] * len(added))
+            res.touch(ids[new[-1] + 1:])
         res.end_put()
         self.num_puts += len(new)
         return len(new)

@@ -142,7 +142,8 @@ class CPUTier(Tier):
             n += 1
         if not (isinstance(dsts, BlockBatch) and copy_rows(dsts.rows, dsts.row_ids[:n], self._slab, slots)):
             self._copy_in(dsts[:n], [self._slab[s] for s in slots])
-        self._res.count_hits([k.block_hash for k in keys[:n]])
+        if self._res.has_tenants:
+            self._res.count_hits([k.block_hash for k in keys[:n]])
         return n
 
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -152,7 +153,7 @@ class CPUTier(Tier):
         overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + res.num_evictable)
         if overflow:  # more new blocks than this tier can ever hold: the most evictable skip it
             self._send_down([keys[i] for i in overflow], [srcs[i] for i in overflow])
-        if new:
+        if new and len(new) > len(self._free):
             self._make_room(len(new) - len(self._free), key_tenant(keys[new[0]]))
         slots = [self._free.pop() for _ in new]
         try:
@@ -169,9 +170,10 @@ class CPUTier(Tier):
                 self._slot_sums[slot] = self._sum(slot)
             self._index[key.block_hash] = slot
         if new:
-            res.add_many([hashes[i] for i in new], [key_parent(keys[i]) for i in new],
-                         [key_tenant(keys[i]) for i in new])
-            res.touch(hashes)  # eviction order again: a prefix stays more recent than its new tail
+            plain = type(keys[new[0]]) is BlockKey  # the keys of a put carry no parent nor tenant
+            res.add_many([hashes[i] for i in new], None if plain else [key_parent(keys[i]) for i in new],
+                         None if plain else [key_tenant(keys[i]) for i in new])
+            res.touch(hashes[new[-1] + 1:])  # the held prefix: more recent than its new tail
         res.end_put()
         self._announce(True, [keys[i].block_hash for i in new])
         return len(new)

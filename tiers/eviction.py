@@ -17,7 +17,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import ClassVar, Generic, TypeVar
 
 from tiers.errors import ConfigError
@@ -80,6 +80,15 @@ class EvictionPolicy(abc.ABC, Generic[K]):
     def refresh(self, key: K) -> None:
         """The same use of a held key seen again: makes it recent, counts nothing."""
 
+    def refresher(self) -> Callable[[K], None]:
+        """`refresh` as the cheapest callable this policy has (a bound C method for LRU), for
+        loops over many keys."""
+        return self.refresh
+
+    def inserter(self) -> Callable[[K], None]:
+        """`insert` as the cheapest callable this policy has."""
+        return self.insert
+
     @abc.abstractmethod
     def remove(self, key: K) -> None:
         """Stop holding `key` without evicting it (a pin, a discard). A policy with a history
@@ -88,6 +97,10 @@ class EvictionPolicy(abc.ABC, Generic[K]):
     @abc.abstractmethod
     def pop(self) -> K:
         """Stop holding and return the next key to evict. `IndexError` when none is held."""
+
+    def pop_many(self, num: int) -> list[K]:
+        """`pop` `num` times; the keys in the order popped."""
+        return [self.pop() for _ in range(num)]
 
     @abc.abstractmethod
     def restore(self, key: K) -> None:
@@ -131,6 +144,12 @@ class LRUPolicy(EvictionPolicy[K]):
 
     refresh = access
 
+    def refresher(self) -> Callable[[K], None]:
+        return self._order.move_to_end
+
+    def inserter(self) -> Callable[[K], None]:
+        return self._order.setdefault  # the key is not held: appended, most recent
+
     def remove(self, key: K) -> None:
         del self._order[key]
 
@@ -138,6 +157,12 @@ class LRUPolicy(EvictionPolicy[K]):
         if not self._order:
             raise IndexError("pop from an empty LRU policy")
         return self._order.popitem(last=False)[0]
+
+    def pop_many(self, num: int) -> list[K]:
+        if num > len(self._order):
+            raise IndexError(f"pop of {num} keys from an LRU policy holding {len(self._order)}")
+        popitem = self._order.popitem
+        return [popitem(False)[0] for _ in range(num)]
 
     def restore(self, key: K) -> None:
         self._order[key] = None

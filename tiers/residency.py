@@ -96,6 +96,11 @@ class Residency(Generic[K]):
     def tenant_stats(self) -> list[TenantStats]:
         return [] if self._book is None else self._book.stats()
 
+    @property
+    def has_tenants(self) -> bool:
+        """Whether quotas are on (and hits are counted per tenant)."""
+        return self._book is not None
+
     def count_hits(self, keys: Sequence[K]) -> None:
         """Count hits on held `keys` per tenant (quotas only; otherwise nothing to count)."""
         if self._book is not None:
@@ -126,10 +131,10 @@ class Residency(Generic[K]):
         this epoch is a use. Absent keys are ignored."""
         held = self._held
         if not self._counts_uses and not self.on_use and self._book is None:
-            pol = self._policy
+            refresh = self._policy.refresher()
             for key in keys:
                 if key in held:
-                    pol.refresh(key)
+                    refresh(key)
             return
         for key in keys:
             if key in held:
@@ -150,14 +155,25 @@ class Residency(Generic[K]):
         if parent is not None:
             self._link(key, parent)
 
-    def add_many(self, keys: Sequence[K], parents: Sequence[K | None], tenants: Sequence[bytes]) -> None:
+    def add_many(self, keys: Sequence[K], parents: Sequence[K | None] | None = None,
+                 tenants: Sequence[bytes] | None = None) -> None:
         """Hold new blocks, entering the eviction order in the order given (a put's eviction
-        order); then link each to its parent where that is held, parents among them included."""
-        for key, tenant in zip(keys, tenants):
-            self._insert(key, tenant)
-        for key, parent in zip(keys, parents):
-            if parent is not None:
-                self._link(key, parent)
+        order); then link each to its parent where that is held, parents among them included.
+        None for `parents` / `tenants`: the keys carry none."""
+        if tenants is None:
+            tenants = [NO_TENANT] * len(keys)
+        if self._book is None and not self._counts_uses and not self.on_use:
+            held, insert = self._held, self._policy.inserter()
+            for key, tenant in zip(keys, tenants):
+                held[key] = tenant
+                insert(key)
+        else:
+            for key, tenant in zip(keys, tenants):
+                self._insert(key, tenant)
+        if parents is not None:
+            for key, parent in zip(keys, parents):
+                if parent is not None:
+                    self._link(key, parent)
 
     def _insert(self, key: K, tenant: bytes) -> None:
         self._held[key] = tenant
@@ -180,9 +196,11 @@ class Residency(Generic[K]):
         spared). The caller then `commit`s them (gone) or `restore`s them (kept)."""
         if num > self.num_evictable:
             raise RuntimeError(f"asked for {num} victims but only {self.num_evictable} blocks are evictable (a bug)")
+        pins, children = self._pins, self._children
+        if self._book is None and not pins and not children:  # nothing to spare: the policy's order
+            return self._policy.pop_many(num)  # (no children: no links either)
         victims: list[K] = []
         spared, limit, strand = 0, 2 * len(self._held) + 2, not self.keep_prefixes
-        pins, children = self._pins, self._children
         while len(victims) < num:
             pol = self._policy if self._book is None else self._book.policy(
                 self._book.source(tenant, num - len(victims)))
@@ -212,6 +230,11 @@ class Residency(Generic[K]):
 
     def commit(self, victims: Sequence[K]) -> None:
         """Forget victims taken by `take_victims`: they left the tier."""
+        if not (self._parent or self._children or self._pins or self._last_use or self._book is not None):
+            held = self._held
+            for key in victims:  # nothing else to forget (LRU, no links, pins or tenants)
+                del held[key]
+            return
         for key in victims:
             self._parent.pop(key, None)
             self._forget(key, evicted=True)
