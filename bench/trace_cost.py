@@ -33,7 +33,7 @@ def replay_timed(trace: Trace, capacity: int, policy: str, payload: torch.Tensor
     with KVCacheStore(cfg) as store:
         for toks in tokens:
             t0 = time.perf_counter()
-            res = store.retrieve(toks)
+            store.retrieve(toks)
             t1 = time.perf_counter()
             store.store(toks, payload[:, :, : len(toks)])
             t2 = time.perf_counter()

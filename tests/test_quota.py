@@ -45,12 +45,21 @@ def held(tier: CPUTier, ids: range) -> int:
     return sum(tier.match_prefix([BlockHash(i.to_bytes(16, "little"))]) for i in ids)
 
 
+def read(tier: CPUTier, ids: list[int], tenant: bytes) -> int:
+    dsts = [torch.empty(SHAPE, dtype=LAYOUT.dtype) for _ in ids]
+    return tier.get_into([TenantKey(i, tenant) for i in ids], dsts)
+
+
 @pytest.mark.parametrize("kind", list(EvictionKind))
 def test_a_flood_from_one_salt_leaves_the_others_quota_cached(kind: EvictionKind) -> None:
+    """B writes 200 one-off blocks into a tier of 20 while A keeps using its 8 (within its
+    quota of 10): every one of A's blocks stays, B recycles its own."""
     tier = CPUTier(20, SHAPE, LAYOUT.dtype, eviction=kind, tenant_quota_blocks=10)
     store(tier, list(range(8)), b"salt-a")  # A's working set, within its quota
     for start in range(1000, 1200, 5):  # B writes 200 one-off blocks, five at a time
         store(tier, list(range(start, start + 5)), b"salt-b")
+        if start % 15 == 0:
+            assert read(tier, list(range(8)), b"salt-a") == 8  # A uses its working set
         tier.check_integrity()
     assert held(tier, range(8)) == 8
     stats = {s.label: s for s in tier.tenant_stats()}
@@ -65,7 +74,25 @@ def test_without_quotas_the_flood_takes_everything() -> None:
     store(tier, list(range(8)), b"salt-a")
     for start in range(1000, 1200, 5):
         store(tier, list(range(start, start + 5)), b"salt-b")
-    assert held(tier, range(8)) == 0 and tier.tenant_stats() == []
+        if start % 15 == 0 and read(tier, list(range(8)), b"salt-a") < 8:
+            break
+    assert held(tier, range(8)) < 8 and tier.tenant_stats() == []
+    tier.close()
+
+
+def test_an_idle_tenant_stops_reserving_its_share() -> None:
+    """A tenant that neither adds nor hits a block while a tier's worth of blocks is added
+    gives its blocks up to the others before they evict their own."""
+    tier = CPUTier(20, SHAPE, LAYOUT.dtype, tenant_quota_blocks=10)
+    store(tier, list(range(8)), b"salt-a")
+    for start in range(1000, 1025, 5):  # B adds 25 blocks: A idle for more than a turnover
+        store(tier, list(range(start, start + 5)), b"salt-b")
+    assert held(tier, range(8)) == 8  # B recycled its own while A was not idle yet
+    store(tier, list(range(2000, 2005)), b"salt-b")
+    assert held(tier, range(8)) == 3 and held(tier, range(2000, 2005)) == 5
+    stats = {s.label: s.num_blocks for s in tier.tenant_stats()}
+    assert stats == {tenant_label(b"salt-a"): 3, tenant_label(b"salt-b"): 17}
+    tier.check_integrity()
     tier.close()
 
 

@@ -5,17 +5,22 @@ A tenant is an opaque label of a block (the store's hash of a namespace and cach
 evictable blocks and may hold `quota_blocks` blocks before it is "over quota". Room for a
 tenant's new blocks is taken, in this order:
 
-1. from the tenant itself, for as many blocks as it would exceed its quota by;
-2. from a tenant over its quota (the first such tenant in insertion order);
-3. from the tenant itself again, while it has evictable blocks;
-4. from the tenant holding the most evictable blocks (quotas oversubscribed the tier).
+1. from an idle tenant: one with no block added or hit while `idle_after` blocks (the tier's
+   capacity) were added to the tier, the least recently active first;
+2. from the tenant itself, for as many blocks as it would exceed its quota by;
+3. from a tenant over its quota (the first such tenant in insertion order);
+4. from the tenant itself again, while it has evictable blocks;
+5. from the tenant holding the most evictable blocks (quotas oversubscribed the tier).
 
 So a tenant within its quota keeps its blocks however much another tenant writes, as long
-as the quotas of all tenants fit the tier. Counters per tenant are kept under a hashed label.
+as the quotas of all tenants fit the tier and it keeps using them; a tenant gone idle for a
+whole turnover of the tier no longer reserves its share. Counters per tenant are kept under a
+hashed label.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic
@@ -65,10 +70,13 @@ class TenantBook(Generic[K]):
     blocks, and `over` lists exactly the tenants holding more than `quota_blocks`.
     """
 
-    def __init__(self, make_policy: Callable[[int], EvictionPolicy[K]], quota_blocks: int) -> None:
+    def __init__(self, make_policy: Callable[[int], EvictionPolicy[K]], quota_blocks: int, idle_after: int) -> None:
         if quota_blocks <= 0:
             raise ValueError(f"a tenant quota must be > 0 blocks, got {quota_blocks}")
         self.quota_blocks = quota_blocks
+        self.idle_after = idle_after
+        self.clock = 0  # blocks added to the tier
+        self.activity: OrderedDict[bytes, int] = OrderedDict()  # tenants holding blocks -> last active
         self._make = make_policy
         self.policies: dict[bytes, EvictionPolicy[K]] = {}
         self.counters: dict[bytes, TenantCounters] = {}
@@ -82,12 +90,21 @@ class TenantBook(Generic[K]):
             self.counters[tenant] = TenantCounters()
         return pol
 
+    def active(self, tenant: bytes) -> None:
+        """The tenant used its blocks now (a hit)."""
+        if tenant in self.activity:
+            self.activity[tenant] = self.clock
+            self.activity.move_to_end(tenant)
+
     def added(self, tenant: bytes) -> None:
         c = self.counters[tenant]
         c.num_blocks += 1
         c.num_puts += 1
         if c.num_blocks > self.quota_blocks:
             self.over[tenant] = None
+        self.clock += 1
+        self.activity[tenant] = self.clock
+        self.activity.move_to_end(tenant)
 
     def removed(self, tenant: bytes, *, evicted: bool) -> None:
         c = self.counters[tenant]
@@ -96,6 +113,8 @@ class TenantBook(Generic[K]):
             c.num_evictions += 1
         if c.num_blocks <= self.quota_blocks:
             self.over.pop(tenant, None)
+        if not c.num_blocks:
+            self.activity.pop(tenant, None)
 
     def evictable(self, tenant: bytes) -> int:
         pol = self.policies.get(tenant)
@@ -104,6 +123,11 @@ class TenantBook(Generic[K]):
     def source(self, tenant: bytes, num_incoming: int) -> bytes:
         """The tenant the next victim is taken from, for `num_incoming` more blocks of `tenant`
         (the order in the module docstring). Changes nothing."""
+        for idle, last in self.activity.items():  # the least recently active first
+            if self.clock - last <= self.idle_after:
+                break
+            if idle != tenant and self.evictable(idle):
+                return idle
         own = self.evictable(tenant)
         if own and self.counters[tenant].num_blocks + num_incoming > self.quota_blocks:
             return tenant
@@ -125,6 +149,7 @@ class TenantBook(Generic[K]):
         self.policies.clear()
         self.counters.clear()
         self.over.clear()
+        self.activity.clear()
 
     def check_integrity(self, held: dict[K, bytes], pins: dict[K, int]) -> None:
         """Check the book against the tier's held blocks (key -> tenant) and pin counts."""
@@ -144,5 +169,7 @@ class TenantBook(Generic[K]):
                 raise RuntimeError(f"tenant {tenant_label(tenant)}: its policy holds other blocks (a bug)")
             if (tenant in self.over) != (c.num_blocks > self.quota_blocks):
                 raise RuntimeError(f"tenant {tenant_label(tenant)}: over-quota mark is wrong (a bug)")
+            if (tenant in self.activity) != (c.num_blocks > 0):
+                raise RuntimeError(f"tenant {tenant_label(tenant)}: activity kept for a tenant without blocks (a bug)")
         for pol in self.policies.values():
             pol.check_integrity()

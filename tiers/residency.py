@@ -68,7 +68,8 @@ class Residency(Generic[K]):
         self._book: TenantBook[K] | None = None
         self._policy: EvictionPolicy[K] = make_policy(self.eviction, capacity_blocks)
         if quota_blocks is not None:
-            self._book = TenantBook(lambda cap: make_policy(self.eviction, cap), min(quota_blocks, capacity_blocks))
+            self._book = TenantBook(lambda cap: make_policy(self.eviction, cap), min(quota_blocks, capacity_blocks),
+                                    idle_after=capacity_blocks)
         self._held: dict[K, bytes] = {}  # block -> tenant
         self._pins: dict[K, int] = {}
         self._parent: dict[K, K] = {}  # block -> its held parent, when it had one on arrival
@@ -103,9 +104,12 @@ class Residency(Generic[K]):
 
     def count_hits(self, keys: Sequence[K]) -> None:
         """Count hits on held `keys` per tenant (quotas only; otherwise nothing to count)."""
-        if self._book is not None:
+        book = self._book
+        if book is not None:
             for key in keys:
-                self._book.counters[self._held[key]].num_hits += 1
+                tenant = self._held[key]
+                book.counters[tenant].num_hits += 1
+                book.active(tenant)
 
     def order(self) -> list[K]:
         """Every held block, roughly in eviction order (each tenant's in turn); changes nothing."""
