@@ -109,6 +109,11 @@ class CPUTier(Tier):
         return self._admission.num_refused
 
     @property
+    def num_pinned(self) -> int:
+        """Blocks pinned now (each counted once, whatever its pin count)."""
+        return len(self._res) - self._res.num_evictable
+
+    @property
     def num_stranded(self) -> int:
         """Prefix blocks evicted while blocks linked to them were still held."""
         return self._res.num_stranded
