@@ -278,3 +278,17 @@ def test_every_put_and_read_keeps_capacity_and_integrity(tier_factory: Callable[
         tier.check_integrity()
         for i in pinned:  # a tier that pins (the CPU tier) never evicts a pinned block
             assert tier.match_prefix([key(i).block_hash]) == 1
+
+
+@pytest.mark.parametrize("eviction", list(EvictionKind))
+def test_cpu_put_keeps_the_held_prefix_over_its_new_tail(eviction: EvictionKind) -> None:
+    """A request that extends a cached prefix stores its new tail; the next eviction takes
+    that tail, not the prefix (which would strand the tail: unreachable without it)."""
+    cpu = CPUTier(4, SHAPE, LAYOUT.dtype, eviction=eviction)
+    put(cpu, [1, 0])  # sequence 0, 1
+    put(cpu, [3, 2])  # another sequence
+    put(cpu, [5, 4, 1, 0])  # 0, 1 extended by 4, 5: 2 and 3 make room
+    put(cpu, [7, 6])  # room for 2 more: the tail 4, 5 goes, the prefix 0, 1 stays
+    assert cpu.match_prefix([key(i).block_hash for i in (0, 1)]) == 2
+    cpu.check_integrity()
+    cpu.close()
