@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
 _DTYPES: dict[str, torch.dtype] = {
@@ -196,6 +198,18 @@ class StoreConfig:
         cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
             read or demoted; a block damaged in memory is then a miss (costs one hash per
             block written and per block read).
+        cpu_eviction: the CPU tier's eviction policy, `EvictionKind` or its name: "lru"
+            (default), "s3fifo", "arc" or "lfu" (`tiers/eviction.py`; measured against LRU and
+            Belady's optimum in docs/performance.md). Whatever the policy, a block whose
+            children are held is evicted after them where the keys name their parents.
+        demote_admission: which blocks the CPU tier, evicting them, writes to the tier below:
+            "all" (default), or "seen:N" (N in 2..15): only blocks used at least N times while
+            counted by a frequency sketch; the others are dropped, a write (and SSD wear)
+            saved. `CPUTier.num_demotions_refused` counts them. Spills on close ignore it.
+        cpu_tenant_quota_bytes: a budget per tenant (namespace and cache salt, as the keys
+            carry them) in the CPU tier: a tenant over it evicts its own blocks first, and a
+            tenant within it keeps its blocks under another tenant's burst (None: no quotas,
+            one eviction order for all).
     """
 
     layout: KVLayout
@@ -213,6 +227,9 @@ class StoreConfig:
     pool_device: str | None = None
     pool_demotion: str = "on_evict"
     cpu_checksums: bool = False
+    cpu_eviction: EvictionKind = EvictionKind.LRU
+    demote_admission: AdmissionSpec = ADMIT_ALL
+    cpu_tenant_quota_bytes: int | None = None
     remote_url: str | None = field(default=None, repr=False)  # it may hold a password
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
@@ -285,6 +302,17 @@ class StoreConfig:
         if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
+        object.__setattr__(self, "cpu_eviction", parse_eviction(self.cpu_eviction, "StoreConfig.cpu_eviction"))
+        admission = parse_admission(self.demote_admission, "StoreConfig.demote_admission")
+        if admission.kind is AdmissionKind.TINYLFU:
+            raise ConfigError("StoreConfig.demote_admission must be 'all' or 'seen:N'; 'tinylfu' compares with "
+                              "the lower tier's victim, which the CPU tier does not know")
+        object.__setattr__(self, "demote_admission", admission)
+        if self.cpu_tenant_quota_bytes is not None:
+            quota = require_int("StoreConfig.cpu_tenant_quota_bytes", self.cpu_tenant_quota_bytes, 1)
+            if quota < self.block_bytes:
+                raise ConfigError(f"StoreConfig.cpu_tenant_quota_bytes={quota} holds no block of "
+                                  f"{self.block_bytes} bytes")
         require_int("StoreConfig.io_threads", self.io_threads, 1)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         from kvstore.load_policy import check_mode

@@ -33,8 +33,11 @@ def _pool(config: StoreConfig, seed: BlockHash) -> Tier | None:
 def _cpu(config: StoreConfig, seed: BlockHash) -> Tier | None:
     if not config.cpu_bytes:
         return None
+    quota = config.cpu_tenant_quota_bytes
     return CPUTier(config.cpu_blocks, config.block_shape, config.layout.dtype, verify_tokens=config.verify_tokens,
-                   checksum=config.cpu_checksums)
+                   checksum=config.cpu_checksums, eviction=config.cpu_eviction,
+                   demote_admission=config.demote_admission,
+                   tenant_quota_blocks=None if quota is None else quota // config.block_bytes)
 
 
 def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
