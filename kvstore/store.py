@@ -611,9 +611,10 @@ class KVCacheStore:
         `CloseResult(0, 0)`); other calls then raise `StoreClosedError`.
 
         Background work ends first: a prefetch that is queued or running resolves to 0, a
-        queued asyncio call raises `StoreClosedError`, running ones complete; then the I/O
-        threads are gone. Never raises for a full disk: blocks a full lower tier refuses are
-        counted in the result and logged, most recently used blocks having gone first.
+        queued asyncio call raises `StoreClosedError`, running ones and a running `flush()`
+        complete; when any close() returns, the I/O threads are gone. Never raises for a full
+        disk: blocks a full lower tier refuses are counted in the result and logged, most
+        recently used blocks having gone first.
         """
         with self._close_lock:
             with self._workers_lock:

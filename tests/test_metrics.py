@@ -72,8 +72,8 @@ def test_two_stores_in_one_process_export_side_by_side(tmp_path: Path) -> None:
         assert _value(text, "kvstrata_blocks", store="store", tier="cpu") == 3
         assert _value(text, "kvstrata_blocks", store="store-2", tier="cpu") == 0
         assert _value(text, "kvstrata_latency_seconds_count", store="store", op="store") == 1
-        names = [f.name for f in text_string_to_metric_families(text)]
-        assert len(names) == len(set(names)) and "kvstrata_lookups" in names
+        families = [f.name for f in text_string_to_metric_families(text)]
+        assert len(families) == len(set(families)) and "kvstrata_lookups" in families
 
 
 def test_registering_a_store_twice_is_idempotent_and_names_are_checked(tmp_path: Path) -> None:

@@ -34,21 +34,28 @@ def _bits(t: torch.Tensor | None) -> torch.Tensor:
 
 
 class DiskGate:
-    """Holds the first read of the store's disk tier until `release()`; later reads pass."""
+    """Holds the first call of the store's disk tier's `method` until `release()`: after the
+    real call returns (a read: the bytes are read, the insert is still to come), or before it
+    (`before=True`); later calls pass."""
 
-    def __init__(self, store: KVCacheStore) -> None:
+    def __init__(self, store: KVCacheStore, method: str = "get_into", *, before: bool = False) -> None:
         self.entered = threading.Event()
         self._open = threading.Event()
         disk = store.tiers[-1]
-        self._read: Callable[..., int] = disk.get_into
-        disk.get_into = self._gated  # type: ignore[method-assign]
+        self._call: Callable[..., object] = getattr(disk, method)
+        self._before = before
+        setattr(disk, method, self._gated)
 
-    def _gated(self, keys: object, dsts: object) -> int:
-        n = self._read(keys, dsts)  # the bytes are read; the insert is still to come
-        if not self.entered.is_set():
+    def _gated(self, *args: object) -> object:
+        first = not self.entered.is_set()
+        if first and self._before:
             self.entered.set()
             self._open.wait(WAIT_S)
-        return n
+        result = self._call(*args)
+        if first and not self._before:
+            self.entered.set()
+            self._open.wait(WAIT_S)
+        return result
 
     def release(self) -> None:
         self._open.set()
@@ -184,7 +191,13 @@ def test_calls_while_close_waits_are_refused_and_no_thread_is_left(
     gate = DiskGate(store)
     running = store.prefetch(TOKENS)
     assert gate.entered.wait(WAIT_S)
-    closers = [threading.Thread(target=store.close) for _ in range(num_closers)]
+    io_left: list[list[str]] = []
+
+    def close() -> None:
+        store.close()
+        io_left.append([t.name for t in threading.enumerate() if t.name.startswith("kvstrata-io")])
+
+    closers = [threading.Thread(target=close) for _ in range(num_closers)]
     for closer in closers:
         closer.start()
     refused, accepted = _wait_until_refused(store)
@@ -200,9 +213,38 @@ def test_calls_while_close_waits_are_refused_and_no_thread_is_left(
         for closer in closers:
             closer.join(WAIT_S)
     assert not any(closer.is_alive() for closer in closers)
+    assert io_left == [[]] * num_closers, f"I/O threads alive when close() returned: {io_left}"
     assert running.result(WAIT_S) == 0 and all(f.result(WAIT_S) == 0 for f in accepted)
     left = [t.name for t in set(threading.enumerate()) - before]
     assert left == [], f"threads still running after close(): {left}"
     assert store.close() == CloseResult(0, 0)
     with pytest.raises(StoreClosedError):
         store.prefetch(TOKENS)
+
+
+def test_close_waits_for_a_running_flush(on_disk: Callable[..., KVCacheStore]) -> None:
+    """flush() runs without the store's lock: close() lets it finish before closing the tiers."""
+    store = on_disk()
+    store.retrieve(TOKENS)  # recency updates for the disk tier to flush
+    gate = DiskGate(store, "flush", before=True)
+    flushed: list[object] = []
+
+    def flush() -> None:
+        try:
+            flushed.append(store.flush())
+        except Exception as exc:
+            flushed.append(exc)
+
+    flusher = threading.Thread(target=flush)
+    flusher.start()
+    assert gate.entered.wait(WAIT_S)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    refused, _ = _wait_until_refused(store)
+    try:
+        assert refused and not store.closed, "the tiers closed under a running flush()"
+    finally:
+        gate.release()
+        flusher.join(WAIT_S)
+        closer.join(WAIT_S)
+    assert flushed == [True] and store.closed
