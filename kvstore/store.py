@@ -625,22 +625,24 @@ class KVCacheStore:
             with self._workers_lock:
                 while self._num_outside:  # reads and flushes without the store's lock
                     self._workers_lock.wait()
-            with self._lock:
-                if self._closed:
-                    return CloseResult(0, 0)
-                self._closed = True
-                spilled = refused = 0
-                try:
-                    if self.config.persist_on_close:
-                        spilled, refused = self._stack.spill()
-                    if refused:
-                        logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d",
-                                       spilled, refused)
-                finally:
-                    self._stack.close()
-            if self.events is not None:  # outside the lock: its thread may be waiting for it
-                self.events.close()
-            return CloseResult(spilled, refused)
+            try:
+                with self._lock:
+                    if self._closed:
+                        return CloseResult(0, 0)
+                    self._closed = True
+                    spilled = refused = 0
+                    try:
+                        if self.config.persist_on_close:
+                            spilled, refused = self._stack.spill()
+                        if refused:
+                            logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d",
+                                           spilled, refused)
+                    finally:
+                        self._stack.close()
+                    return CloseResult(spilled, refused)
+            finally:
+                if self.events is not None:  # idempotent; outside the lock: its thread may wait for it
+                    self.events.close()
 
     @property
     def closed(self) -> bool:
