@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
@@ -148,7 +148,13 @@ class KVCacheStore:
         self.observe_latency: Callable[[str, float], None] | None = None
         self._buffers = BufferPool(config.result_buffer_bytes)  # recycled results of retrieve()
         self._workers: ThreadPoolExecutor | None = None  # prefetch and the asyncio API, started on first use
-        self._workers_lock = threading.Lock()
+        # Guards `_workers`, `_closing` and `_num_outside`; close() waits on it for uses of the
+        # tiers made without the store's lock (background reads, flush) to end.
+        self._workers_lock = threading.Condition(threading.Lock())
+        self._closing = False  # close() has begun: no new background work, queued work does nothing
+        self._num_outside = 0  # uses of the tiers in progress without the store's lock
+        self._close_lock = threading.Lock()  # one close() at a time; a second waits, then returns
+        self._generation = 0  # clear() calls so far (see `generation`)
         self.num_prefetched_blocks = 0
         self.prefetched_blocks: dict[TierKind, int] = {}  # by the tier they came from
 
@@ -203,6 +209,22 @@ class KVCacheStore:
     def lock(self) -> threading.RLock:
         """The lock every store call holds; hold it to mutate tiers from outside."""
         return self._lock
+
+    @property
+    def generation(self) -> int:
+        """How many times `clear()` has run. Read it when KV is produced and pass it as
+        `generation=` to a later `store` / `store_blocks`: KV produced before a `clear()` is
+        then never cached after it."""
+        return self._generation
+
+    def _current(self, generation: int | None) -> bool:
+        """Whether KV produced at `generation` may be stored now (call with the lock held)."""
+        if generation is None:
+            return True
+        if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation <= self._generation:
+            raise InvalidInputError(f"generation must be a value of KVCacheStore.generation (now {self._generation}) "
+                                    f"or None, got {generation!r}")
+        return generation == self._generation
 
     # -- hashing ---------------------------------------------------------------------------
     def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None) -> list[BlockHash]:
@@ -260,12 +282,14 @@ class KVCacheStore:
 
     # -- the API ---------------------------------------------------------------------------
     @_timed("store")
-    def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
+    def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None,
+              generation: int | None = None) -> int:
         """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
 
         `kv` is `[num_layers, 2, len(tokens), num_kv_heads, head_dim]` of the layout's dtype on
         any device. Invalid input raises an `InvalidInputError` subclass and stores nothing;
-        `DiskFullError` means the tiers could not make room (reads keep working).
+        `DiskFullError` means the tiers could not make room (reads keep working). With
+        `generation` (see the property) older than the store's, stores nothing and returns 0.
         """
         self.check_open()
         arr, hashes = self._hash(tokens, extra_keys)
@@ -275,7 +299,10 @@ class KVCacheStore:
         srcs = BlockBatch(block_rows(kv, b))
         with self._lock:
             self.check_open()
+            current = self._current(generation)  # raises for a bad value before anything counts
             self._num_store_calls += 1
+            if not current:
+                return 0
             self._num_blocks_stored += self._stack.put(keys, srcs)
             if len(keys) <= self._stack.top.capacity_blocks:
                 return len(keys) * b  # the top tier took every block (no second lookup)
@@ -379,6 +406,7 @@ class KVCacheStore:
         first_block: int = 0,
         extra_keys: ExtraKeys | None = None,
         chain: BlockChain | None = None,
+        generation: int | None = None,
     ) -> int:
         """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
 
@@ -386,7 +414,8 @@ class KVCacheStore:
         device). `tokens` must cover every given block; the blocks before `first_block` need not
         be cached or given (their hashes chain into the keys). Writes like `store`: into the top
         tier (and the disk tier with `write_through`); blocks already held are only touched.
-        Invalid input raises an `InvalidInputError` subclass and stores nothing.
+        Invalid input raises an `InvalidInputError` subclass and stores nothing. With
+        `generation` older than the store's (a `clear()` ran since), stores nothing: returns 0.
         """
         self.check_open()
         arr, hashes = self._hash(tokens, extra_keys, chain)
@@ -394,7 +423,10 @@ class KVCacheStore:
         keys = self.block_keys(arr, hashes, extra_keys)[first_block : first_block + len(srcs)]
         with self._lock:
             self.check_open()
+            current = self._current(generation)  # raises for a bad value before anything counts
             self._num_store_calls += 1
+            if not current:
+                return 0
             written = self._stack.put(keys, list(srcs))
             self._num_blocks_stored += written
             return written
@@ -431,35 +463,62 @@ class KVCacheStore:
             return LoadResult(num_ok, counts)
 
     # -- background work: prefetch and the asyncio API -------------------------------------
-    def _executor(self) -> ThreadPoolExecutor:
+    @contextlib.contextmanager
+    def _outside_lock(self) -> Iterator[None]:
+        """Use the tiers without the store's lock. Raises `StoreClosedError` once close() has
+        begun; close() waits for every such use to end before it closes the tiers."""
         with self._workers_lock:
-            self.check_open()
+            if self._closing:
+                raise StoreClosedError("KVCacheStore is closed")
+            self._num_outside += 1
+        try:
+            yield
+        finally:
+            with self._workers_lock:
+                self._num_outside -= 1
+                self._workers_lock.notify_all()
+
+    def _submit(self, fn: Callable[..., R], *args: object, **kwargs: object) -> Future[R]:
+        """Queue `fn` on the I/O threads (started on first use); `StoreClosedError` once close()
+        has begun."""
+        with self._workers_lock:
+            if self._closing:
+                raise StoreClosedError("KVCacheStore is closed")
             if self._workers is None:
                 self._workers = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvstrata-io")
-            return self._workers
+            return self._workers.submit(fn, *args, **kwargs)
 
     def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> Future[int]:
         """Bring the longest cached prefix of `tokens` from the slow tiers (disk, remote) into
         the fastest memory tier below the pool (the CPU tier; the pool without one), in the
         background. The future resolves to the leading tokens then held in memory tiers.
 
-        Bad input raises here, at once. The slow reads run without the store's lock (other
-        calls proceed meanwhile); only the final insert takes it. After `close()` the future
-        resolves to 0.
+        Bad input raises here, at once, as does `StoreClosedError` once `close()` has begun.
+        The slow reads run without the store's lock (other calls proceed meanwhile); only the
+        final insert takes it, and inserts nothing if `clear()` ran since the reads began. A
+        prefetch that `close()` finds queued or running resolves to 0 (never cancelled).
         """
         self.check_open()
         arr, hashes = self._hash(tokens, extra_keys)
         keys = self.block_keys(arr, hashes)
-        return self._executor().submit(self._prefetch, keys)
+        return self._submit(self._prefetch, keys)
 
     def _prefetch(self, keys: list[BlockKey]) -> int:
+        try:
+            with self._outside_lock():
+                return self._prefetch_reads(keys)
+        except StoreClosedError:  # close() began: a queued or running prefetch resolves to 0
+            return 0
+
+    def _prefetch_reads(self, keys: list[BlockKey]) -> int:
         tiers = self._stack.tiers
         memory = [i for i, t in enumerate(tiers) if t.kind in (TierKind.POOL, TierKind.CPU)]
         slow = {i for i, t in enumerate(tiers) if t.kind in (TierKind.DISK, TierKind.REMOTE)}
         hashes = [k.block_hash for k in keys]
         with self._lock:
-            if self._closed:
+            if self._closing:  # close() began: resolve to 0
                 return 0
+            generation = self._generation  # what the reads below see; a clear() later voids them
             plan = self._stack.locate(hashes)
         target = memory[-1] if memory else None
         fetch = [i for i, t in enumerate(plan) if t in slow]
@@ -467,7 +526,7 @@ class KVCacheStore:
             buffer = BlockBatch(torch.empty((len(fetch), *self.config.block_shape), dtype=self.config.layout.dtype))
             got = 0
             sources: list[tuple[TierKind, int]] = []
-            while got < len(fetch):  # one read per run of one tier, in prefix order
+            while got < len(fetch) and not self._closing:  # one read per run of one tier, in prefix order
                 end, tier = got, plan[fetch[got]]
                 while end < len(fetch) and plan[fetch[end]] == tier and fetch[end] - fetch[got] == end - got:
                     end += 1
@@ -477,9 +536,9 @@ class KVCacheStore:
                 if got < end:
                     break
             with self._lock:
-                if self._closed:
+                if self._closing:
                     return 0
-                if got:
+                if got and generation == self._generation:
                     # DiskFullError: a tier below refused what the insert would evict; nothing moved
                     with contextlib.suppress(DiskFullError):
                         tiers[target].put([keys[i] for i in reversed(fetch[:got])], buffer[got - 1 :: -1])
@@ -487,20 +546,29 @@ class KVCacheStore:
                         for kind, n in sources:
                             self.prefetched_blocks[kind] = self.prefetched_blocks.get(kind, 0) + n
         with self._lock:
-            if self._closed:
+            if self._closing:
                 return 0
             plan = self._stack.locate(hashes)
         leading = next((i for i, t in enumerate(plan) if t not in memory), len(plan))
         return leading * self.config.block_size
 
+    def _unless_closing(self, fn: Callable[..., R], *args: object, **kwargs: object) -> R:
+        if self._closing:  # queued when close() began: not run
+            raise StoreClosedError("KVCacheStore is closed")
+        return fn(*args, **kwargs)
+
     async def _in_thread(self, fn: Callable[..., R], *args: object, **kwargs: object) -> R:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor(), functools.partial(fn, *args, **kwargs))
+        return await asyncio.wrap_future(self._submit(self._unless_closing, fn, *args, **kwargs), loop=loop)
 
     async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event
-        loops: the loop never blocks on a copy or a disk write."""
-        return await self._in_thread(self.store, tokens, kv, extra_keys=extra_keys)
+        loops: the loop never blocks on a copy or a disk write. Stores nothing (returns 0) if
+        `clear()` runs between this call and its turn on a thread.
+
+        The asyncio calls raise `StoreClosedError` when `close()` has begun before they ran
+        (never `asyncio.CancelledError`); one already running completes."""
+        return await self._in_thread(self.store, tokens, kv, extra_keys=extra_keys, generation=self._generation)
 
     async def aretrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
                         device: torch.device | str | None = None, out: torch.Tensor | None = None) -> RetrieveResult:
@@ -521,14 +589,20 @@ class KVCacheStore:
         """Return once every block stored so far is visible to other hosts (the remote tier's
         background writes sent, or dropped for a fault and counted). False on a timeout."""
         self.check_open()
-        return self._stack.flush()
+        with self._outside_lock():  # close() waits for it to end before closing the tiers
+            return self._stack.flush()
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this store's blocks from every tier. The disk tier may be shared: only this
         namespace's records go, unless `all_namespaces` (every record in `disk_path`, whoever
-        wrote it: a whole-directory wipe)."""
+        wrote it: a whole-directory wipe).
+
+        Work begun before the clear never brings its bytes back after it: a running `prefetch`
+        inserts nothing, a queued `astore` stores nothing, nor does a `store` / `store_blocks`
+        given an older `generation`."""
         with self._lock:
             self.check_open()
+            self._generation += 1
             for tier in self._stack.tiers:
                 if isinstance(tier, (LMDBTier, RemoteTier)):
                     tier.clear(all_namespaces=all_namespaces)
@@ -547,31 +621,43 @@ class KVCacheStore:
             return disks[0].scrub() if disks else None
 
     def close(self) -> CloseResult:
-        """Persist what fits (with `persist_on_close`) and release every tier. Idempotent;
-        other calls then raise `StoreClosedError`.
+        """Persist what fits (with `persist_on_close`) and release every tier. Idempotent and
+        safe from several threads at once (a second call waits for the first, then returns
+        `CloseResult(0, 0)`); other calls then raise `StoreClosedError`.
 
-        Never raises for a full disk: blocks a full lower tier refuses are counted in the
-        result and logged, most recently used blocks having gone first.
+        Background work ends first: a prefetch that is queued or running resolves to 0, a
+        queued asyncio call raises `StoreClosedError`, running ones and a running `flush()`
+        complete; when any close() returns, the I/O threads are gone. Never raises for a full
+        disk: blocks a full lower tier refuses are counted in the result and logged, most
+        recently used blocks having gone first.
         """
-        with self._workers_lock:
-            workers, self._workers = self._workers, None
-        if workers is not None:  # background calls finish first (they take the lock)
-            workers.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            if self._closed:
-                return CloseResult(0, 0)
-            self._closed = True
-            spilled = refused = 0
+        with self._close_lock:
+            with self._workers_lock:
+                self._closing = True  # from here no work is queued, and queued work does nothing
+                workers, self._workers = self._workers, None
+            if workers is not None:
+                workers.shutdown(wait=True)
+            with self._workers_lock:
+                while self._num_outside:  # reads and flushes without the store's lock
+                    self._workers_lock.wait()
             try:
-                if self.config.persist_on_close:
-                    spilled, refused = self._stack.spill()
-                if refused:
-                    logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d", spilled, refused)
+                with self._lock:
+                    if self._closed:
+                        return CloseResult(0, 0)
+                    self._closed = True
+                    spilled = refused = 0
+                    try:
+                        if self.config.persist_on_close:
+                            spilled, refused = self._stack.spill()
+                        if refused:
+                            logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d",
+                                           spilled, refused)
+                    finally:
+                        self._stack.close()
+                    return CloseResult(spilled, refused)
             finally:
-                self._stack.close()
-                if self.events is not None:
+                if self.events is not None:  # idempotent; outside the lock: its thread may wait for it
                     self.events.close()
-            return CloseResult(spilled, refused)
 
     @property
     def closed(self) -> bool:
