@@ -122,6 +122,16 @@ class ExtraKeys:
         return msgpack.packb(items, use_bin_type=True) if items else b""
 
 
+def tenant_of(seed: BlockHash, extra_keys: ExtraKeys | None) -> bytes:
+    """The tenant a request's blocks belong to, for quotas: b"" without a cache salt, else 8
+    bytes of a digest of the namespace seed and the salt (the salt itself is never kept)."""
+    salt = None if extra_keys is None else extra_keys.cache_salt
+    if salt is None:
+        return b""
+    raw = salt.encode() if isinstance(salt, str) else salt
+    return xxhash.xxh3_64_digest(bytes(seed) + b"\x00salt\x00" + raw)
+
+
 def as_token_array(tokens: object) -> np.ndarray:
     """Validate `tokens` and return them as a contiguous little-endian uint32 array.
 

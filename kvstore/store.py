@@ -29,7 +29,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.events import EventPublisher, EventSource, new_epoch, publisher_config
-from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed, tenant_of
 from kvstore.load_policy import LoadPolicy
 from kvstore.tier_factory import build_tiers
 from kvstore.tier_stack import TierStack
@@ -261,23 +261,25 @@ class KVCacheStore:
         hashes were made with (None: none), each key also names its parent and its extras, so
         the events can describe the block; without `extra_keys` the blocks are described from
         what was announced of them before, or not announced."""
-        events = self.events
-        if not self.config.verify_tokens and events is None:
-            return [BlockKey(h) for h in hashes]
-        b = self.config.block_size
-        buf = arr.tobytes()
-        if events is None:
-            return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
         if first_block and parent is None:
             raise InvalidInputError("block_keys from block > 0 needs the parent key")
-        first_parent = parent if first_block else self._seed
+        events = self.events
         known = extra_keys is not _UNKNOWN
         extras = extra_keys if isinstance(extra_keys, ExtraKeys) else None
-        keys = [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4], hashes[i - 1] if i else first_parent,
-                         (extras.block_extras(first_block + i, b) if extras is not None else b"") if known else None)
+        tenant = tenant_of(self._seed, extras)
+        parents = [parent if first_block else self._seed, *hashes[:-1]]
+        if not self.config.verify_tokens and events is None:
+            return [BlockKey(h, b"", p, None, tenant) for h, p in zip(hashes, parents)]
+        b = self.config.block_size
+        buf = arr.tobytes()
+        if events is None or not known:
+            keys = [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4], parents[i], None, tenant)
+                    for i, h in enumerate(hashes)]
+            return keys
+        keys = [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4], parents[i],
+                         extras.block_extras(first_block + i, b) if extras is not None else b"", tenant)
                 for i, h in enumerate(hashes)]
-        if known:
-            events.describe(keys)
+        events.describe(keys)
         return keys
 
     # -- the API ---------------------------------------------------------------------------

@@ -23,21 +23,14 @@ from tiers.quota import tenant_label
 SHAPE = LAYOUT.block_shape(BLOCK)
 
 
-class TenantKey(BlockKey):
-    """A key carrying the tenant (and parent) that the store's keys are to carry."""
-
-    tenant: bytes
-    parent: BlockHash | None
-
-    def __new__(cls, i: int, tenant: bytes, parent: int | None = None) -> TenantKey:
-        self = super().__new__(cls, BlockHash(i.to_bytes(16, "little")), i.to_bytes(4, "little") * BLOCK)
-        self.tenant = tenant
-        self.parent = None if parent is None else BlockHash(parent.to_bytes(16, "little"))
-        return self
+def tenant_key(i: int, tenant: bytes, parent: int | None = None) -> BlockKey:
+    """Block `i`'s key as the store builds it for a tenant (and, optionally, a parent)."""
+    return BlockKey(BlockHash(i.to_bytes(16, "little")), i.to_bytes(4, "little") * BLOCK,
+                    None if parent is None else BlockHash(parent.to_bytes(16, "little")), None, tenant)
 
 
 def store(tier: CPUTier, ids: list[int], tenant: bytes) -> None:
-    keys = [TenantKey(i, tenant) for i in ids]
+    keys = [tenant_key(i, tenant) for i in ids]
     tier.put(keys, [torch.full(SHAPE, float(i % 50), dtype=LAYOUT.dtype) for i in ids])
 
 
@@ -47,7 +40,7 @@ def held(tier: CPUTier, ids: range) -> int:
 
 def read(tier: CPUTier, ids: list[int], tenant: bytes) -> int:
     dsts = [torch.empty(SHAPE, dtype=LAYOUT.dtype) for _ in ids]
-    return tier.get_into([TenantKey(i, tenant) for i in ids], dsts)
+    return tier.get_into([tenant_key(i, tenant) for i in ids], dsts)
 
 
 @pytest.mark.parametrize("kind", list(EvictionKind))
@@ -116,7 +109,7 @@ def test_hits_and_labels_per_tenant() -> None:
     tier = CPUTier(8, SHAPE, LAYOUT.dtype, tenant_quota_blocks=4)
     store(tier, [0, 1], b"secret-salt")
     dsts = [torch.empty(SHAPE, dtype=LAYOUT.dtype) for _ in range(2)]
-    assert tier.get_into([TenantKey(0, b"secret-salt"), TenantKey(1, b"secret-salt")], dsts) == 2
+    assert tier.get_into([tenant_key(0, b"secret-salt"), tenant_key(1, b"secret-salt")], dsts) == 2
     (stats,) = tier.tenant_stats()
     assert stats.num_hits == 2 and len(stats.label) == 16 and "secret" not in stats.label
     assert tenant_label(b"") == "default"

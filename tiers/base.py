@@ -91,14 +91,16 @@ class BlockKey(NamedTuple):
 
     `parent` (the hash of the block before it, or the namespace seed for a first block) and
     `extras` (the canonical encoding of what besides tokens entered its hash; b"" for
-    nothing) describe the block to KV-event readers; None means not known. Tiers keep them
-    only where they persist keys (disk records), and never use them to find a block.
+    nothing) describe the block to KV-event readers and link it to its prefix; None means
+    not known. `tenant` names who stored it for quotas (a digest of the namespace and cache
+    salt; b"" for none). Tiers never use these to find a block.
     """
 
     block_hash: BlockHash
     tokens: bytes = b""
     parent: bytes | None = None
     extras: bytes | None = None
+    tenant: bytes = b""
 
 
 def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], room: int) -> tuple[list[int], list[int]]:

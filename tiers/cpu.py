@@ -176,9 +176,10 @@ class CPUTier(Tier):
                 self._slot_sums[slot] = self._sum(slot)
             self._index[key.block_hash] = slot
         if new:
-            plain = type(keys[new[0]]) is BlockKey  # the keys of a put carry no parent nor tenant
-            res.add_many([hashes[i] for i in new], None if plain else [key_parent(keys[i]) for i in new],
-                         None if plain else [key_tenant(keys[i]) for i in new])
+            parents = [key_parent(keys[i]) for i in new]
+            tenants = [key_tenant(keys[i]) for i in new]
+            res.add_many([hashes[i] for i in new], parents if any(parents) else None,
+                         tenants if any(tenants) else None)
             res.touch(hashes[new[-1] + 1:])  # the held prefix: more recent than its new tail
         res.end_put()
         self._announce(True, [keys[i].block_hash for i in new])

@@ -29,18 +29,17 @@ _NOT_SEEN = -1
 
 
 def key_parent(key: BlockKey) -> BlockHash | None:
-    """The hash of the block before `key` in its sequence, where the key carries one (an
-    optional `parent` field of `BlockKey`); None when it does not: the block is then linked to
-    nothing and only the eviction policy orders it."""
-    parent = getattr(key, "parent", None)
-    return BlockHash(parent) if isinstance(parent, bytes) and parent else None
+    """The hash of the block before `key` in its sequence, where the key carries one; None
+    when it does not: the block is then linked to nothing and only the eviction policy
+    orders it."""
+    parent = key.parent
+    return BlockHash(parent) if parent else None
 
 
 def key_tenant(key: BlockKey) -> bytes:
-    """The tenant label `key` carries (an optional `tenant` field of `BlockKey`, the store's
-    hash of namespace and cache salt); `NO_TENANT` when it carries none."""
-    tenant = getattr(key, "tenant", NO_TENANT)
-    return tenant if isinstance(tenant, bytes) else NO_TENANT
+    """The tenant label `key` carries (the store's digest of namespace and cache salt);
+    `NO_TENANT` when it carries none."""
+    return key.tenant or NO_TENANT
 
 
 class UseCounter(Protocol):
