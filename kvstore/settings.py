@@ -102,6 +102,8 @@ class Settings:
             rates; the worker reports vLLM's prefill rate), "always" or "never".
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
+        metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
+            other hosts scrape it: the metrics carry no token ids and no authentication).
 
     Attributes (environment only):
         remote_password: the remote tier's password when the URL has none (never logged).
@@ -136,6 +138,7 @@ class Settings:
     async_loads: bool = True
     load_policy: str = "auto"
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
     results: str = field(default="results", metadata=_ENV)
     require_redis: bool = field(default=False, metadata=_ENV)
@@ -171,6 +174,8 @@ class Settings:
         if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
             raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))
+        if not isinstance(self.metrics_host, str) or not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
         from kvstore.load_policy import check_mode
 
         check_mode(self.load_policy)

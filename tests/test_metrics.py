@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,30 @@ def test_registering_a_store_twice_is_idempotent_and_names_are_checked(tmp_path:
         assert _value(text, "kvstrata_store_calls_total", store="engine-0") == 0
     with pytest.raises(ConfigError, match="name"):
         register_metrics(KVCacheStore(_config(tmp_path / "c")), registry, name="")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses with a socket listening on `port` (Linux /proc/net/tcp)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if int(hexport, 16) == port and state == "0A":  # LISTEN
+                found.add(".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_the_connectors_metrics_port_binds_loopback_by_default(tmp_path: Path) -> None:
+    """`metrics_port` serves on 127.0.0.1 unless `metrics_host` says otherwise: a listening
+    socket is never open to other hosts by default."""
+    pytest.importorskip("prometheus_client")
+    from bench.ports import free_port
+    from engine_adapter.vllm.metrics_server import serve_metrics
+
+    port = free_port()
+    with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * LAYOUT.block_bytes(BLOCK))) as store:
+        assert serve_metrics(store, port)
+        assert _listening_addresses(port) == {"127.0.0.1"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"kvstrata_blocks" in reply.read()

@@ -80,7 +80,7 @@ class TierKVConnector(KVConnectorBase_V1):
             layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
             store = self._open(self.store_config)
             if self.settings.metrics_port is not None:
-                serve_metrics(store, self.settings.metrics_port)
+                serve_metrics(store, self.settings.metrics_port, self.settings.metrics_host)
             self._worker = ConnectorWorker(store, self.store_config, layers, kv_cache_config.num_blocks, self._stats,
                                            async_saves=self.settings.async_saves)
         else:
