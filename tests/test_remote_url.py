@@ -128,7 +128,7 @@ def test_kv_events_and_the_routers_instances_carry_no_password() -> None:
             wait_for(lambda: len(router.get("/instances")[1] or []) == 2, "both instances listed")
             status, body = router.get("/instances")
             assert status == 200 and SECRET not in json.dumps(body)
-            remotes = {inst["remote"] for inst in (body.values() if isinstance(body, dict) else body)}
+            remotes = {src["remote"] for inst in body.values() for src in inst["sources"]}
             assert remotes == {f"redis://{tcp}/0"}
         finally:
             router.stop()
