@@ -104,9 +104,9 @@ class LoadPolicy:
 
     def blocks_to_load(self, kinds: Sequence[TierKind]) -> int:
         """How many leading blocks of a cached prefix to load, given the tier each would come
-        from (prefix order); the rest are recomputed. Blocks of `free` tiers (the pool) cost nothing to use. In
-        "auto", counts the decision towards the next probe when it recomputes cached blocks,
-        and answers "all of them" when that decision is the probe."""
+        from (prefix order); the rest are recomputed. Blocks of `free` tiers (the pool) cost
+        nothing to use. In "auto", counts the decision towards the next probe when it
+        recomputes cached blocks, and answers "all of them" when that decision is the probe."""
         if self.mode == "always":
             return len(kinds)
         if self.mode == "never":
