@@ -103,6 +103,50 @@ class Directory(click.ParamType):
         return [CompletionItem(incomplete, type="dir")]
 
 
+class Device(click.ParamType):
+    """`cpu`, `cuda` or `cuda:N`, present on this machine (the one line names the bad value)."""
+
+    name = "device"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        import torch
+
+        try:
+            device = torch.device(str(value))
+        except RuntimeError:
+            self.fail(f"{value!r} is not a device: use cpu, cuda or cuda:N", param, ctx)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                self.fail(f"{value!r}: this machine has no CUDA device PyTorch {torch.__version__} can use; "
+                          "use --device cpu", param, ctx)
+            if device.index is not None and device.index >= count:
+                self.fail(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", param, ctx)
+        elif device.type != "cpu":
+            self.fail(f"{value!r}: use cpu, cuda or cuda:N", param, ctx)
+        return str(device)
+
+
+class MissingPackageError(KVStoreError, RuntimeError):
+    """A command needs an optional package this Python lacks."""
+
+
+def require_packages(packages: Sequence[str], purpose: str, install: str) -> None:
+    """Raise `MissingPackageError` (one line: what is missing, which Python, `install`) unless
+    this Python can import every one of `packages` (looked up, not imported)."""
+    import importlib.util
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise MissingPackageError(f"{purpose} needs {', '.join(missing)}, which {sys.executable} cannot import: "
+                                  f"{install}")
+
+
+VLLM_PACKAGES = ("vllm", "transformers", "tokenizers")  # the engine, and the tiny model's build
+VLLM_INSTALL = ("install the vllm extra (pip install 'kvstrata[vllm]'; in a checkout: bash scripts/setup_vllm.sh) "
+                "and run this with that environment's kvstrata (.venv-vllm/bin/kvstrata)")
+
+
 def existing_file() -> click.Path:
     return click.Path(exists=True, dir_okay=False)
 
@@ -123,6 +167,14 @@ def check_environment() -> str | None:
     return None if problem is None else f"KVSTRATA_RESULTS: {problem}"
 
 
+class CommandFailed(click.ClickException):
+    """A bad value met while `command_path` ran (a `KVStoreError` or `OSError`), one line."""
+
+    def __init__(self, command_path: str, message: str) -> None:
+        super().__init__(message)
+        self.command_path = command_path
+
+
 def fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
@@ -141,6 +193,8 @@ def invoke(command: click.Command, argv: Sequence[str] | None, prog: str) -> int
     except click.exceptions.NoArgsIsHelpError as exc:  # a group run without a command: its help
         print(exc.format_message())
         return 2
+    except CommandFailed as exc:
+        return fail(exc.command_path, " ".join(exc.format_message().split()))
     except click.ClickException as exc:
         where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else prog
         return fail(where, " ".join(exc.format_message().split()))

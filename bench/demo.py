@@ -11,13 +11,12 @@ equals the recomputed one.
 
 from __future__ import annotations
 
-import shutil
-
 import click
 import numpy as np
 
 from bench.args import CONTEXT, Directory, invoke
 from bench.common import print_table
+from bench.demo_dir import prepare
 from bench.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.model_config import LlamaConfig
@@ -39,8 +38,7 @@ def _config(doc_tokens: int, disk_path: str) -> StoreConfig:
 
 
 def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> list[list[object]]:
-    if fresh:
-        shutil.rmtree(disk_path, ignore_errors=True)
+    disk_path = str(prepare(disk_path, "demo", fresh=fresh))
     rng = np.random.default_rng(0)
     model = init_random_weights(LlamaModel(DEMO_MODEL), seed=0)
     doc, other1, other2 = (rng.integers(1, DEMO_MODEL.vocab_size, size=doc_tokens).tolist() for _ in range(3))
@@ -93,8 +91,10 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
 @click.command("demo", help=__doc__, context_settings=CONTEXT)
 @click.option("--doc-tokens", type=click.IntRange(16, 16000), default=4096, show_default=True)
 @click.option("--question-tokens", type=click.IntRange(1, 256), default=24, show_default=True)
-@click.option("--disk-path", type=Directory(), default="kvstrata_data/demo", show_default=True)
-@click.option("--keep", is_flag=True, help="reuse an existing disk tier (the first question hits disk)")
+@click.option("--disk-path", type=Directory(), default="kvstrata_data", show_default=True,
+              help="the disk tier goes in DISK_PATH/demo, a folder the demo makes and marks; its next run "
+                   "replaces only that folder")
+@click.option("--keep", is_flag=True, help="reuse the disk tier of an earlier run (the first question hits disk)")
 def command(doc_tokens: int, question_tokens: int, disk_path: str, keep: bool) -> int:
     rows = run(doc_tokens, question_tokens, disk_path, fresh=not keep)
     return 0 if all(r[-1] == "yes" for r in rows) else 1

@@ -210,6 +210,10 @@ class Fractions(click.ParamType):
 def command(trace_path: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_kib: int, limit: int | None,
             fleet: int | None, remote_url: str | None) -> None:
     name = Path(trace_path).name.removesuffix(".gz").removesuffix(".jsonl")
+    if remote_url is not None and fleet is None:
+        from tiers.remote import redacted
+
+        raise click.UsageError(f"--remote-url {redacted(remote_url)!r} needs --fleet N")
     if fleet is not None:
         from bench.fleet import run_fleet
 

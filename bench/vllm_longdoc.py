@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke, positive
+from bench.args import CONTEXT, VLLM_INSTALL, VLLM_PACKAGES, invoke, positive, require_packages
 from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 BLOCK = 32
@@ -171,6 +171,7 @@ def command(**options: Any) -> int:
         print("\n" + json.dumps(result), flush=True)
         os._exit(0)
 
+    require_packages(VLLM_PACKAGES, "it runs real vLLM and", VLLM_INSTALL)
     workdir = tempfile.mkdtemp(prefix="kvstrata-longdoc-")
     try:
         args.model = args.model or build_tiny_llama(os.path.join(workdir, "model"), MODEL)

@@ -29,7 +29,7 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke, positive
+from bench.args import CONTEXT, VLLM_INSTALL, VLLM_PACKAGES, invoke, positive, require_packages
 from bench.common import print_table, write_results
 from bench.progress import tqdm
 
@@ -142,6 +142,7 @@ def run(rounds: int, batch: int, prompt_tokens: int, max_tokens: int, reuse_toke
 @click.option("--max-tokens", type=positive(), default=16, show_default=True)
 @click.option("--reuse-tokens", type=click.IntRange(64, 7000), default=4096, show_default=True)
 def command(rounds: int, batch: int, prompt_tokens: int, max_tokens: int, reuse_tokens: int) -> None:
+    require_packages(VLLM_PACKAGES, "it runs real vLLM and", VLLM_INSTALL)
     write_results("vllm_overhead", run(rounds, batch, prompt_tokens, max_tokens, reuse_tokens))
 
 
