@@ -21,7 +21,7 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, invoke
+from bench.args import CONTEXT, Directory, check_memory, invoke
 from bench.common import print_table
 from bench.demo_dir import prepare
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -135,12 +135,15 @@ def command(**options: Any) -> int:
         return 0
     from bench.redis_servers import RedisServer, check_server, redis_binary
 
+    # Each host process: the document's KV made in float32, its bfloat16 copy, the CPU tier's and B's retrieve.
+    check_memory(5 * args.tokens * LAYOUT.token_bytes, f"--tokens {args.tokens}")
     if args.url is not None:
         check_server(args.url, "--url")
     else:
         redis_binary("--url")
     folder = str(prepare(args.disk_path, "demo-remote", fresh=True))
-    server = RedisServer().start() if args.url is None else None
+    room = f"{max(512, 2 * args.tokens * LAYOUT.token_bytes >> 20)}mb"  # the document and the records' headers
+    server = RedisServer(None, "--maxmemory", room).start() if args.url is None else None
     url = server.url if server is not None else args.url
     try:
         out = _run_hosts(url, folder, args.tokens)

@@ -15,7 +15,7 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, invoke, nonneg
+from bench.args import CONTEXT, Directory, check_memory, invoke, nonneg
 from bench.common import print_table
 from bench.demo_dir import prepare
 from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
@@ -26,6 +26,8 @@ T = TypeVar("T")
 
 def run(tokens: int, layers: int, cpu_mib: int, disk_path: str, fresh: bool) -> list[list[object]]:
     layout = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    # The context's KV made in float32, its bfloat16 copy and a retrieved copy, plus the CPU tier.
+    check_memory(4 * tokens * layout.token_bytes + (cpu_mib << 20), f"--tokens {tokens} with --layers {layers}")
     disk_path = str(prepare(disk_path, "demo-store", fresh=fresh))
     cfg = StoreConfig(layout, block_size=16, namespace="kvstrata-demo", cpu_bytes=cpu_mib << 20,
                       disk_path=disk_path, disk_bytes=4 * tokens * layout.token_bytes + (64 << 20))

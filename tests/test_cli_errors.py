@@ -54,6 +54,20 @@ def _cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["bench", "trace", "--fleet", "2", "--limit", "5", "--remote-url", nobody], nobody),
         (["bench", "trace", "--remote-url", "redis://:secret@127.0.0.1:1"], "--fleet"),
     ]
+    traces = {"empty.jsonl": "", "not-json.jsonl": "{oops\n", "no-ids.jsonl": '{"x": 1}\n',
+              "text-ids.jsonl": '{"hash_ids": ["a"]}\n', "not-gzip.jsonl.gz": "plain text"}
+    for name, text in traces.items():
+        (tmp_path / name).write_text(text)
+        cases.append((["bench", "trace", "--trace", str(tmp_path / name)], name))
+    cases += [
+        (["demo-store", "--tokens", str(1 << 20), "--layers", "256", "--disk-path", str(tmp_path / "d")],
+         f"--tokens {1 << 20}"),  # 1 TiB of KV: refused, not an out-of-memory kill
+        (["demo-remote", "--tokens", str(1 << 20), "--disk-path", str(tmp_path / "d")], f"--tokens {1 << 20}"),
+        (["bench", "vllm", "--cpu-bytes", "lots"], "'lots'"),
+        (["bench", "vllm", "--out", str(tmp_path)], str(tmp_path)),
+        (["bench", "vllm", "--model", str(tmp_path / "no-model")], "no-model"),
+        (["bench", "vllm", "--doc-tokens", "9000"], "9000"),
+    ]
     if importlib.util.find_spec("vllm") is None:
         cases += [(["bench", "vllm"], "vllm"), (["bench", "vllm-overhead"], "vllm")]
     return cases
@@ -155,3 +169,18 @@ def test_offload_help_names_one_default_device(capsys: pytest.CaptureFixture[str
     assert cli.main(["offload", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "cuda when present, else cpu" in text and "default: cpu]" not in text and "default: cuda]" not in text
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write to any directory")
+def test_a_disk_path_that_cannot_be_written_is_refused_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert cli.main(["demo-store", "--tokens", "64", "--disk-path", str(locked / "sub")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "locked" in err[0] and "writable" in err[0], err
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
