@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -153,8 +154,15 @@ def check_server(url: str, option: str = "--url", timeout_s: float = 3.0) -> Non
     check_url(url)
     shown = f"{option} {redacted(url)}"
     path = url.split("://", 1)[1].partition("?")[0].partition("/")[2] if "+cluster" not in url else ""
-    if url.startswith(("redis://", "rediss://")) and path and not path.isdigit():
-        raise RedisServerError(f"{shown}: database {path!r} is not a number (redis://HOST:PORT/0 names database 0)")
+    if url.startswith(("redis://", "rediss://")):
+        if path and not path.isdigit():
+            raise RedisServerError(f"{shown}: database {path!r} is not a number (redis://HOST:PORT/0 names database 0)")
+        try:
+            port = urllib.parse.urlsplit(url).port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise RedisServerError(f"{shown}: the port is not a number in 1-65535")
     client = None
     try:
         client = connect(url, timeout_s)

@@ -50,6 +50,8 @@ def _cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["offload", "--device", "foo"], "'foo'"),
         (["demo-remote", "--url", nobody, "--disk-path", str(tmp_path / "d")], nobody),
         (["demo-remote", "--url", "http://x", "--disk-path", str(tmp_path / "d")], "'http'"),
+        (["demo-remote", "--url", "redis://127.0.0.1:99999"], "99999"),
+        (["demo-remote", "--url", "redis://127.0.0.1:0"], "127.0.0.1:0"),
         (["bench", "remote", "--url", nobody], nobody),
         (["bench", "trace", "--fleet", "2", "--limit", "5", "--remote-url", nobody], nobody),
         (["bench", "trace", "--remote-url", "redis://:secret@127.0.0.1:1"], "--fleet"),
