@@ -16,11 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from bench.redis_servers import find_redis_binary
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvstore", "tiers", "engine_adapter", "bench")
+# The top-level packages the wheel installs, as pyproject.toml lists them.
+_LISTED = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+PACKAGES = sorted({p.split(".")[0] for p in _LISTED})
 
 
 @pytest.fixture(scope="module")
