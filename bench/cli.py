@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, check_environment, fail, invoke
+from bench.args import CONTEXT, CommandFailed, check_environment, fail, invoke
+from kvstore.errors import KVStoreError
 
 BENCHMARKS = {
     "hashing": "bench.hashing",
@@ -67,6 +68,9 @@ _BENCH_SUMMARIES = {
 }
 
 
+_RESOLVED = "kvstrata.resolved"  # ctx.meta key: the command a group resolved
+
+
 class LazyGroup(click.Group):
     """A group whose commands are `command` objects of modules imported on first use."""
 
@@ -82,6 +86,21 @@ class LazyGroup(click.Group):
             command: click.Command = importlib.import_module(self.modules[name]).command
             return command
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the chosen command; a bad value it meets (`KVStoreError`, `OSError`) is reported
+        as that command's, e.g. `kvstrata demo-remote: error: ...`."""
+        try:
+            return super().invoke(ctx)
+        except (KVStoreError, OSError) as exc:
+            name = ctx.meta.get((_RESOLVED, ctx.command_path))
+            raise CommandFailed(f"{ctx.command_path} {name}" if name else ctx.command_path, str(exc)) from exc
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
+                                                                              list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta[(_RESOLVED, ctx.command_path)] = name
+        return name, command, rest
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List commands with one-line summaries, without importing them."""

@@ -37,7 +37,7 @@ from bench.args import CONTEXT, Choices, existing_file, invoke, nonneg, positive
 from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
 from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, KVStoreError
 from tiers.admission import parse_admission
 from tiers.base import TierKind
 from tiers.eviction import EvictionKind
@@ -50,17 +50,40 @@ DEFAULT_TRACE = TRACES_DIR / "conversation_trace.jsonl.gz"
 _LAYOUT = KVLayout(1, 1, 1, torch.float16)  # 4 bytes per token: the tier logic runs, the bytes are tiny
 
 
+class TraceError(KVStoreError, ValueError):
+    """A trace file that is not a Mooncake trace (the one line names the file and line)."""
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """The `hash_ids` of each request, in arrival order."""
+    """The `hash_ids` of each request, in arrival order. Raises `TraceError` naming the file
+    and line of a record that is not JSON with a non-empty list of non-negative integer
+    `hash_ids`, and for a trace with no request."""
     out = []
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["hash_ids"])
-                if limit is not None and len(out) >= limit:
-                    break
+    try:
+        with opener(path, "rt") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(_hash_ids(line, f"{path} line {number}"))
+                    if limit is not None and len(out) >= limit:
+                        break
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+        raise TraceError(f"{path} is not a readable Mooncake trace (.jsonl or .jsonl.gz): {exc}") from None
+    if not out:
+        raise TraceError(f"{path} holds no request")
     return out
+
+
+def _hash_ids(line: str, where: str) -> list[int]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where} is not JSON ({exc})") from None
+    ids = record.get("hash_ids") if isinstance(record, dict) else None
+    if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**63 for i in ids)):
+        raise TraceError(f"{where}: a Mooncake record needs \"hash_ids\", a non-empty list of non-negative "
+                         f"integers; got {str(record)[:80]}")
+    return ids
 
 
 def tokens_for(hash_ids: list[int]) -> np.ndarray:
@@ -266,6 +289,10 @@ def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_
     trace_path = trace_paths[0] if trace_paths else str(DEFAULT_TRACE.resolve())
     fractions = fractions or parse_fractions("1/32,1/16,1/8,1/4")
     name = Path(trace_path).name.removesuffix(".gz").removesuffix(".jsonl")
+    if remote_url is not None and fleet is None:
+        from tiers.remote import redacted
+
+        raise click.UsageError(f"--remote-url {redacted(remote_url)!r} needs --fleet N")
     if fleet is not None:
         from bench.fleet import run_fleet
 

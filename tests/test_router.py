@@ -325,7 +325,7 @@ def test_instances_register_over_http_with_the_token(fleet: Any, routers: Any, t
 
 
 def test_a_shared_remote_tier_counts_for_every_instance_that_reads_it(fleet: Any, routers: Any) -> None:
-    from bench.redis_servers import redis_server
+    from tests.redis_fixtures import redis_server
 
     with redis_server() as server:
         a = fleet("a", disk=False, remote=server.url)

@@ -216,7 +216,7 @@ def test_two_engines_on_different_disks_share_kv_through_redis(model: str, tmp_p
     """Remote tier through vLLM: engine A (its own disk) computes a prompt; engine B, another
     process with another disk and an empty CPU tier, loads the whole prefix from the shared
     redis-server, with the same output as vLLM's own prefix-cache hit."""
-    from bench.redis_servers import redis_server
+    from tests.redis_fixtures import redis_server
 
     prompt = _prompt(6, 600)
     with redis_server() as server:

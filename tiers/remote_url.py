@@ -126,7 +126,8 @@ def parse(url: object) -> UrlParts:
     if len(hosts) > 1 and not scheme.endswith("+cluster"):
         raise ConfigError(f"remote_url lists several hosts; use redis+cluster:// for a cluster: {redacted(url)}")
     if not _DB.fullmatch(path):
-        raise ConfigError(f"remote_url path must be a database number such as /0: {redacted(url)}")
+        shown = repr(path[1:]) if re.fullmatch(r"/[\w.-]{1,40}", path) else "(not shown)"
+        raise ConfigError(f"remote_url database {shown} is not a database number such as /0: {redacted(url)}")
     parts = UrlParts(scheme, userinfo, hosts, path, options)
     if scheme.endswith("+cluster") and parts.db != 0:
         raise ConfigError(f"remote_url: a cluster has only database 0: {redacted(url)}")
