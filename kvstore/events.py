@@ -24,7 +24,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +33,8 @@ from kvstore.events_auth import CurveServer
 from kvstore.events_mirror import Mirror, root_first
 from kvstore.events_wire import (
     END_SEQ,
-    MEDIUM,
+    MEDIA,
+    SHARED,
     cleared_event,
     cut,
     default_replay_endpoint,
@@ -52,8 +53,8 @@ WELCOME_INTERVAL_S = 1.0
 _FLUSH_S = 0.02
 _MAX_PENDING = 1_000_000  # blocks waiting to be sent
 _REPLAY_BATCHES, _REPLAY_BYTES = 4096, 64 << 20
-_BIT = {kind: 1 << i for i, kind in enumerate(TierKind)}
-_LOCAL_MEDIA = [MEDIUM[k] for k in TierKind if k is not TierKind.REMOTE]
+_BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
+_LOCAL_MEDIA = [m for m in MEDIA if m != SHARED]
 
 
 @dataclass(frozen=True)
@@ -89,15 +90,17 @@ class EventPublisher:
     """Publishes one store's KV events and answers replay requests; see the module
     docstring. Bind failures raise `ConfigError` at construction."""
 
-    def __init__(self, config: PublisherConfig, source: EventSource, warm: Iterable[BlockKey] = ()) -> None:
+    def __init__(self, config: PublisherConfig, source: EventSource, media: Mapping[TierKind, str],
+                 warm: Iterable[tuple[BlockKey, str]] = ()) -> None:
         import zmq
 
         self.config, self.source = config, source
+        self._media = dict(media)  # each tier's medium (`events_wire.medium_of` its traits)
         self._lock = threading.Lock()
         self._mirror = Mirror(config.max_mirror_blocks)
-        for key in warm:  # a warm disk, announced by the first welcome
-            self._mirror.stored(_BIT[TierKind.DISK], key)
-        self._pending: list[tuple[TierKind, bool | None, list[Any]]] = []
+        for key, medium in warm:  # a warm persistent tier, announced by the first welcome
+            self._mirror.stored(_BIT[medium], key)
+        self._pending: list[tuple[str, bool | None, list[Any]]] = []
         self._num_pending = 0
         self._welcome_due = True
         self._seq = -1
@@ -145,22 +148,24 @@ class EventPublisher:
         """Mirror and queue "`keys` entered (left) tier `kind`"."""
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             return
-        bit = _BIT[kind]
+        medium = self._media[kind]
+        bit = _BIT[medium]
         with self._lock:
             if stored:
                 full = [f for f in (self._mirror.stored(bit, k) for k in keys) if f is not None]
                 if full:
-                    self._queue(kind, True, full)
+                    self._queue(medium, True, full)
             else:
                 for key in keys:
                     self._mirror.removed(bit, key.block_hash)
-                self._queue(kind, False, [k.block_hash for k in keys])
+                self._queue(medium, False, [k.block_hash for k in keys])
 
     def on_clear(self, kind: TierKind) -> None:
         """Mirror and queue "tier `kind` was emptied"."""
+        medium = self._media[kind]
         with self._lock:
-            self._mirror.cleared(_BIT[kind])
-            self._queue(kind, None, [])
+            self._mirror.cleared(_BIT[medium])
+            self._queue(medium, None, [])
 
     def describe(self, keys: Iterable[BlockKey]) -> None:
         """Remember the full descriptions of keys the store just built (for tiers that later
@@ -173,7 +178,7 @@ class EventPublisher:
         with self._lock:
             return self._mirror.resolve(key) or key
 
-    def _queue(self, kind: TierKind, stored: bool | None, items: list[Any]) -> None:
+    def _queue(self, medium: str, stored: bool | None, items: list[Any]) -> None:
         """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
         if self._num_pending + len(items) > _MAX_PENDING:
             self.num_dropped += self._num_pending + len(items)
@@ -182,7 +187,7 @@ class EventPublisher:
             self._num_pending, self._welcome_due = 0, True
             logger.warning("kvstrata: KV events queue overflowed; the whole state will be published instead")
             return
-        self._pending.append((kind, stored, items))
+        self._pending.append((medium, stored, items))
         self._num_pending += len(items)
 
     @property
@@ -190,7 +195,7 @@ class EventPublisher:
         return self._mirror.num_unmirrored
 
     # -- the publisher thread -------------------------------------------------------------
-    def _events(self, pending: list[tuple[TierKind, bool | None, list[Any]]]) -> list[dict[str, Any]]:
+    def _events(self, pending: list[tuple[str, bool | None, list[Any]]]) -> list[dict[str, Any]]:
         """Events of queued changes, in order; each run of consecutive stores is ordered
         parents first (tiers report a sequence tail first, and a block's parent may enter
         another tier in the same run)."""
@@ -198,17 +203,16 @@ class EventPublisher:
         out: list[dict[str, Any]] = []
         run: list[tuple[BlockKey, str]] = []
         end: list[Any] = []  # marks the end of the queue
-        for kind, stored, items in [*pending, (TierKind.POOL, None, end)]:
+        for medium, stored, items in [*pending, ("", None, end)]:
             if stored:
-                run.extend((k, MEDIUM[kind]) for k in items)
+                run.extend((k, medium) for k in items)
                 continue
             if run:
                 out.extend(stored_events(parents_first(run), src.seed, src.block_size, meta))
                 run = []
             if items is end:
                 break
-            out.append(cleared_event([MEDIUM[kind]], meta) if stored is None
-                       else removed_event(items, MEDIUM[kind], meta))
+            out.append(cleared_event([medium], meta) if stored is None else removed_event(items, medium, meta))
         return out
 
     def _whole_state(self) -> list[dict[str, Any]]:
@@ -216,8 +220,8 @@ class EventPublisher:
         first (the caller sends the queued events before it)."""
         with self._lock:
             blocks = self._mirror.copy()
-        items = ((key, MEDIUM[kind]) for key, bits in root_first(blocks, self.source.seed)
-                 for kind in TierKind if bits & _BIT[kind])
+        items = ((key, medium) for key, bits in root_first(blocks, self.source.seed)
+                 for medium in MEDIA if bits & _BIT[medium])
         meta = self.source.meta()
         stored = stored_events(items, self.source.seed, self.source.block_size, meta)
         return [cleared_event(_LOCAL_MEDIA, meta), *stored]
@@ -270,7 +274,7 @@ class EventPublisher:
         except zmq.ZMQError:
             pass  # the requester went away, or is not reading: it asks again
 
-    def _take_pending(self) -> list[tuple[TierKind, bool | None, list[Any]]]:
+    def _take_pending(self) -> list[tuple[str, bool | None, list[Any]]]:
         with self._lock:
             pending, self._pending, self._num_pending = self._pending, [], 0
         return pending

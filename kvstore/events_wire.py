@@ -37,14 +37,25 @@ import msgpack
 import numpy as np
 
 from kvstore.errors import ConfigError
-from tiers.base import BlockKey, TierKind
+from tiers.base import BlockKey, TierTraits
 
 DEFAULT_PORT = 5590  # vLLM's own default is 5557: both can run on one host
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-MEDIUM = {TierKind.POOL: "GPU", TierKind.CPU: "CPU", TierKind.DISK: "DISK", TierKind.REMOTE: "SHARED"}
+MEDIA = ("GPU", "CPU", "DISK", "SHARED")  # vLLM's names; SHARED is what Dynamo maps to its external tier
+SHARED = "SHARED"
 KVSTRATA = "kvstrata"
 MAX_MESSAGE_BYTES = 16 << 20  # zmq.MAXMSGSIZE of every receiving socket
 MAX_BATCH_TOKENS = 1 << 16  # a batch is cut into messages of at most this many tokens
+
+
+def medium_of(traits: TierTraits) -> str:
+    """The medium a tier's blocks are announced in, from what the tier is: GPU (the engine's
+    own paged blocks), SHARED (a tier other hosts read), CPU (memory), DISK (the rest)."""
+    if traits.engine_memory:
+        return "GPU"
+    if traits.shared:
+        return SHARED
+    return "CPU" if traits.memory else "DISK"
 
 
 def check_endpoint(endpoint: object, name: str = "events_endpoint") -> str:

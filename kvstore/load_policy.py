@@ -52,8 +52,10 @@ class LoadPolicy:
 
     Thread-safe: the engine's worker reports measurements while its scheduler decides."""
 
-    def __init__(self, mode: str, block_size: int, block_bytes: int, *, probe_every: int = PROBE_EVERY) -> None:
+    def __init__(self, mode: str, block_size: int, block_bytes: int, *, probe_every: int = PROBE_EVERY,
+                 free: frozenset[TierKind] = frozenset({TierKind.POOL})) -> None:
         self.mode = check_mode(mode)
+        self.free = free  # tiers whose blocks the engine uses in place (its own paged memory): no load
         if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 1:
             raise ConfigError(f"LoadPolicy.probe_every must be an int >= 1, got {probe_every!r}")
         self.block_size, self.block_bytes = block_size, block_bytes
@@ -102,13 +104,13 @@ class LoadPolicy:
 
     def blocks_to_load(self, kinds: Sequence[TierKind]) -> int:
         """How many leading blocks of a cached prefix to load, given the tier each would come
-        from (prefix order); the rest are recomputed. Pool blocks cost nothing to use. In
-        "auto", counts the decision towards the next probe when it recomputes cached blocks,
-        and answers "all of them" when that decision is the probe."""
+        from (prefix order); the rest are recomputed. Blocks of `free` tiers (the pool) cost
+        nothing to use. In "auto", counts the decision towards the next probe when it
+        recomputes cached blocks, and answers "all of them" when that decision is the probe."""
         if self.mode == "always":
             return len(kinds)
         if self.mode == "never":
-            return next((i for i, k in enumerate(kinds) if k is not TierKind.POOL), len(kinds))
+            return next((i for i, k in enumerate(kinds) if k not in self.free), len(kinds))
         with self._lock:
             rate, bandwidth = self._prefill_rate, dict(self._bandwidth)
             if rate is None:
@@ -118,7 +120,7 @@ class LoadPolicy:
             best_k = 0
             for i, kind in enumerate(kinds):
                 bw = bandwidth.get(kind)
-                load = 0.0 if kind is TierKind.POOL or not bw else self.block_bytes / bw
+                load = 0.0 if kind in self.free or not bw else self.block_bytes / bw
                 saved += recompute - load
                 if saved >= best:
                     best, best_k = saved, i + 1

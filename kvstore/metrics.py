@@ -155,12 +155,11 @@ class StoreCollector:
                                      "writes", labels=tier_labels)
         drops = CounterMetricFamily("kvstrata_write_drops", "Writes skipped for a fault or a full queue",
                                     labels=tier_labels)
-        for name, store, _ in snapshots:
-            for medium in store.tiers:
-                if hasattr(medium, "num_errors"):
-                    labels = [self.namespace(store), name, medium.kind.value]
-                    errors.add_metric(labels, float(medium.num_errors))
-                    drops.add_metric(labels, float(getattr(medium, "num_write_drops", 0)))
+        for name, store, stats in snapshots:
+            for tier in stats.tiers:  # 0 for tiers whose medium does not fail on its own
+                labels = [self.namespace(store), name, tier.kind.value]
+                errors.add_metric(labels, float(tier.num_errors))
+                drops.add_metric(labels, float(tier.num_write_drops))
         yield errors
         yield drops
         for metric, (doc, count) in _PER_STORE.items():

@@ -59,6 +59,12 @@ def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:
 _BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk, _remote)
 
 
+def engine_pool(tiers: list[Tier]) -> BlockPool | None:
+    """The block pool among `tiers` (the paged KV an engine attends over), if any."""
+    top = tiers[0] if tiers else None
+    return top if isinstance(top, BlockPool) else None
+
+
 def build_tiers(config: StoreConfig, seed: BlockHash) -> list[Tier]:
     """Open every tier `config` enables, fastest first. A failure closes the ones already
     opened and re-raises (a failed open leaks nothing)."""

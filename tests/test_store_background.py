@@ -101,7 +101,7 @@ def test_clear_voids_a_prefetch_whose_read_began_before_it(on_disk: Callable[...
     store.clear()
     gate.release()
     assert prefetch.result(WAIT_S) == 0  # nothing was inserted, so nothing is in memory
-    assert store.num_prefetched_blocks == 0 and store.lookup(TOKENS) == 0
+    assert not store.prefetched_blocks and store.lookup(TOKENS) == 0
     new = make_kv(len(TOKENS), seed=2)
     store.store(TOKENS, new)
     res = store.retrieve(TOKENS)

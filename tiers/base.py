@@ -146,6 +146,15 @@ def count_held(index: object, block_hashes: Sequence[BlockHash], start: int) -> 
     return n - start
 
 
+class ScrubResult(NamedTuple):
+    """What `Tier.scrub` found: blocks of this namespace that validated, damaged ones it
+    deleted, and blocks of other namespaces sharing the tier (left alone)."""
+
+    num_ok: int
+    num_corrupt: int
+    num_foreign: int = 0
+
+
 @dataclass(frozen=True)
 class TierStats:
     """A snapshot of one tier's occupancy and counters."""
@@ -159,6 +168,8 @@ class TierStats:
     num_puts: int
     num_evictions: int
     num_corrupt: int
+    num_errors: int = 0
+    num_write_drops: int = 0
 
 
 class Below(Protocol):
@@ -187,6 +198,7 @@ class Tier(abc.ABC):
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
+    num_write_drops: int = 0  # writes a tier that writes in the background gave up (counted, warned)
     # Told of every block entering (True) or leaving (False) this tier, by the tier itself,
     # as keys (a tier that knows only hashes gives keys of bare hashes); set by the store when
     # it publishes KV events. Must not raise or block.
@@ -209,6 +221,11 @@ class Tier(abc.ABC):
         if describe is None:
             return keys
         return [k if k.parent is not None and k.extras is not None else describe(k) for k in keys]
+
+    @property
+    def num_errors(self) -> int:
+        """Faults of the tier's medium (a server) turned into misses or dropped writes."""
+        return 0
 
     def held_hashes(self) -> Iterator[BlockHash]:
         """Every block this tier holds now, in no particular order (for KV-event snapshots).
@@ -283,7 +300,8 @@ class Tier(abc.ABC):
         occupancy = self.occupancy()
         c = self.counters
         return TierStats(self.kind, *occupancy, num_hits=c.num_hits, num_puts=c.num_puts,
-                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt)
+                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt, num_errors=self.num_errors,
+                         num_write_drops=self.num_write_drops)
 
     @abc.abstractmethod
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -315,8 +333,21 @@ class Tier(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def clear(self) -> None:
-        """Delete every block."""
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete every block of this store's namespace. A tier several namespaces share (a
+        disk directory, a server) deletes, with `all_namespaces`, every block kvstrata wrote
+        there, whoever wrote it; other tiers hold one namespace and ignore the flag."""
+
+    def scrub(self) -> ScrubResult | None:
+        """Validate every block held; delete the damaged ones. None for a tier that keeps no
+        checks to run (memory tiers)."""
+        return None
+
+    @property
+    def identity(self) -> str | None:
+        """Where other processes reach this tier's blocks (a shared tier's server, without
+        credentials), so routers can tell which instances share them; None otherwise."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

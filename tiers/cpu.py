@@ -330,7 +330,7 @@ class CPUTier(Tier):
         self._free.append(slot)
         self._announce(False, [block_hash])
 
-    def clear(self) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> None:
         self._check_open()
         gone = list(self._index)
         self._free.extend(self._index.values())

@@ -9,35 +9,27 @@ buffered and applied in the next write transaction.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import lmdb
 import msgpack
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.base import BlockHash, BlockKey, Occupancy, ScrubResult, Tier, TierCounters, TierKind, TierTraits
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
 
+logger = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
 _TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _MAX_PENDING_TOUCHES = 4096
 _DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
-
-
-class ScrubResult(NamedTuple):
-    """What `LMDBTier.scrub` found: records of this namespace that validated, damaged ones it
-    deleted, and records of other stores sharing the directory (left alone)."""
-
-    num_ok: int
-    num_corrupt: int
-    num_foreign: int = 0
 
 
 class LMDBTier(Tier):
@@ -129,6 +121,9 @@ class LMDBTier(Tier):
                 if key is not None:
                     keys.append(key)
         self.num_unannounceable = mine - len(keys)
+        if self.num_unannounceable:
+            logger.info("kvstrata: %d disk blocks are not announced in KV events: their records carry no parent or "
+                        "token ids (written by an older kvstrata, or without verify_tokens)", self.num_unannounceable)
         return iter(keys)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
