@@ -106,6 +106,7 @@ class EventPublisher:
         self._seq = -1
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_bytes = 0
+        self._drop_buffer = threading.Event()  # drop_replay_buffer(): the publisher thread empties it
         self._closed = threading.Event()
         self.num_batches = self.num_dropped = self.num_welcomes = 0
         self.num_replays = self.num_snapshots = self.num_refused = self.num_bad_requests = 0
@@ -194,6 +195,11 @@ class EventPublisher:
     def num_unmirrored(self) -> int:
         return self._mirror.num_unmirrored
 
+    def drop_replay_buffer(self) -> None:
+        """Forget the batches kept for replay, before the next replay request is answered: a
+        reader asking for any of them then gets the whole state instead."""
+        self._drop_buffer.set()
+
     # -- the publisher thread -------------------------------------------------------------
     def _events(self, pending: list[tuple[str, bool | None, list[Any]]]) -> list[dict[str, Any]]:
         """Events of queued changes, in order; each run of consecutive stores is ordered
@@ -238,6 +244,10 @@ class EventPublisher:
             self.num_batches += 1
 
     def _answer_replay(self) -> None:
+        if self._drop_buffer.is_set():
+            self._drop_buffer.clear()
+            self._buffer.clear()
+            self._buffer_bytes = 0
         frames = self._rep.recv_multipart(copy=False)
         if len(frames) != 3 or len(frames[2].bytes) != 8:
             self.num_bad_requests += 1

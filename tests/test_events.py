@@ -159,7 +159,7 @@ def test_replay_serves_the_buffer_then_the_whole_state_without_the_store_lock(tm
         assert store.events is not None
         with store.lock:  # a replay never waits on the store's lock
             buffered = reader.replay(last)
-            store.events._buffer.clear()  # what it asks for is now older than the buffer
+            store.events.drop_replay_buffer()  # what it asks for is now older than the buffer
             whole = reader.replay(0)
         assert buffered is not None and buffered[0][0] == last
         assert whole is not None, "a replay must be answered while the store's lock is held"
@@ -179,7 +179,7 @@ def test_whole_state_replays_are_rate_limited_per_peer(tmp_path: Path) -> None:
         store.store(list(range(8)), make_kv(8))
         reader.drain(1.0)
         assert store.events is not None
-        store.events._buffer.clear()
+        store.events.drop_replay_buffer()
         answers = [reader.replay(0) for _ in range(12)]
         assert all(a is not None for a in answers), "a refused request still gets the end marker"
         full = sum(1 for a in answers if a)

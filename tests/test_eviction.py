@@ -131,7 +131,7 @@ def test_uses_count_once_per_epoch() -> None:
     res.add(1)
     res.touch([1])
     res.touch([1])
-    policy = res._policy
+    policy = res.policy
     assert isinstance(policy, LFUPolicy) and policy.count(1) == 1
     res.end_put()
     res.touch([1])

@@ -87,6 +87,16 @@ class CPUTier(Tier):
         return self._num_slots
 
     @property
+    def num_free_slots(self) -> int:
+        """Slots holding no block."""
+        return len(self._free)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The tier's memory, `[num_slots, *block_shape]` (inspect it; writing it damages blocks)."""
+        return self._slab
+
+    @property
     def is_pinned_memory(self) -> bool:
         return self._slab.is_pinned()
 

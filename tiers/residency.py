@@ -80,6 +80,12 @@ class Residency(Generic[K]):
         self.num_stranded = 0  # prefix blocks evicted while children were held
 
     # -- queries ---------------------------------------------------------------------------
+    @property
+    def policy(self) -> EvictionPolicy[K]:
+        """The eviction policy ordering the blocks outside any tenant book (read it; it is
+        this residency's own)."""
+        return self._policy
+
     def __len__(self) -> int:
         return len(self._held)
 

@@ -183,7 +183,7 @@ def test_unusable_tensors_change_nothing(tmp_path: Path, with_pool: bool) -> Non
         if with_pool:
             assert store.pool is not None and len(store.pool.free_queue) == 4
         free = store.tiers[-2]
-        assert isinstance(free, CPUTier) and len(free._free) == free.capacity_blocks - len(free)
+        assert isinstance(free, CPUTier) and free.num_free_slots == free.capacity_blocks - len(free)
 
 
 # -- 9. a forked child opens a store of its own --------------------------------------------
