@@ -21,6 +21,7 @@ import msgpack
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.codecs import CodecSpec
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
@@ -58,8 +59,9 @@ class LMDBTier(Tier):
         namespace: bytes = b"",
         identity: object = None,
         read_bps: int | None = None,
+        codec: CodecSpec | None = None,
     ) -> None:
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._namespace = self.codec.namespace
         self._block_bytes = self.codec.block_bytes
         self._capacity_bytes = capacity_bytes
@@ -155,14 +157,13 @@ class LMDBTier(Tier):
                 if value is None:
                     break
                 try:
-                    payload = self.codec.decode(value, key)
+                    self.codec.copy_out(self.codec.decode(value, key), dst)
                 except UnverifiableRecordError:
                     self._num_unverifiable += 1
                     break
                 except CorruptRecordError:
                     corrupt.append(key.block_hash)
                     break
-                self.codec.copy_out(payload, dst)
                 n += 1
         if corrupt:
             self.counters.num_corrupt += len(corrupt)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from tiers.codecs.base import Codec, CodecKind, codec_of_id, parse_codec
+from tiers.codecs.base import Codec, CodecKind, CodecSpec, codec_of_id, parse_codec
 from tiers.codecs.raw import RawCodec
 from tiers.codecs.scaled import ScaledCodec
 from tiers.codecs.zstd import ZstdCodec
 
-__all__ = ["Codec", "CodecKind", "build_codec", "codec_of_id", "parse_codec"]
+__all__ = ["Codec", "CodecKind", "CodecSpec", "build_codec", "codec_of_id", "parse_codec"]
 
 
 def build_codec(kind: CodecKind, block_shape: tuple[int, ...], dtype: torch.dtype, *,

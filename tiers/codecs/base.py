@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -105,3 +106,21 @@ class Codec(abc.ABC):
     def check_length(self, payload: memoryview | bytes | bytearray, expected: int) -> None:
         if len(payload) != expected:
             raise CorruptRecordError(f"{self.kind.label} payload of {len(payload)} bytes, expected {expected}")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """A tier's codecs: `kind` encodes what it writes; a record of any lossless codec, of
+    `kind`, or of a lossy codec in `accepted` is read. A lossy record outside these is
+    refused: a reader that wants exact KV never decodes lossy bytes.
+
+    `element_dtype` and `group` are the `Codec` arguments of the same names.
+    """
+
+    kind: CodecKind = CodecKind.NONE
+    element_dtype: torch.dtype | None = None
+    group: int | None = None
+    accepted: frozenset[CodecKind] = frozenset()
+
+    def accepts(self, kind: CodecKind) -> bool:
+        return not kind.lossy or kind is self.kind or kind in self.accepted
