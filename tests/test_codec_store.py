@@ -76,7 +76,8 @@ def test_identity_names_lossy_codecs_only(tmp_path: Path) -> None:
     assert StoreConfig(LAYOUT, BLOCK, namespace="n", disk_path=str(tmp_path), disk_codec="zstd").identity() == \
         exact.identity()
     lossy = StoreConfig(LAYOUT, BLOCK, namespace="n", disk_path=str(tmp_path), disk_codec="int8")
-    assert lossy.disk_codec is CodecKind.INT8 and lossy.identity() == [*exact.identity(), ["lossy", ["int8"], None, None]]
+    assert lossy.disk_codec is CodecKind.INT8
+    assert lossy.identity() == [*exact.identity(), ["lossy", ["int8"], None, None]]
     # a codec of a tier that is not enabled changes nothing
     assert StoreConfig(LAYOUT, BLOCK, namespace="n", disk_path=str(tmp_path), remote_codec="fp8").identity() == \
         exact.identity()

@@ -68,25 +68,21 @@ def _round_down(v: torch.Tensor) -> torch.Tensor:
     return (v - v.abs() * (2 * (_UP - 1)) - _TINY).to(torch.bfloat16)
 
 
-def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Each group's scale (and zero) for `x` (float32), groups along `dim`; None if a group
-    holds an infinite or NaN value."""
+def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each group's scale (and zero) for `x` (float32), groups along `dim`; a group holding an
+    infinite or NaN value gets a scale that is not finite."""
     lo, hi = torch.aminmax(x, dim=dim, keepdim=True)
-    if not bool(torch.isfinite(lo).all() and torch.isfinite(hi).all()):
-        return None
     if fmt.has_zero:
         zero = _round_down(lo)
         return _round_up((hi - zero.float()) / fmt.qmax), zero
     return _round_up(torch.maximum(hi, -lo) / fmt.qmax), None
 
 
-def quantize(x: torch.Tensor, dim: int, fmt: Fmt) -> Quantized | None:
+def quantize(x: torch.Tensor, dim: int, fmt: Fmt) -> Quantized:
     """Quantize `x` (float32, contiguous; overwritten) in groups along `dim` (INT4: the last
-    dimension, of even length); None if a group holds an infinite or NaN value."""
-    found = scales(x, dim, fmt)
-    if found is None:
-        return None
-    scale, zero = found
+    dimension, of even length). A group with an infinite or NaN value has a `peak` that is not
+    finite; its codes mean nothing."""
+    scale, zero = scales(x, dim, fmt)
     if zero is not None:
         x.sub_(zero.float())
     x.div_(scale.float())
@@ -128,7 +124,8 @@ def dequantize(values: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
 
 
 def peak(q: Quantized, fmt: Fmt) -> torch.Tensor:
-    """The largest magnitude a value decoded from `q` can have (a float32 scalar)."""
+    """The largest magnitude a value decoded from `q` can have (a float32 scalar; not finite if
+    `q`'s input was not)."""
     top = q.scale.float() * fmt.qmax
     if q.zero is not None:
         top = top + q.zero.float().abs()
@@ -138,9 +135,7 @@ def peak(q: Quantized, fmt: Fmt) -> torch.Tensor:
 def error_bound(x: torch.Tensor, dim: int, fmt: Fmt, out_dtype: torch.dtype) -> torch.Tensor:
     """The largest `|x - decoded|` each element of `x` (float32, finite) may see, decoded
     into `out_dtype`: the format's bound from the group's scale, plus the output rounding."""
-    found = scales(x, dim, fmt)
-    assert found is not None, "error_bound of a tensor with infinite or NaN values"
-    s = found[0].float()
+    s = scales(x, dim, fmt)[0].float()
     if fmt is Fmt.FP8:
         err = torch.maximum(x.abs() / s / 16, torch.full_like(x, 2.0**-10)) * s
     else:

@@ -27,6 +27,7 @@ from tiers.codecs.base import Codec, CodecKind
 from tiers.codecs.quant import ROUNDING, Fmt, codes_to_float, dequantize, error_bound, peak, quantize
 from tiers.errors import ConfigError, CorruptRecordError
 
+GRAIN = 32768  # elements below which torch runs a CPU op on the calling thread (at::internal::GRAIN_SIZE)
 MIN_CHANNEL_TOKENS = 8  # below this many tokens a per-channel key scale costs more than it saves
 INT4_GROUP = 32
 DEFAULT_GROUP = 64  # elements per scale of an opaque block, unless the config says
@@ -112,6 +113,15 @@ class ScaledCodec(Codec):
         view = view.view(self._elem_shape)
         return view[:, 0], view[:, 1]
 
+    def _spans(self, device: torch.device) -> list[tuple[int, int]]:
+        """Layer ranges processed together: on the CPU, few enough elements that torch runs
+        each op on the calling thread (its thread pool, shared with the engine, costs far
+        more than it saves on a block); on a device, all layers at once."""
+        layers = self._elem_shape[0]
+        per_layer = max(p.num_elements for p in self._plans) // layers
+        step = layers if device.type != "cpu" else max(1, (GRAIN - 1) // per_layer)
+        return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
+
     def encode(self, src: torch.Tensor) -> bytearray | None:
         try:
             halves = self._halves(src.detach())
@@ -119,18 +129,21 @@ class ScaledCodec(Codec):
             halves = self._halves(src.detach().contiguous())
         limit = torch.finfo(self.element_dtype).max
         buf = bytearray(self.payload_bytes)
+        layers = self._elem_shape[0]
         for h, (plan, half) in enumerate(zip(self._plans, halves)):
-            x = half.to(torch.float32, copy=True, memory_format=torch.contiguous_format).view(plan.shape)
-            q = quantize(x, plan.dim, plan.fmt)
-            if q is None or float(peak(q, plan.fmt)) > limit:  # not finite, or past the dtype once decoded
-                return None
-            off = self._meta_offsets[h]
-            torch.frombuffer(buf, dtype=torch.bfloat16, count=plan.num_scales, offset=off).copy_(q.scale.reshape(-1))
-            if q.zero is not None:
-                torch.frombuffer(buf, dtype=torch.bfloat16, count=plan.num_scales,
-                                 offset=off + 2 * plan.num_scales).copy_(q.zero.reshape(-1))
-            torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes,
-                             offset=self._code_offsets[h]).copy_(q.codes.reshape(-1))
+            n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
+            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
+            codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+            per_scale, per_code = plan.num_scales // layers, plan.code_bytes // layers
+            for lo, hi in self._spans(half.device):
+                x = half[lo:hi].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+                q = quantize(x.view(hi - lo, *plan.shape[1:]), plan.dim, plan.fmt)
+                if not float(peak(q, plan.fmt)) <= limit:  # not finite, or past the dtype once decoded
+                    return None
+                meta[lo * per_scale : hi * per_scale].copy_(q.scale.reshape(-1))
+                if q.zero is not None:
+                    meta[plan.num_scales + lo * per_scale : plan.num_scales + hi * per_scale].copy_(q.zero.reshape(-1))
+                codes[lo * per_code : hi * per_code].copy_(q.codes.reshape(-1))
         return buf
 
     def _meta(self, payload: memoryview | bytes | bytearray, h: int, device: torch.device) -> tuple[
@@ -151,14 +164,20 @@ class ScaledCodec(Codec):
         except RuntimeError:
             target = torch.empty(self.block_shape, dtype=self.dtype)
             halves = self._halves(target)
+        layers = self._elem_shape[0]
         for h, (plan, half) in enumerate(zip(self._plans, halves)):
             scale, zero = self._meta(payload, h, half.device)
             codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
-            if half.device.type == "cpu":
-                values = codes_to_float(codes, plan.fmt)
-            else:  # the encoded bytes cross to the device, not the decoded ones
-                values = codes_to_float(torch.from_numpy(codes.copy()).to(half.device), plan.fmt)
-            half.copy_(dequantize(values.view(plan.shape), scale, zero).view(half.shape))
+            per_code = plan.code_bytes // layers
+            for lo, hi in self._spans(half.device):
+                part = codes[lo * per_code : hi * per_code]
+                if half.device.type == "cpu":
+                    values = codes_to_float(part, plan.fmt)
+                else:  # the encoded bytes cross to the device, not the decoded ones
+                    values = codes_to_float(torch.from_numpy(part.copy()).to(half.device), plan.fmt)
+                values = dequantize(values.view(hi - lo, *plan.shape[1:]), scale[lo:hi],
+                                    None if zero is None else zero[lo:hi])
+                half[lo:hi].copy_(values.view(half[lo:hi].shape))
         if target is not dst:
             dst.copy_(target)
 
