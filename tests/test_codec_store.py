@@ -120,6 +120,22 @@ def test_disk_round_trip(tmp_path: Path, kind: CodecKind) -> None:
         assert max(sizes) < (0.95 if kind is CodecKind.ZSTD else 0.6) * raw
 
 
+def test_load_policy_measures_decoded_bytes(tmp_path: Path) -> None:
+    """The policy's disk bandwidth counts the bytes a load delivers, not the fewer it read."""
+    x = kv()
+    with open_store(tmp_path, disk_codec="k8v4") as store:
+        store.store(TOKENS, x)
+        stored = sum(len(v) for _, v in _records(tier(store, TierKind.DISK)))
+    with open_store(tmp_path, disk_codec="k8v4", load_policy="auto") as store:
+        seen: list[tuple[TierKind, int, float]] = []
+        observe = store.load_policy.observe_load
+        store.load_policy.observe_load = lambda kind, n, s: (seen.append((kind, n, s)), observe(kind, n, s))[1]
+        assert store.retrieve(TOKENS).num_tokens == len(TOKENS)
+        assert [(k, n) for k, n, _ in seen] == [(TierKind.DISK, 3 * LAYOUT.block_bytes(BLOCK))]
+        assert stored < 0.5 * seen[0][1]
+        assert store.load_policy.bandwidth(TierKind.DISK) == pytest.approx(seen[0][1] / seen[0][2])
+
+
 def test_non_finite_blocks_are_stored_raw(tmp_path: Path) -> None:
     x = kv()
     x[1, 0, BLOCK + 3, 1, 7] = float("inf")  # the second block cannot be scaled
