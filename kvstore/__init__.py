@@ -1,6 +1,7 @@
 """kvstrata: a tiered KV-cache store for LLM inference."""
 
 from kvstore.config import HashAlgo, KVLayout, StoreConfig
+from tiers.codecs import CodecKind
 from kvstore.errors import (
     ConfigError,
     CorruptRecordError,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockHash",
     "CloseResult",
+    "CodecKind",
     "ConfigError",
     "CorruptRecordError",
     "DiskFullError",
