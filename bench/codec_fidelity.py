@@ -96,15 +96,18 @@ def one_prompt(model, n: int, seed: int, codecs: Sequence[str]) -> dict[str, dic
     for name in codecs:
         codec = build_codec(parse_codec(name), layout.block_shape(BLOCK_SIZE), layout.dtype)
         cache = prefix.clone()
-        err = scale = 0.0
+        err = scale = stored = 0.0
         for b in range(n // BLOCK_SIZE):  # the prefix's full blocks, as a hit loads them
             block = prefix[:, :, b]
             payload = codec.encode(block)
             assert payload is not None
+            stored += len(payload)
             codec.decode(payload, cache[:, :, b])
             err += float((cache[:, :, b].float() - block.float()).abs().mean())
             scale += float(block.float().abs().mean())
-        out[name] = {**compare(ref, _forward(model, cache, tokens[n:], n)), "kv_rel_err": err / max(scale, 1e-30)}
+        raw = n // BLOCK_SIZE * layout.block_bytes(BLOCK_SIZE)
+        out[name] = {**compare(ref, _forward(model, cache, tokens[n:], n)), "kv_rel_err": err / max(scale, 1e-30),
+                     "smaller": raw / stored}
     return out
 
 

@@ -205,3 +205,23 @@ def test_missing_zstandard_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ConfigError,
                        match=r"the zstd codec needs the zstandard package: pip install 'kvstrata\[codec\]'"):
         build_codec(CodecKind.ZSTD, SHAPE, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(CodecKind))
+def test_device_blocks_encode_and_decode_on_the_device(kind: CodecKind) -> None:
+    x = kv()
+    codec = build_codec(kind, SHAPE, torch.bfloat16)
+    on_host = codec.encode(x)
+    on_device = codec.encode(x.cuda())
+    assert on_host is not None and on_device is not None
+    out = torch.empty(SHAPE, dtype=torch.bfloat16, device="cuda")
+    codec.decode(bytes(on_device), out)
+    host_out = torch.empty_like(x)
+    codec.decode(bytes(on_host), host_out)
+    if kind.lossy:
+        assert isinstance(codec, ScaledCodec)
+        assert bool(((out.cpu().float() - x.float()).abs() <= codec.error_bound(x)).all())
+    else:
+        assert bytes(on_device) == bytes(on_host)
+        assert torch.equal(out.cpu().view(torch.uint8), x.view(torch.uint8))

@@ -147,6 +147,21 @@ def test_non_finite_blocks_are_stored_raw(tmp_path: Path) -> None:
         assert got.kv is not None and torch.equal(got.kv[:, :, BLOCK : 2 * BLOCK], x[:, :, BLOCK : 2 * BLOCK])
 
 
+def test_blocks_a_lossless_codec_cannot_shrink_are_stored_raw(tmp_path: Path) -> None:
+    x = kv()
+    x.view(torch.uint8)[:, :, :BLOCK] = torch.randint(0, 256, x.view(torch.uint8)[:, :, :BLOCK].shape,
+                                                      dtype=torch.uint8)  # the first block: noise
+    x[:, :, :BLOCK] = x[:, :, :BLOCK].nan_to_num()
+    with open_store(tmp_path, disk_codec="zstd") as store:
+        store.store(TOKENS, x)
+        records = _records(tier(store, TierKind.DISK))
+        codecs = sorted(msgpack.unpackb(_header(v)).get("c", 0) for _, v in records)
+        assert codecs == [0, CodecKind.ZSTD.value, CodecKind.ZSTD.value]
+        assert max(len(v) for _, v in records) < LAYOUT.block_bytes(BLOCK) + 512
+        got = store.retrieve(TOKENS)
+        assert got.kv is not None and torch.equal(got.kv.view(torch.uint8), x.view(torch.uint8))
+
+
 def test_lossless_records_are_shared_with_exact_stores(tmp_path: Path) -> None:
     x = kv()
     with open_store(tmp_path, disk_codec="zstd") as store:

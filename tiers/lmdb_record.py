@@ -116,8 +116,10 @@ class RecordCodec:
     def encode(self, key: BlockKey, src: torch.Tensor) -> bytearray:
         """Build the record for one block: raw (one copy of the KV bytes), or encoded by this
         tier's codec. A block the codec cannot represent (infinite or NaN values for a lossy
-        one) is written raw."""
+        one) or does not make smaller (noise through a lossless one) is written raw."""
         encoded = None if self._writer is None else self._writer.encode(src)
+        if encoded is not None and len(encoded) >= self._block_bytes:
+            encoded = None
         codec_id = 0 if encoded is None else self._spec.kind.value
         length = self._block_bytes if encoded is None else len(encoded)
         hlen = len(self._header(key, bytes(8), codec_id, length))
