@@ -184,7 +184,8 @@ class Settings:
         if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
             raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))
-        if not isinstance(self.metrics_host, str) or not self.metrics_host or any(c.isspace() for c in self.metrics_host):
+        host = self.metrics_host
+        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
             raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
         from kvstore.load_policy import check_mode
 
