@@ -1,7 +1,6 @@
 """kvstrata: a tiered KV-cache store for LLM inference."""
 
 from kvstore.config import HashAlgo, KVLayout, StoreConfig
-from tiers.codecs import CodecKind
 from kvstore.errors import (
     ConfigError,
     CorruptRecordError,
@@ -14,6 +13,7 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
 from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
+from tiers.codecs import CodecKind
 
 __version__ = "0.1.0"
 

@@ -12,7 +12,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
-from tiers.codecs import CodecKind, build_codec, parse_codec
+from tiers.codecs import CodecKind
 from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
@@ -213,17 +213,16 @@ class StoreConfig:
             one eviction order for all).
         disk_codec: how the disk tier encodes blocks, `CodecKind` or its name: "none"
             (default), "zstd" (lossless, needs the `codec` extra), or the lossy "int8", "fp8"
-            and "k8v4" (8-bit keys and values, or 8-bit keys and 4-bit values, with scales per
-            channel or token; bounds and measured fidelity in docs/performance.md). The pool
-            and CPU tiers always hold raw KV. A lossy codec on any tier enters `identity()`:
-            such a store shares no block with one that wants exact KV, in any tier.
+            and "k8v4" (8-bit keys and values, or 8-bit keys and 4-bit values; bounds and
+            fidelity in docs/performance.md). The pool and CPU tiers hold raw KV. A lossy codec
+            enters `identity()`: such a store shares no block with an exact one, in any tier.
         remote_codec: the same for the remote tier.
         codec_dtype: the KV's element dtype when `layout` is opaque uint8 bytes (an engine's
             pages, as the vLLM connector stores them): a lossy codec quantizes the bytes as
             this dtype, and "zstd" splits their byte planes by its size. None: the layout's.
-        codec_group: elements per scale of a lossy codec on an opaque layout (default 64; a
-            multiple of the head size keeps a scale to whole head vectors). Structured
-            layouts scale keys per channel and values per head vector instead.
+        codec_group: elements per scale of a lossy codec on an opaque layout (default 64; the
+            head size keeps a scale to one head vector). Structured layouts scale keys per
+            channel and values per head vector instead.
     """
 
     layout: KVLayout
@@ -349,40 +348,18 @@ class StoreConfig:
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
                 raise ConfigError(f"StoreConfig.{name} must be a non-empty str of at most 256 characters, "
                                   f"got {value!r}")
-        self._check_codecs()
+        from kvstore.codec_config import check_codecs
+
+        check_codecs(self)
         if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
-
-    def _check_codecs(self) -> None:
-        for name in ("disk_codec", "remote_codec"):
-            object.__setattr__(self, name, parse_codec(getattr(self, name), f"StoreConfig.{name}"))
-        if self.codec_dtype is not None:
-            dtype = self.codec_dtype
-            if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-                dtype = _DTYPES[dtype.removeprefix("torch.")]
-            if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") not in _DTYPES:
-                raise ConfigError(f"StoreConfig.codec_dtype must be one of {sorted(_DTYPES)}, got {self.codec_dtype!r}")
-            object.__setattr__(self, "codec_dtype", dtype)
-            if self.layout.dtype != torch.uint8 and self.codec_dtype != self.layout.dtype:
-                raise ConfigError(f"StoreConfig.codec_dtype={self.codec_dtype} differs from the layout's "
-                                  f"{self.layout.dtype}; it is for opaque uint8 layouts only")
-        if self.codec_group is not None:
-            require_int("StoreConfig.codec_group", self.codec_group, 1)
-        for name, kind, enabled in (("disk_codec", self.disk_codec, self.disk_path is not None),
-                                    ("remote_codec", self.remote_codec, self.remote_url is not None)):
-            if kind is not CodecKind.NONE and enabled:
-                try:
-                    build_codec(kind, self.block_shape, self.layout.dtype, element_dtype=self.codec_dtype,
-                                group=self.codec_group)
-                except ConfigError as exc:
-                    raise ConfigError(f"StoreConfig.{name}={kind.label!r}: {exc}") from None
 
     @property
     def lossy_codecs(self) -> list[str]:
         """The lossy codecs of the enabled tiers, sorted by name (empty: every tier is exact)."""
-        kinds = {k for k, on in ((self.disk_codec, self.disk_path is not None),
-                                 (self.remote_codec, self.remote_url is not None)) if on and k.lossy}
-        return sorted(k.label for k in kinds)
+        from kvstore.codec_config import lossy_codecs
+
+        return lossy_codecs(self)
 
     @cached_property
     def block_bytes(self) -> int:
@@ -400,9 +377,6 @@ class StoreConfig:
         """What makes two stores' keys comparable: namespace, layout, block size, algorithm,
         and the lossy codecs a store reads blocks through (with the element dtype and group
         they quantize with). Exact stores keep the identity they had before codecs existed."""
-        ident: list[object] = [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value]
-        lossy = self.lossy_codecs
-        if lossy:
-            dtype = None if self.codec_dtype is None else dtype_name(self.codec_dtype)
-            ident.append(["lossy", lossy, dtype, self.codec_group])
-        return ident
+        from kvstore.codec_config import codec_identity
+
+        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codec_identity(self)]
