@@ -167,8 +167,9 @@ class StoreConfig:
         load_policy: "auto" (load a cached prefix from a tier only where the measured load
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
-        disk_read_bps: cap the disk tier's reads at this many bytes per second (None: no
-            cap); to share a device with other work, or to emulate a slower one.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
+            stored (encoded, with `disk_codec`; None: no cap); to share a device with other
+            work, or to emulate a slower one.
         result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
             returns (pre-faulted, huge pages where the kernel allows): a result dropped by
             the caller is reused instead of faulted in anew. 0: a fresh allocation each time.

@@ -143,13 +143,14 @@ class LMDBTier(Tier):
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
-        n = self._read(keys, dsts)
-        if self._read_bps is not None and n:
-            time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
+        n, num_bytes = self._read(keys, dsts)
+        if self._read_bps is not None and n:  # the bytes read as stored (encoded)
+            time.sleep(max(0.0, num_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
-    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        n = 0
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """Blocks copied into `dsts` and the bytes of their records."""
+        n = num_bytes = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             for key, dst in zip(keys, dsts):
@@ -165,10 +166,11 @@ class LMDBTier(Tier):
                     corrupt.append(key.block_hash)
                     break
                 n += 1
+                num_bytes += len(value)
         if corrupt:
             self.counters.num_corrupt += len(corrupt)
             self._discard_damaged(corrupt)
-        return n
+        return n, num_bytes
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
