@@ -30,6 +30,9 @@ BENCHMARKS = {
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
     "load-policy": "bench.load_policy",
+    "codec-fidelity": "bench.codec_fidelity",
+    "codecs": "bench.codec_speed",
+    "codec-vllm": "bench.codec_vllm",  # run with .venv-vllm's Python
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
 }
 COMMANDS = {
@@ -64,6 +67,9 @@ _BENCH_SUMMARIES = {
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",
     "load-policy": "Load or recompute: TTFT under load_policy auto/always/never, slow disk.",
+    "codec-fidelity": "Codecs: the first token after a lossy hit against the exact hit (reference runner).",
+    "codec-vllm": "Codecs in real vLLM: the first token after a kvstrata hit against vLLM's own hit.",
+    "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
 }
 

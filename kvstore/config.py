@@ -12,6 +12,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.codecs import CodecKind
 from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
@@ -166,8 +167,9 @@ class StoreConfig:
         load_policy: "auto" (load a cached prefix from a tier only where the measured load
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
-        disk_read_bps: cap the disk tier's reads at this many bytes per second (None: no
-            cap); to share a device with other work, or to emulate a slower one.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
+            stored (encoded, with `disk_codec`; None: no cap); to share a device with other
+            work, or to emulate a slower one.
         result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
             returns (pre-faulted, huge pages where the kernel allows): a result dropped by
             the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
@@ -210,6 +212,18 @@ class StoreConfig:
             carry them) in the CPU tier: a tenant over it evicts its own blocks first, and a
             tenant within it keeps its blocks under another tenant's burst (None: no quotas,
             one eviction order for all).
+        disk_codec: how the disk tier encodes blocks, `CodecKind` or its name: "none"
+            (default), "zstd" (lossless, needs the `codec` extra), or the lossy "int8", "fp8"
+            and "k8v4" (8-bit keys and values, or 8-bit keys and 4-bit values; bounds and
+            fidelity in docs/performance.md). The pool and CPU tiers hold raw KV. A lossy codec
+            enters `identity()`: such a store shares no block with an exact one, in any tier.
+        remote_codec: the same for the remote tier.
+        codec_dtype: the KV's element dtype when `layout` is opaque uint8 bytes (an engine's
+            pages, as the vLLM connector stores them): a lossy codec quantizes the bytes as
+            this dtype, and "zstd" splits their byte planes by its size. None: the layout's.
+        codec_group: elements per scale of a lossy codec on an opaque layout (default 64; the
+            head size keeps a scale to one head vector). Structured layouts scale keys per
+            channel and values per head vector instead.
     """
 
     layout: KVLayout
@@ -246,6 +260,10 @@ class StoreConfig:
     events_connect: bool = False
     instance_id: str | None = None
     model_name: str | None = None
+    disk_codec: CodecKind = CodecKind.NONE
+    remote_codec: CodecKind = CodecKind.NONE
+    codec_dtype: torch.dtype | None = None
+    codec_group: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -331,8 +349,18 @@ class StoreConfig:
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
                 raise ConfigError(f"StoreConfig.{name} must be a non-empty str of at most 256 characters, "
                                   f"got {value!r}")
+        from kvstore.codec_config import check_codecs
+
+        check_codecs(self)
         if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
+
+    @property
+    def lossy_codecs(self) -> list[str]:
+        """The lossy codecs of the enabled tiers, sorted by name (empty: every tier is exact)."""
+        from kvstore.codec_config import lossy_codecs
+
+        return lossy_codecs(self)
 
     @cached_property
     def block_bytes(self) -> int:
@@ -347,5 +375,9 @@ class StoreConfig:
         return self.cpu_bytes // self.block_bytes
 
     def identity(self) -> list[object]:
-        """What makes two stores' keys comparable: namespace, layout, block size, algorithm."""
-        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value]
+        """What makes two stores' keys comparable: namespace, layout, block size, algorithm,
+        and the lossy codecs a store reads blocks through (with the element dtype and group
+        they quantize with). Exact stores keep the identity they had before codecs existed."""
+        from kvstore.codec_config import codec_identity
+
+        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codec_identity(self)]

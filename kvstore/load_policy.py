@@ -1,7 +1,9 @@
 """Load or recompute: load a cached prefix from a tier only where that beats recomputing it.
 
 Every tier's load bandwidth is measured as loads happen (a running average of bytes per
-second of each `get_into`), and the engine reports its prefill throughput (tokens per
+second of each `get_into`), in decoded bytes over the whole call: a tier behind a codec
+(`StoreConfig.disk_codec`, `remote_codec`) is measured at its effective bandwidth, raised by
+the bytes a codec saves and lowered by its decoding time. The engine reports its prefill throughput (tokens per
 second) as it prefills. For a prefix whose blocks sit in tiers t_1..t_n, loading block i
 saves `block_size / prefill_rate - block_bytes / bandwidth(t_i)` seconds; the policy loads
 the leading k blocks that save the most in total (k = 0: recompute it all). Costs are taken

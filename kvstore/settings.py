@@ -20,6 +20,7 @@ from typing import Any
 from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import ConfigError
 from kvstore.events_wire import check_events
+from tiers.codecs import CodecKind, parse_codec
 
 ENV_PREFIX = "KVSTRATA_"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -79,6 +80,11 @@ class Settings:
         verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
         stats_path: if set, the worker keeps a JSON file of its load/save counters here.
         remote_url: a Valkey/Redis server or cluster shared by engines on many hosts.
+        disk_codec: how the disk tier encodes blocks: "none", "zstd" (lossless, needs the
+            `codec` extra), or the lossy "int8", "fp8", "k8v4" (quantized as the attention's
+            KV dtype in runs of one head vector; docs/performance.md). A lossy codec gives
+            the engine's KV a namespace of its own: exact engines never read its blocks.
+        remote_codec: the same for the remote tier.
         events_endpoint: publish the worker's KV events (vLLM's format) here for `kvstrata
             router`, Dynamo or llm-d, e.g. `tcp://127.0.0.1:5590` (docs/routing.md).
         events_replay_endpoint: where replay requests are answered (default: the next port).
@@ -126,6 +132,8 @@ class Settings:
     verify_tokens: bool = True
     stats_path: str | None = None
     remote_url: str | None = field(default=None, repr=False)  # it may hold a password
+    disk_codec: CodecKind = CodecKind.NONE
+    remote_codec: CodecKind = CodecKind.NONE
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
     events_topic: str = ""
@@ -153,6 +161,8 @@ class Settings:
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        for name in ("disk_codec", "remote_codec"):
+            set_(self, name, parse_codec(getattr(self, name), name))
         for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "async_loads", "require_redis",
                      "require_vllm", "require_dynamo", "events_insecure", "events_connect"):
             set_(self, name, parse_bool(name, getattr(self, name)))
@@ -236,6 +246,7 @@ class Settings:
         for f in fields(cls):
             key = "-" if f.metadata.get("env_only") else f"`{f.name}`"
             default = f.default.value if isinstance(f.default, HashAlgo) else f.default
+            default = default.label if isinstance(default, CodecKind) else default
             rows.append(f"| {f.name} | {key} | `{ENV_PREFIX}{f.name.upper()}` | `{default!r}` | "
                         f"{described.get(f.name, '')} |")
         return "\n".join(rows) + "\n"

@@ -21,6 +21,7 @@ import msgpack
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, ScrubResult, Tier, TierCounters, TierKind, TierTraits
+from tiers.codecs import CodecSpec
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
@@ -50,8 +51,9 @@ class LMDBTier(Tier):
         namespace: bytes = b"",
         identity: object = None,
         read_bps: int | None = None,
+        codec: CodecSpec | None = None,
     ) -> None:
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._namespace = self.codec.namespace
         self._block_bytes = self.codec.block_bytes
         self._capacity_bytes = capacity_bytes
@@ -136,13 +138,14 @@ class LMDBTier(Tier):
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
-        n = self._read(keys, dsts)
-        if self._read_bps is not None and n:
-            time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
+        n, num_bytes = self._read(keys, dsts)
+        if self._read_bps is not None and n:  # the bytes read as stored (encoded)
+            time.sleep(max(0.0, num_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
-    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        n = 0
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """Blocks copied into `dsts` and the bytes of their records."""
+        n = num_bytes = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             for key, dst in zip(keys, dsts):
@@ -150,19 +153,19 @@ class LMDBTier(Tier):
                 if value is None:
                     break
                 try:
-                    payload = self.codec.decode(value, key)
+                    self.codec.copy_out(self.codec.decode(value, key), dst)
                 except UnverifiableRecordError:
                     self._num_unverifiable += 1
                     break
                 except CorruptRecordError:
                     corrupt.append(key.block_hash)
                     break
-                self.codec.copy_out(payload, dst)
                 n += 1
+                num_bytes += len(value)
         if corrupt:
             self.counters.num_corrupt += len(corrupt)
             self._discard_damaged(corrupt)
-        return n
+        return n, num_bytes
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:

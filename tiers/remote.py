@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
 from tiers.remote_client import PASSWORD_ENV, Health, RateLimitedWarning, connect, deadline
@@ -55,11 +56,11 @@ class RemoteTier(Tier):
     def __init__(self, url: str, block_shape: tuple[int, ...], dtype: torch.dtype, *, namespace: bytes,
                  verify_tokens: bool = True, ttl_s: int | None = None, timeout_s: float = 0.5,
                  max_pending_bytes: int = 256 << 20, cooldown_s: float = 5.0,
-                 min_rate_bps: float = 64 << 20) -> None:
+                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None) -> None:
         self._parts = parse(url)
         self._url = url
         self._secrets = self._parts.secrets + [s for s in (os.environ.get(PASSWORD_ENV),) if s]
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._prefix = b"kvstrata:" + namespace.hex()[:32].encode() + b":"
         self._ttl_s = ttl_s
         self._timeout_s = timeout_s
@@ -191,17 +192,16 @@ class RemoteTier(Tier):
             if not isinstance(value, bytes):  # absent, or the server refused this GET
                 break
             try:
-                payload = self.codec.decode(value, key)
-            except UnverifiableRecordError:
+                self.codec.copy_out(self.codec.decode(value, key), dst)
+            except UnverifiableRecordError as exc:
                 self.num_unverifiable += 1
-                self._warn_data(f"remote tier {redacted(self._url)}: a record without token ids to verify; a miss")
+                self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
                 break
             except CorruptRecordError as exc:
                 self.counters.num_corrupt += 1
                 self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
                 self.discard([key.block_hash])
                 break
-            self.codec.copy_out(payload, dst)
             n += 1
         return n
 

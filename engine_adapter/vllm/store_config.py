@@ -84,6 +84,10 @@ def store_config_for(
         disk_sync=settings.disk_sync,
         write_through=settings.write_through and settings.disk_path is not None,
         remote_url=settings.remote_url,
+        disk_codec=settings.disk_codec,
+        remote_codec=settings.remote_codec,
+        codec_dtype=spec.dtype,  # the pages' bytes hold KV of this dtype
+        codec_group=spec.head_size,  # a scale per head vector of a token
         events_endpoint=settings.events_endpoint,
         events_replay_endpoint=settings.events_replay_endpoint,
         events_topic=settings.events_topic,
