@@ -16,6 +16,7 @@ import contextlib
 import logging
 import math
 import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -94,6 +95,15 @@ class _DeadlineSocket:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
         self._sock.sendall(data, *flags)
 
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        self._arm()
+        return self._sock.sendmsg(buffers, *args)  # type: ignore[no-any-return]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `sendmsg` works (not on TLS)."""
+        return not isinstance(self._sock, ssl.SSLSocket)
+
     def __getattr__(self, name: str) -> Any:  # fileno, shutdown, close, getsockname, pending, ...
         return getattr(self._sock, name)
 
@@ -116,6 +126,13 @@ class _DeadlineMixin:
             self.socket_connect_timeout, self.socket_timeout = saved
         sock.settimeout(saved[1])
         return _DeadlineSocket(sock, saved[1])
+
+    def deadline_socket(self) -> _DeadlineSocket:
+        """The connected socket (connecting first), for `tiers/remote_stream.py`'s own RESP."""
+        if getattr(self, "_sock", None) is None:
+            self.connect()  # type: ignore[attr-defined]
+        sock: _DeadlineSocket = self._sock  # type: ignore[attr-defined]
+        return sock
 
 
 def _connection_class(scheme: str) -> type:
