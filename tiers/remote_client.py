@@ -70,18 +70,24 @@ class _DeadlineSocket:
     def __init__(self, sock: Any, timeout: float | None) -> None:
         self._sock = sock
         self._timeout = timeout  # what redis-py asked for
+        self._armed = timeout  # what the socket has now
 
     def settimeout(self, timeout: float | None) -> None:
-        self._timeout = timeout
+        self._timeout = self._armed = timeout
         self._sock.settimeout(timeout)
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
 
     def gettimeout(self) -> float | None:
         return self._timeout
 
     def _arm(self) -> None:
         left = _time_left()
-        if left is not None:
-            self._sock.settimeout(_bounded(self._timeout, left))
+        bound = self._timeout if left is None else _bounded(self._timeout, left)
+        if bound != self._armed:  # a system call: skipped while the deadline is further off
+            self._sock.settimeout(bound)
+            self._armed = bound
 
     def recv(self, size: int, *flags: int) -> bytes:
         self._arm()
