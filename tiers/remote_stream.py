@@ -122,17 +122,17 @@ class Streams:
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
 
-    def _lanes(self, ops: Sequence[Op]) -> list[_Lane]:
-        """The lane of each command, in order (one lane per connection pool)."""
+    def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
+        """The lane of each command from `start` on, in order (one lane per connection pool)."""
         if not self._cluster:
             lane = _Lane(self._client.connection_pool)
-            lane.todo.extend(range(len(ops)))
-            return [lane] * len(ops)
+            lane.todo.extend(range(start, len(ops)))
+            return [lane] * (len(ops) - start)
         by_pool: dict[int, _Lane] = {}
         out = []
-        for i, op in enumerate(ops):
+        for i in range(start, len(ops)):
             try:
-                pool = self._client.get_redis_connection(self._client.get_node_from_key(op.key)).connection_pool
+                pool = self._client.get_redis_connection(self._client.get_node_from_key(ops[i].key)).connection_pool
             except Exception as exc:  # a slot no node serves
                 lane = _Lane(None, exc)
             else:
@@ -141,38 +141,54 @@ class Streams:
             out.append(lane)
         return out
 
+    def _may_refresh(self) -> bool:
+        return time.monotonic() - self._refreshed_at >= _REFRESH_EVERY_S
+
     def _refresh(self) -> None:
-        now = time.monotonic()
-        if self._stale and now - self._refreshed_at >= _REFRESH_EVERY_S:
-            self._refreshed_at = now
+        """Reread a cluster's slot map if a call found it stale (at most once a second)."""
+        if self._stale and self._may_refresh():
+            self._refreshed_at = time.monotonic()
             self._client.nodes_manager.initialize()
             self._stale = False
 
     def run(self, ops: Sequence[Op], on_reply: OnReply, buffer_for: BufferFor | None = None) -> list[Any]:
         """Send `ops` and pass each reply, in order, to `on_reply`, until it returns False.
         Returns one entry per reply passed: the exception (an error reply or what ended its
-        connection) or True."""
+        connection) or True. In a cluster, the first MOVED/ASK of a call makes it reread the
+        slot map and send the rest again (once a call, at most once a second); a second is
+        passed on as an error."""
+        outcomes: list[Any] = []
         if self._cluster:
             self._refresh()
-        lane_of = self._lanes(ops)
+        moved = self._pass(ops, 0, on_reply, buffer_for or _drop, outcomes, self._cluster and self._may_refresh())
+        if moved is not None:
+            self._refresh()
+            self._pass(ops, moved, on_reply, buffer_for or _drop, outcomes, False)
+        return outcomes
+
+    def _pass(self, ops: Sequence[Op], start: int, on_reply: OnReply, buffer_for: BufferFor, outcomes: list[Any],
+              follow: bool) -> int | None:
+        """Stream `ops[start:]`; with `follow`, a redirect ends the pass unreported and its index
+        is returned (None otherwise)."""
+        lane_of = self._lanes(ops, start)
         lanes = list({id(lane): lane for lane in lane_of}.values())
-        outcomes: list[Any] = []
-        buffer_for = buffer_for or _drop
         try:
             for lane in lanes:
                 if lane.error is None:
                     lane.open()
-            for i, op in enumerate(ops):
+            for i in range(start, len(ops)):
                 for lane in lanes:
                     lane.fill(ops, self._window_bytes)
-                reply = lane_of[i].read(op, buffer_for)
+                reply = lane_of[i - start].read(ops[i], buffer_for)
                 failed = isinstance(reply, Exception)
-                outcomes.append(reply if failed else True)
                 if failed and self._cluster and (not isinstance(reply, ReplyError) or reply.is_redirect):
-                    self._stale = True
+                    self._stale = True  # a dead node or a moved slot: the slot map may be out of date
+                    if follow and isinstance(reply, ReplyError):
+                        return i
+                outcomes.append(reply if failed else True)
                 if not on_reply(i, reply):
                     break
         finally:
             for lane in lanes:
                 lane.finish(ops)
-        return outcomes
+        return None
