@@ -6,6 +6,10 @@ and large reads fit the default deadline.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +17,7 @@ import redis
 import torch
 
 from bench.redis_servers import RedisServer, redis_cluster, redis_server
-from kvstore import KVLayout
+from kvstore import KVLayout, RetrieveResult
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.test_remote import _remote, _store, _tokens
 from tests.test_remote_writes import LLAMA_3_8B, _keys, _tier
@@ -125,6 +129,32 @@ def test_a_128_mib_read_hits_whole_with_the_default_timeout(block_size: int, tmp
             res = b.retrieve(t)
             assert res.num_tokens == len(t) and _remote(b).num_errors == 0
             check_kv(t, res.kv, res.num_tokens, LLAMA_3_8B, block_size)
+
+
+@pytest.mark.slow
+def test_a_128_mib_read_waits_out_a_server_stalled_longer_than_the_timeout() -> None:
+    """The server stops (SIGSTOP) for 0.8 s, longer than the default 0.5 s timeout, just as a
+    128 MiB read starts: the read's deadline grows with its bytes (0.5 s + 64 MiB / 64 MiB/s
+    per 64 MiB call), so it waits and hits whole instead of turning into a miss."""
+    t = _tokens(1024 // BLOCK, 26)
+    with redis_server("--maxmemory", "1gb") as server:
+        assert server.proc is not None
+        kv = make_kv(t, LLAMA_3_8B, BLOCK)
+        with _store(server.url, layout=LLAMA_3_8B, cpu_bytes=0, disk_path=None) as a:
+            a.store(t, kv)
+            assert a.flush() and _remote(a).num_write_drops == 0
+        with _store(server.url, layout=LLAMA_3_8B, cpu_bytes=0, disk_path=None) as b:
+            out = torch.zeros_like(kv)
+            assert b.retrieve(t[:BLOCK], out=out[:, :, :BLOCK]).num_tokens == BLOCK  # a connection is open
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            got: dict[str, RetrieveResult] = {}
+            reader = threading.Thread(target=lambda: got.update(res=b.retrieve(t, out=out)), daemon=True)
+            reader.start()
+            time.sleep(0.8)
+            os.kill(server.proc.pid, signal.SIGCONT)
+            reader.join(30)
+            assert got["res"].num_tokens == len(t) and _remote(b).num_errors == 0
+            assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
 
 
 def test_tier_calls_stay_in_step_after_a_refused_command() -> None:

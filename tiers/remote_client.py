@@ -2,9 +2,12 @@
 
 redis-py bounds each socket operation by `socket_timeout`, not a call: a server that drips
 its reply one byte at a time keeps a call running for ever. Here every connection's socket
-consults the calling thread's deadline (`deadline()`): each connect, send and receive gets at
-most the time left, and once it is gone the operation fails at once. redis-py then raises
-`TimeoutError` and drops that connection, so none is reused in a half-read state.
+consults the calling thread's deadline (`deadline()`): each send and receive may take the
+time left, and no more (a connect: at most `socket_connect_timeout`), and once it is gone the
+operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
+by itself: a large read may wait on a busy server as long as the whole call ends in time.
+redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
+half-read state.
 
 `Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
 writes never makes a read a miss), its circuit breaker and its rate-limited warning.
@@ -84,7 +87,7 @@ class _DeadlineSocket:
 
     def _arm(self) -> None:
         left = _time_left()
-        bound = self._timeout if left is None else _bounded(self._timeout, left)
+        bound = self._timeout if left is None or self._timeout == 0 else left  # 0: redis-py polls
         if bound != self._armed:  # a system call: skipped while the deadline is further off
             self._sock.settimeout(bound)
             self._armed = bound
