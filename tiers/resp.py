@@ -50,18 +50,17 @@ def command(*args: Buffer | str | int) -> list[Buffer]:
     """The RESP array of `args` as buffers to send in order; arguments of at least 4 KiB
     are referenced, not copied."""
     out: list[Buffer] = []
-    head = bytearray(b"*%d\r\n" % len(args))
+    head = [b"*%d\r\n" % len(args)]
     for arg in args:
         data: Buffer = b"%d" % arg if isinstance(arg, int) else arg.encode() if isinstance(arg, str) else arg
-        size = memoryview(data).nbytes
-        head += b"$%d\r\n" % size
+        size = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
         if size < _SMALL:
-            head += data
-            head += b"\r\n"
+            head.append(b"$%d\r\n%s\r\n" % (size, data))
         else:
-            out += (bytes(head), data)
-            head = bytearray(b"\r\n")
-    out.append(bytes(head))
+            head.append(b"$%d\r\n" % size)
+            out += (b"".join(head), data)
+            head = [b"\r\n"]
+    out.append(b"".join(head))
     return out
 
 
