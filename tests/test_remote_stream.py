@@ -174,3 +174,18 @@ def test_tier_calls_stay_in_step_after_a_refused_command() -> None:
             assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(out[3:], srcs[3:]))
         finally:
             tier.close()
+
+
+def test_a_record_without_token_ids_is_a_miss_left_in_place() -> None:
+    """A store that keeps no token ids writes records a verifying reader cannot check: a
+    counted miss, never deleted (another reader like the writer can still use it)."""
+    t = _tokens(4, 27)
+    with redis_server() as server:
+        with _store(server.url, cpu_bytes=0, disk_path=None, verify_tokens=False) as writer:
+            writer.store(t, make_kv(t, LAYOUT, BLOCK))
+            assert writer.flush()
+        with _store(server.url, cpu_bytes=0, disk_path=None) as reader:
+            assert reader.retrieve(t, out=make_kv(t, LAYOUT, BLOCK)).num_tokens == 0
+            tier = _remote(reader)
+            assert tier.num_unverifiable == 1 and tier.stats().num_corrupt == 0
+            assert redis.Redis(port=server.port).exists(tier._key(reader.block_hashes(t)[0])) == 1

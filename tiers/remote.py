@@ -201,20 +201,24 @@ class RemoteTier(Tier):
         """GET `keys` in one windowed pipeline, each value received into this thread's record
         buffer, validated and copied into its `dsts`; stop at the first that is absent, fails
         or was refused (a fault). Returns how many were copied."""
-        copied: list[bool] = []
+        n = 0
+        damaged: list[BlockHash] = []
 
         def on_value(i: int, value: Any) -> bool:
+            nonlocal n
             if not isinstance(value, memoryview | Oversized):
                 return False  # absent, or the server refused this GET
-            copied.append(self._take(keys[i], dsts[i], value))
-            return copied[-1]
+            if not self._take(keys[i], dsts[i], value, damaged):
+                return False
+            n += 1
+            return True
 
         ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True)
                for key in (self._key(k.block_hash) for k in keys)]
         self._stream(self.reads, "read", self._record_bytes * len(keys), ops, on_value, self._buffer_for)
-        if copied and not copied[-1]:  # damaged: delete it
-            self.discard([keys[len(copied) - 1].block_hash])
-        return sum(copied)
+        if damaged:
+            self.discard(damaged)
+        return n
 
     def _buffer_for(self, size: int) -> memoryview | None:
         """This thread's record buffer, `size` bytes of it (None: too long for a record)."""
@@ -225,22 +229,23 @@ class RemoteTier(Tier):
             buf = self._rx.buf = bytearray(max(size, self._record_bytes))
         return memoryview(buf)[:size]
 
-    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview | Oversized) -> bool:
+    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview | Oversized, damaged: list[BlockHash]) -> bool:
         """Validate one value as `key`'s record and copy its payload into `dst`; False (a
-        counted, warned miss; the caller deletes a damaged record) if it fails."""
+        counted, warned miss) if it fails; a damaged record's hash goes into `damaged`, to be
+        deleted (an unverifiable one stays)."""
         try:
             if isinstance(value, Oversized):
                 raise CorruptRecordError(f"a value of {int(value)} bytes, too long for this layout")
-            payload = self.codec.decode(value, key)
-        except UnverifiableRecordError:
+            self.codec.copy_out(self.codec.decode(value, key), dst)
+        except UnverifiableRecordError as exc:
             self.num_unverifiable += 1
-            self._warn_data(f"remote tier {redacted(self._url)}: a record without token ids to verify; a miss")
+            self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
             return False
         except CorruptRecordError as exc:
             self.counters.num_corrupt += 1
             self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
+            damaged.append(key.block_hash)
             return False
-        self.codec.copy_out(payload, dst)
         return True
 
     # -- writes ------------------------------------------------------------------------------
