@@ -46,7 +46,7 @@ from tiers.remote import connect
 SIZES: dict[str, tuple[int, int, int | None]] = {
     "16K": (1, 4, None), "256K": (4, 16, None), "2M": (32, 16, None), "prompt": (32, 16, 4096)}
 TOPOLOGIES = ("standalone", "cluster")
-_SERVER_MIB = 256  # bytes each redis-benchmark run moves, and its cap on bytes in flight
+_IN_FLIGHT_MIB = 256  # redis-benchmark's clients x 16 x SIZE stays under this
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -127,15 +127,15 @@ def _flush(ports: list[int]) -> None:
         client.close()
 
 
-def _server(ports: list[int], cluster: bool, size: int) -> dict[str, float]:
-    """redis-benchmark -P 16 -d `size`, SET then GET, at 1 client and at many; GB/s of
-    the better of the two for each (GET: hits only). Leaves the servers empty."""
+def _server(ports: list[int], cluster: bool, size: int, mib: int) -> dict[str, float]:
+    """redis-benchmark -P 16 -d `size`, SET then GET of about `mib` MiB, at 1 client and at
+    many; GB/s of the better of the two for each (GET: hits only). Leaves the servers empty."""
     tool = _benchmark_tool()
     assert tool is not None
     keyspace = max(16, min(1000, (128 << 20) // size))  # every key fits in memory: GETs hit
     best = {"set": 0.0, "get": 0.0}
-    for clients in sorted({1, max(1, min(50, (_SERVER_MIB << 20) // (16 * size)))}):
-        count = max(32 * clients, (_SERVER_MIB << 20) // size) // (16 * clients) * 16 * clients  # whole pipelines
+    for clients in sorted({1, max(1, min(50, (_IN_FLIGHT_MIB << 20) // (16 * size)))}):
+        count = max(32 * clients, (mib << 20) // size) // (16 * clients) * 16 * clients  # whole pipelines
         for op in ("set", "get"):
             before = _stats(ports)
             out = subprocess.run([tool, "-p", str(ports[0]), *(["--cluster"] if cluster else []), "-t", op,
@@ -166,7 +166,7 @@ def bench_size(url: str, ports: list[int] | None, cluster: bool, label: str, mib
         "tier": lambda r: _tier(url, label, r, kv, out),
         "raw": lambda r: _raw(url, label, r, num, record_bytes)}
     if ports:
-        runs["server"] = lambda r: _server(ports, cluster, record_bytes)
+        runs["server"] = lambda r: _server(ports, cluster, record_bytes, max(32, 4 * mib))
     rounds: list[dict[str, float]] = []
     for r in range(repeat):
         names = list(runs)
