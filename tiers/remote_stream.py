@@ -145,10 +145,14 @@ class Streams:
         return time.monotonic() - self._refreshed_at >= _REFRESH_EVERY_S
 
     def _refresh(self) -> None:
-        """Reread a cluster's slot map if a call found it stale (at most once a second)."""
+        """Reread a cluster's slot map if a call found it stale (at most once a second). If no
+        node answers, the old map stays (its live nodes still serve their slots)."""
         if self._stale and self._may_refresh():
             self._refreshed_at = time.monotonic()
-            self._client.nodes_manager.initialize()
+            try:
+                self._client.nodes_manager.initialize()
+            except Exception:  # the commands that follow fail or succeed on their own, counted
+                return
             self._stale = False
 
     def run(self, ops: Sequence[Op], on_reply: OnReply, buffer_for: BufferFor | None = None) -> list[Any]:
