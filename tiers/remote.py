@@ -31,12 +31,14 @@ from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
 from tiers.remote_client import PASSWORD_ENV, Health, RateLimitedWarning, connect, deadline
+from tiers.remote_stream import Op, Oversized, Streams, command
 from tiers.remote_url import SCHEMES, check_url, identity, parse, redacted, scrub
 from tiers.remote_writer import Record, WriteQueue
 
 __all__ = ["PASSWORD_ENV", "SCHEMES", "RemoteTier", "check_url", "connect", "redacted"]
 
-_BATCH_BYTES = 64 << 20  # records per pipelined round trip (a write batch, a chunk of a read)
+_BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), each with its deadline
+_WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote_stream.py)
 _REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines
 _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
 
@@ -74,6 +76,8 @@ class RemoteTier(Tier):
         self._client_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self._client: Any = None
+        self._streams: Streams | None = None
+        self._rx = threading.local()  # each reading thread's record buffer, reused
         self._check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
                                   batch_bytes=_BATCH_BYTES, stall_s=2 * self._limit(_BATCH_BYTES) + 1.0)
@@ -93,7 +97,17 @@ class RemoteTier(Tier):
             if self._client is None:
                 with deadline(self._timeout_s):
                     self._client = connect(self._url, self._timeout_s, self._parts)
+                self._streams = Streams(self._client, _WINDOW_BYTES)
             return self._client
+
+    def _stream(self, health: Health, what: str, nbytes: int, ops: list[Op], on_reply: Callable[[int, Any], bool],
+                buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
+        """Run `ops` as a windowed pipeline (`tiers/remote_stream.py`) within the deadline for
+        `nbytes`, passing each reply to `on_reply` until it returns False; False if the call
+        failed as a whole. Errors (refused commands, a lost connection) are one fault of
+        `health` per call."""
+        return self._call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
+            ops, on_reply, buffer_for)) is not None
 
     def _call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any]) -> Any:
         """`fn(client)` within the deadline for `nbytes`; None if the server fails, the deadline
@@ -162,48 +176,78 @@ class RemoteTier(Tier):
         todo = list(block_hashes[start:])
         if not todo:
             return 0
-        found = self._pipelined(self.reads, "lookup", _REPLY_BYTES * len(todo),
-                                lambda pipe: [pipe.exists(self._key(h)) for h in todo]) or []
         n = 0
-        while n < len(found) and found[n] == 1:  # an exception in place of a reply ends the prefix too
-            n += 1
+
+        def on_reply(i: int, reply: Any) -> bool:
+            nonlocal n
+            n += reply == 1  # an error ends the prefix too
+            return bool(reply == 1)
+
+        ops = [Op(key, command(b"EXISTS", key), 2 * len(key)) for key in map(self._key, todo)]
+        self._stream(self.reads, "lookup", _REPLY_BYTES * len(todo), ops, on_reply)
         return n
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         per_chunk = max(1, _BATCH_BYTES // self._record_bytes)
         n = 0
-        for start in range(0, len(keys), per_chunk):  # one round trip per chunk, each with its deadline
+        for start in range(0, len(keys), per_chunk):  # one call per chunk, each with its deadline
             chunk = keys[start : start + per_chunk]
-            got = self._copy_out(chunk, dsts[start : start + len(chunk)], self._read(chunk))
+            got = self._read(chunk, dsts[start : start + len(chunk)])
             n += got
             if got < len(chunk):
                 break
         return n
 
-    def _read(self, keys: Sequence[BlockKey]) -> list[Any]:
-        """The values under `keys` in one round trip (shorter on a fault: a miss)."""
-        return self._pipelined(self.reads, "read", self._record_bytes * len(keys),
-                               lambda pipe: [pipe.get(self._key(k.block_hash)) for k in keys]) or []
-
-    def _copy_out(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], values: list[Any]) -> int:
-        """Validate and copy the leading `values` into `dsts`; stop at the first that fails."""
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        """GET `keys` in one windowed pipeline, each value received into this thread's record
+        buffer, validated and copied into its `dsts`; stop at the first that is absent, fails
+        or was refused (a fault). Returns how many were copied."""
         n = 0
-        for key, dst, value in zip(keys, dsts, values):
-            if not isinstance(value, bytes):  # absent, or the server refused this GET
-                break
-            try:
-                self.codec.copy_out(self.codec.decode(value, key), dst)
-            except UnverifiableRecordError as exc:
-                self.num_unverifiable += 1
-                self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
-                break
-            except CorruptRecordError as exc:
-                self.counters.num_corrupt += 1
-                self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
-                self.discard([key.block_hash])
-                break
+        damaged: list[BlockHash] = []
+
+        def on_value(i: int, value: Any) -> bool:
+            nonlocal n
+            if not isinstance(value, memoryview | Oversized):
+                return False  # absent, or the server refused this GET
+            if not self._take(keys[i], dsts[i], value, damaged):
+                return False
             n += 1
+            return True
+
+        ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True)
+               for key in (self._key(k.block_hash) for k in keys)]
+        self._stream(self.reads, "read", self._record_bytes * len(keys), ops, on_value, self._buffer_for)
+        if damaged:
+            self.discard(damaged)
         return n
+
+    def _buffer_for(self, size: int) -> memoryview | None:
+        """This thread's record buffer, `size` bytes of it (None: too long for a record)."""
+        if size > 2 * self._record_bytes + (1 << 16):
+            return None
+        buf: bytearray | None = getattr(self._rx, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._rx.buf = bytearray(max(size, self._record_bytes))
+        return memoryview(buf)[:size]
+
+    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview | Oversized, damaged: list[BlockHash]) -> bool:
+        """Validate one value as `key`'s record and copy its payload into `dst`; False (a
+        counted, warned miss) if it fails; a damaged record's hash goes into `damaged`, to be
+        deleted (an unverifiable one stays)."""
+        try:
+            if isinstance(value, Oversized):
+                raise CorruptRecordError(f"a value of {int(value)} bytes, too long for this layout")
+            self.codec.copy_out(self.codec.decode(value, key), dst)
+        except UnverifiableRecordError as exc:
+            self.num_unverifiable += 1
+            self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
+            return False
+        except CorruptRecordError as exc:
+            self.counters.num_corrupt += 1
+            self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
+            damaged.append(key.block_hash)
+            return False
+        return True
 
     # -- writes ------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -226,12 +270,18 @@ class RemoteTier(Tier):
             self._warn_drop(f"remote tier {redacted(self._url)}: {num} block writes dropped ({why})")
 
     def _send(self, batch: list[Record]) -> list[bool]:
+        """SET the batch's records in one windowed pipeline; whether each was stored."""
         size = sum(r.value.nbytes for r in batch)
-        replies = self._pipelined(self.writes, "write", size,
-                                  lambda pipe: [pipe.set(r.key, r.value, ex=self._ttl_s) for r in batch])
-        if replies is None:
+        ttl: tuple[bytes | int, ...] = (b"EX", self._ttl_s) if self._ttl_s else ()
+        ops = [Op(r.key, command(b"SET", r.key, r.value, *ttl), r.value.nbytes) for r in batch]
+        stored = [False] * len(batch)
+
+        def on_reply(i: int, reply: Any) -> bool:
+            stored[i] = reply == b"OK"
+            return True
+
+        if not self._stream(self.writes, "write", size, ops, on_reply):
             return [False] * len(batch)
-        stored = [reply is True for reply in replies]
         self._announce(True, [self._hash_of(r.key) for r, ok in zip(batch, stored) if ok])
         return stored
 

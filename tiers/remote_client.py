@@ -2,9 +2,12 @@
 
 redis-py bounds each socket operation by `socket_timeout`, not a call: a server that drips
 its reply one byte at a time keeps a call running for ever. Here every connection's socket
-consults the calling thread's deadline (`deadline()`): each connect, send and receive gets at
-most the time left, and once it is gone the operation fails at once. redis-py then raises
-`TimeoutError` and drops that connection, so none is reused in a half-read state.
+consults the calling thread's deadline (`deadline()`): each send and receive may take the
+time left, and no more (a connect: at most `socket_connect_timeout`), and once it is gone the
+operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
+by itself: a large read may wait on a busy server as long as the whole call ends in time.
+redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
+half-read state.
 
 `Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
 writes never makes a read a miss), its circuit breaker and its rate-limited warning.
@@ -16,6 +19,7 @@ import contextlib
 import logging
 import math
 import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -69,18 +73,24 @@ class _DeadlineSocket:
     def __init__(self, sock: Any, timeout: float | None) -> None:
         self._sock = sock
         self._timeout = timeout  # what redis-py asked for
+        self._armed = timeout  # what the socket has now
 
     def settimeout(self, timeout: float | None) -> None:
-        self._timeout = timeout
+        self._timeout = self._armed = timeout
         self._sock.settimeout(timeout)
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
 
     def gettimeout(self) -> float | None:
         return self._timeout
 
     def _arm(self) -> None:
         left = _time_left()
-        if left is not None:
-            self._sock.settimeout(_bounded(self._timeout, left))
+        bound = self._timeout if left is None or self._timeout == 0 else left  # 0: redis-py polls
+        if bound != self._armed:  # a system call: skipped while the deadline is further off
+            self._sock.settimeout(bound)
+            self._armed = bound
 
     def recv(self, size: int, *flags: int) -> bytes:
         self._arm()
@@ -93,6 +103,15 @@ class _DeadlineSocket:
     def sendall(self, data: Any, *flags: int) -> None:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
         self._sock.sendall(data, *flags)
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        self._arm()
+        return self._sock.sendmsg(buffers, *args)  # type: ignore[no-any-return]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `sendmsg` works (not on TLS)."""
+        return not isinstance(self._sock, ssl.SSLSocket)
 
     def __getattr__(self, name: str) -> Any:  # fileno, shutdown, close, getsockname, pending, ...
         return getattr(self._sock, name)
@@ -116,6 +135,13 @@ class _DeadlineMixin:
             self.socket_connect_timeout, self.socket_timeout = saved
         sock.settimeout(saved[1])
         return _DeadlineSocket(sock, saved[1])
+
+    def deadline_socket(self) -> _DeadlineSocket:
+        """The connected socket (connecting first), for `tiers/remote_stream.py`'s own RESP."""
+        if getattr(self, "_sock", None) is None:
+            self.connect()  # type: ignore[attr-defined]
+        sock: _DeadlineSocket = self._sock  # type: ignore[attr-defined]
+        return sock
 
 
 def _connection_class(scheme: str) -> type:

@@ -6,6 +6,10 @@ up only when the writer makes no progress for `stall_s`; then the rest of that c
 a contiguous tail. Once a record of a call is dropped or refused by the server, none of that
 call's later records is sent either, so a drop never leaves a hole before kept blocks. Every
 drop is reported to `on_drop`.
+
+While a `put` is still producing records the writer waits (up to `linger_s`) until
+`min_batch_bytes` are queued: a writer that sent each record as it came would send batches of
+one, each a round trip of its own.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ class WriteQueue:
     """
 
     def __init__(self, send: Send, on_drop: OnDrop, *, max_pending_bytes: int, batch_bytes: int,
-                 stall_s: float) -> None:
+                 stall_s: float, min_batch_bytes: int = 4 << 20, linger_s: float = 0.01) -> None:
         self._send = send
         self._on_drop = on_drop
         self._max_pending_bytes = max_pending_bytes
         self._batch_bytes = batch_bytes
+        self._min_batch_bytes = min(min_batch_bytes, max_pending_bytes)
+        self._linger_s = linger_s
         self._stall_s = stall_s
         self._cond = threading.Condition()
         self._queue: deque[Record] = deque()
@@ -78,10 +84,12 @@ class WriteQueue:
                     self._queue.append(Record(group, key, value))
                     self.queued_bytes += value.nbytes
                     queued += 1
-                    self._cond.notify_all()
+                    if len(self._queue) == 1 or self.queued_bytes >= self._min_batch_bytes:
+                        self._cond.notify_all()  # the writer waits for a first record or a batch
         finally:
             with self._cond:
                 self._active.discard(group)
+                self._cond.notify_all()
         if queued < count:
             self._on_drop(count - queued, why)
         return queued
@@ -110,6 +118,12 @@ class WriteQueue:
         and every record once closed."""
         while not self._queue and not self._closed:
             self._cond.wait()
+        linger_until = time.monotonic() + self._linger_s
+        while self._active and not self._closed and self.queued_bytes < self._min_batch_bytes:
+            left = linger_until - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)  # a put is producing: let a batch gather
         if not self._queue:
             return None
         batch: list[Record] = []
