@@ -125,7 +125,11 @@ def test_kv_events_and_the_routers_instances_carry_no_password() -> None:
         try:
             a.call("store", list(range(2 * BLOCK)))
             assert a.call("flush")
-            wait_for(lambda: len(router.get("/instances")[1] or []) == 2, "both instances listed")
+            def listed() -> bool:
+                body = router.get("/instances")[1] or {}
+                return len(body) == 2 and all(src["remote"] for i in body.values() for src in i["sources"])
+
+            wait_for(listed, "both instances listed with their remote tier")
             status, body = router.get("/instances")
             assert status == 200 and SECRET not in json.dumps(body)
             remotes = {src["remote"] for inst in body.values() for src in inst["sources"]}

@@ -155,4 +155,6 @@ def test_demo_remote_at_its_default_size_shares_the_whole_document(tmp_path: Pat
         rc = cli.main(["demo-remote", "--url", url, "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "{'remote': 8192}" in out and "demoS3cret" not in out
+    rows = [line for line in out.splitlines() if line.startswith("host ")]
+    assert "remote 8192" in rows[1] and [r.split()[-1] for r in rows] == ["yes"] * 3, out
+    assert "demoS3cret" not in out
