@@ -1,27 +1,36 @@
-"""`BlockAPI`: the store as engines that page KV in blocks see it.
+"""`BlockAPI`: the store as engines that page KV in blocks see it (`KVCacheStore.blocks`).
 
-A model runner that attends over the store's block pool (the reference runner's block
-manager) asks here which blocks of a request are cached where, takes pool blocks, fills them
-from the tiers below, registers and releases them. Tiers are named by `TierKind`, never by
-position, and the pool's own structures stay inside the pool. Every call takes the store's
-lock; `locked()` holds it across several calls that must see one state.
+An engine that pages KV in blocks of its own (the vLLM worker) saves and loads whole blocks
+of a request (`save`, `load`) and asks where its cached prefix lies (`locate`). A model runner
+that attends over the store's block pool (the reference runner's block manager) also asks
+which blocks of a request the pool caches, takes pool blocks, fills them from the tiers below,
+registers and releases them. Tiers are named by `TierKind`, never by position, and the pool's
+own structures stay inside the pool. Every call takes the store's lock; `locked()` holds it
+across several calls that must see one state.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
 from kvstore.errors import ConfigError, InvalidInputError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys
-from kvstore.store import KVCacheStore
+from kvstore.results import LoadResult
+from kvstore.timing import timed
+from kvstore.validate import check_blocks
 from tiers.base import BlockKey, TierKind
 from tiers.free_queue import PoolBlock
 from tiers.gpu_pool import BlockPool, NoFreeBlocksError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from kvstore.store import KVCacheStore
 
 
 class PrefixMatch(NamedTuple):
@@ -42,26 +51,99 @@ class PoolFill(NamedTuple):
 
 
 class BlockAPI:
-    """Block-level access to one store with a block pool; see the module docstring.
-
-    Raises `ConfigError` if the store has no block pool.
-    """
+    """Block-level access to one store; see the module docstring. The pool calls raise
+    `ConfigError` on a store without a block pool."""
 
     def __init__(self, store: KVCacheStore) -> None:
-        if store.pool is None:
-            raise ConfigError("the block API needs a store with a block pool (StoreConfig.pool_blocks > 0)")
         self.store = store
-        self._pool: BlockPool = store.pool
         self.block_size = store.config.block_size
+
+    @property
+    def _pool(self) -> BlockPool:
+        pool = self.store.pool
+        if pool is None:
+            raise ConfigError("this call needs a store with a block pool (StoreConfig.pool_blocks > 0)")
+        return pool
+
+    @property
+    def observe_latency(self) -> Callable[[str, float], None] | None:
+        return self.store.observe_latency
+
+    # -- whole blocks in and out of an engine's own memory -----------------------------------
+    @timed("store")
+    def save(self, tokens: object, srcs: Sequence[torch.Tensor], *, first_block: int = 0,
+             extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None,
+             generation: int | None = None) -> int:
+        """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
+
+        Each src is one block-shaped tensor (`StoreConfig.block_shape`, the layout's dtype, any
+        device). `tokens` must cover every given block; the blocks before `first_block` need not
+        be cached or given (their hashes chain into the keys). Writes like `store`: into the top
+        tier (and at once into shared and write-through tiers); blocks already held are only
+        touched. Invalid input raises an `InvalidInputError` subclass and stores nothing. With
+        `generation` older than the store's (a `clear()` ran since), stores nothing: returns 0.
+        """
+        store = self.store
+        store.check_open()
+        arr, hashes = store._keyer.hashes(tokens, extra_keys, chain)
+        check_blocks(store.config, srcs, len(arr), first_block)
+        keys = self._range(arr, hashes, extra_keys, first_block, len(srcs))
+        with store.lock:
+            store.check_open()
+            current = store._current(generation)  # raises for a bad value before anything counts
+            store._counters.num_store_calls += 1
+            if not current:
+                return 0
+            written = store.stack.put(keys, list(srcs))
+            store._counters.num_blocks_stored += written
+            return written
+
+    @timed("load")
+    def load(self, tokens: object, dsts: Sequence[torch.Tensor], *, first_block: int = 0,
+             extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None) -> LoadResult:
+        """Copy cached blocks `first_block, first_block + 1, ...` of `tokens` into `dsts`.
+
+        Stops at the first block no tier holds (or that fails validation); `dsts[i]` past that
+        are left untouched. Lower-tier hits are promoted into the top tier as in `retrieve`.
+        The blocks before `first_block` are neither read nor required.
+        """
+        store = self.store
+        store.check_open()
+        arr, hashes = store._keyer.hashes(tokens, extra_keys, chain)
+        check_blocks(store.config, dsts, len(arr), first_block, destination=True)
+        keys = self._range(arr, hashes, extra_keys, first_block, len(dsts))
+        b = self.block_size
+        with store.lock:
+            store.check_open()
+            store._counters.num_retrieve_calls += 1
+            store._counters.num_tokens_requested += len(keys) * b
+            plan = store.stack.plan_load([k.block_hash for k in keys])
+            num_ok, counts = store.stack.load(keys, dsts, plan)
+            store.stack.promote(keys, list(dsts), plan, num_ok)
+            store._counters.num_tokens_hit += num_ok * b
+            return LoadResult(num_ok, counts)
+
+    def _range(self, arr: np.ndarray, hashes: list[BlockHash], extra_keys: ExtraKeys | None, first: int,
+               count: int) -> list[BlockKey]:
+        """The keys of blocks `first .. first + count - 1` (only those are built)."""
+        b = self.block_size
+        return self.store.block_keys(arr[first * b : (first + count) * b], hashes[first : first + count], extra_keys,
+                                     first_block=first, parent=hashes[first - 1] if first else None)
 
     # -- hashing -----------------------------------------------------------------------------
     def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
         """A `BlockChain` in the store's namespace, to hash one growing request once."""
         return self.store.chain(extra_keys)
 
-    def keys(self, tokens: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
-        """The `BlockKey` of each hash, with its token ids when the store verifies them."""
-        return self.store.block_keys(tokens, hashes)
+    def keys(self, chain: BlockChain, tokens: np.ndarray, start: int, end: int) -> list[BlockKey]:
+        """The `BlockKey`s of blocks `start .. end - 1` of the sequence `chain` hashed, whose
+        tokens from block `start` on are `tokens`: with their token ids when the store verifies
+        them, and their parent and extras when it publishes KV events."""
+        hashes = chain.hashes
+        if start >= end:
+            return []
+        return self.store.block_keys(tokens, hashes[start:end], chain.extra_keys, first_block=start,
+                                     parent=hashes[start - 1] if start else None)
 
     @contextlib.contextmanager
     def locked(self, *, require_open: bool = True) -> Iterator[None]:
@@ -140,20 +222,19 @@ class BlockAPI:
             raise InvalidInputError(f"allocate: {len(fill)} keys to fill, {len(kinds)} tiers, {num_blocks} blocks")
         with self.locked():
             stack = self.store.stack
-            index = {t.kind: i for i, t in enumerate(stack.tiers)}
-            if any(k not in index or stack.tiers[index[k]].traits.engine_memory for k in kinds):
+            held = {t.kind: t for t in stack.tiers}
+            if any(k not in held or held[k].traits.engine_memory for k in kinds):
                 raise InvalidInputError(f"allocate: tiers {sorted(set(kinds))} are not all tiers below the pool")
             if num_blocks > self._pool.num_free_blocks:
                 raise NoFreeBlocksError(f"need {num_blocks} blocks, {self._pool.num_free_blocks} free")
             hashes = [k.block_hash for k in fill]
-            pinned = [(index[kind], stack.pin(index[kind], [h for h, k in zip(hashes, kinds) if k == kind]))
-                      for kind in set(kinds)]
+            pinned = [(kind, stack.pin(kind, [h for h, k in zip(hashes, kinds) if k == kind])) for kind in set(kinds)]
             try:
                 blocks = self._pool.allocate(num_blocks)
                 num_filled, per_tier = self._fill(fill, blocks[: len(fill)])
             finally:
-                for i, held in pinned:
-                    stack.unpin(i, held)
+                for kind, held_hashes in pinned:
+                    stack.unpin(kind, held_hashes)
             return PoolFill(blocks, num_filled, per_tier)
 
     def _fill(self, keys: Sequence[BlockKey], blocks: Sequence[PoolBlock]) -> tuple[int, dict[TierKind, int]]:

@@ -87,10 +87,20 @@ class TierTraits:
 
 
 class BlockKey(NamedTuple):
-    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes)."""
+    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes).
+
+    `parent` (the hash of the block before it, or the namespace seed for a first block) and
+    `extras` (the canonical encoding of what besides tokens entered its hash; b"" for
+    nothing) describe the block to KV-event readers and link it to its prefix; None means
+    not known. `tenant` names who stored it for quotas (a digest of the namespace and cache
+    salt; b"" for none). Tiers never use these to find a block.
+    """
 
     block_hash: BlockHash
     tokens: bytes = b""
+    parent: bytes | None = None
+    extras: bytes | None = None
+    tenant: bytes = b""
 
 
 def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], room: int) -> tuple[list[int], list[int]]:
@@ -136,6 +146,15 @@ def count_held(index: object, block_hashes: Sequence[BlockHash], start: int) -> 
     return n - start
 
 
+class ScrubResult(NamedTuple):
+    """What `Tier.scrub` found: blocks of this namespace that validated, damaged ones it
+    deleted, and blocks of other namespaces sharing the tier (left alone)."""
+
+    num_ok: int
+    num_corrupt: int
+    num_foreign: int = 0
+
+
 @dataclass(frozen=True)
 class TierStats:
     """A snapshot of one tier's occupancy and counters."""
@@ -149,6 +168,8 @@ class TierStats:
     num_puts: int
     num_evictions: int
     num_corrupt: int
+    num_errors: int = 0
+    num_write_drops: int = 0
 
 
 class Below(Protocol):
@@ -177,19 +198,44 @@ class Tier(abc.ABC):
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
-    # Told of every block entering (True) or leaving (False) this tier, by the tier itself;
-    # set by the store when it publishes KV events. Must not raise or block.
-    listener: Callable[[TierKind, bool, Sequence[BlockHash]], None] | None = None
+    num_write_drops: int = 0  # writes a tier that writes in the background gave up (counted, warned)
+    # Told of every block entering (True) or leaving (False) this tier, by the tier itself,
+    # as keys (a tier that knows only hashes gives keys of bare hashes); set by the store when
+    # it publishes KV events. Must not raise or block.
+    listener: Callable[[TierKind, bool, Sequence[BlockKey]], None] | None = None
+    # Asked by a tier that persists keys (the disk) for what the store knows of a block that
+    # arrives without its parent or extras (a block demoted from a faster tier); returns the
+    # key completed where known. Set by the store with KV events. Must not raise or block.
+    describe: Callable[[BlockKey], BlockKey] | None = None
 
-    def _announce(self, stored: bool, block_hashes: Sequence[BlockHash]) -> None:
-        """Tell the listener (if any) that `block_hashes` entered or left this tier."""
+    def _announce(self, stored: bool, blocks: Sequence[BlockKey | BlockHash]) -> None:
+        """Tell the listener (if any) that `blocks` (keys, or bare hashes) entered or left
+        this tier."""
         listener = self.listener
-        if listener is not None and block_hashes:
-            listener(self.kind, stored, block_hashes)
+        if listener is not None and blocks:
+            listener(self.kind, stored, [b if isinstance(b, BlockKey) else BlockKey(b) for b in blocks])
+
+    def _described(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
+        """`keys`, each completed by `describe` where it lacks a parent or extras."""
+        describe = self.describe
+        if describe is None:
+            return keys
+        return [k if k.parent is not None and k.extras is not None else describe(k) for k in keys]
+
+    @property
+    def num_errors(self) -> int:
+        """Faults of the tier's medium (a server) turned into misses or dropped writes."""
+        return 0
 
     def held_hashes(self) -> Iterator[BlockHash]:
         """Every block this tier holds now, in no particular order (for KV-event snapshots).
         A tier that cannot enumerate its blocks yields nothing. Changes nothing."""
+        return iter(())
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        """The keys of the blocks this tier holds with what it persisted of them (token ids,
+        parent, extras), for announcing a warm tier after a restart. Tiers that persist no
+        keys yield nothing. Changes nothing."""
         return iter(())
 
     @property
@@ -254,7 +300,8 @@ class Tier(abc.ABC):
         occupancy = self.occupancy()
         c = self.counters
         return TierStats(self.kind, *occupancy, num_hits=c.num_hits, num_puts=c.num_puts,
-                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt)
+                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt, num_errors=self.num_errors,
+                         num_write_drops=self.num_write_drops)
 
     @abc.abstractmethod
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -286,8 +333,21 @@ class Tier(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def clear(self) -> None:
-        """Delete every block."""
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete every block of this store's namespace. A tier several namespaces share (a
+        disk directory, a server) deletes, with `all_namespaces`, every block kvstrata wrote
+        there, whoever wrote it; other tiers hold one namespace and ignore the flag."""
+
+    def scrub(self) -> ScrubResult | None:
+        """Validate every block held; delete the damaged ones. None for a tier that keeps no
+        checks to run (memory tiers)."""
+        return None
+
+    @property
+    def identity(self) -> str | None:
+        """Where other processes reach this tier's blocks (a shared tier's server, without
+        credentials), so routers can tell which instances share them; None otherwise."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -13,7 +13,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from tiers.base import BlockHash
+from tiers.base import BlockHash, ScrubResult
 from tiers.disk_files import SlotFiles
 from tiers.disk_index import (
     CODEC_RAW,
@@ -32,16 +32,6 @@ from tiers.lmdb_env import _ENVS, begin
 
 unpack = unpack_entry
 _BE_TICK = 8
-
-
-class ScrubResult(NamedTuple):
-    """What a scrub found: blocks of this namespace that verified, damaged blocks it deleted
-    (any namespace's: damage is damage to every reader), and sound blocks of other stores
-    sharing the directory (left alone)."""
-
-    num_ok: int
-    num_corrupt: int
-    num_foreign: int = 0
 
 
 class HeldBlock(NamedTuple):

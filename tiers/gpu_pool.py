@@ -311,7 +311,7 @@ class BlockPool(Tier):
         self._demote(order)
         return self.num_demoted - before
 
-    def clear(self) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> None:
         self._check_open()
         for block in list(self.cached.values()):
             self._uncache(block)

@@ -32,7 +32,18 @@ import torch
 import xxhash
 
 from tiers import disk_scan
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
+from tiers.base import (
+    BlockHash,
+    BlockKey,
+    Occupancy,
+    ScrubResult,
+    Tier,
+    TierCounters,
+    TierKind,
+    TierTraits,
+    count_held,
+    plan_put,
+)
 from tiers.disk_durability import DiskSync
 from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
 from tiers.disk_index import (
@@ -49,7 +60,7 @@ from tiers.disk_index import (
 )
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
-from tiers.disk_scan import HeldBlock, ScrubResult, summarize
+from tiers.disk_scan import HeldBlock, summarize
 from tiers.disk_writer import DiskWriter, Layout
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, release_env

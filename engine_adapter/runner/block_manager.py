@@ -126,7 +126,7 @@ class KVCacheManager:
         """The keys of blocks `start .. end - 1` of the request (with their token ids)."""
         b = self.block_size
         arr = np.asarray(req.token_ids[start * b : end * b], dtype="<u4")
-        return self.blocks.keys(arr, req.hashes[start:end])
+        return self.blocks.keys(req.chain, arr, start, end)
 
     # -- ask / act ---------------------------------------------------------------------------
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
@@ -280,6 +280,18 @@ class KVCacheManager:
                 self.blocks.release(req.blocks)
 
     # -- views -------------------------------------------------------------------------------
+    def request_ids(self) -> list[str]:
+        """The ids of the requests registered and not yet freed."""
+        return list(self._requests)
+
+    def block_hashes(self, request_id: str) -> list[BlockHash]:
+        """The keys of the request's full blocks (a copy)."""
+        return list(self._req(request_id).hashes)
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Leading blocks of the request registered in the pool's cache."""
+        return self._req(request_id).num_cached_blocks
+
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req(request_id).blocks]
 

@@ -84,7 +84,17 @@ def store_config_for(
         disk_sync=settings.disk_sync,
         write_through=settings.write_through and settings.disk_path is not None,
         remote_url=settings.remote_url,
+        disk_codec=settings.disk_codec,
+        remote_codec=settings.remote_codec,
+        codec_dtype=spec.dtype,  # the pages' bytes hold KV of this dtype
+        codec_group=spec.head_size,  # a scale per head vector of a token
         events_endpoint=settings.events_endpoint,
+        events_replay_endpoint=settings.events_replay_endpoint,
+        events_topic=settings.events_topic,
+        events_curve_cert=settings.events_curve_cert,
+        events_curve_clients=settings.events_curve_clients,
+        events_insecure=settings.events_insecure,
+        events_connect=settings.events_connect,
         load_policy=settings.load_policy,
         instance_id=settings.instance_id,
         model_name=str(vllm_config.model_config.served_model_name)[:256] or None,

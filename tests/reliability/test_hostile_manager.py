@@ -53,8 +53,8 @@ COUNTS = st.one_of(st.integers(0, 8 * B), st.integers(-3, 0), st.integers(2**40,
 def snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
     """Everything a refused allocation must leave as it was."""
     pool = mgr.store.pool
-    reqs = {rid: (list(r.token_ids), [b.block_id for b in r.blocks], r.num_cached_blocks,
-                  r.num_computed_tokens) for rid, r in mgr._requests.items()}
+    reqs = {rid: (mgr.token_ids(rid), mgr.block_table(rid), mgr.num_cached_blocks(rid), mgr.num_computed_tokens(rid))
+            for rid in mgr.request_ids()}
     return (pool.free_queue.ids(), [(b.ref_cnt, b.block_hash) for b in pool.blocks],
             dict(pool.cached), reqs)
 
@@ -62,9 +62,9 @@ def snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
 def check_refs(mgr: KVCacheManager) -> None:
     """Each block's ref count is the number of live requests whose table holds it."""
     held = [0] * mgr.store.pool.num_blocks
-    for req in mgr._requests.values():
-        for block in req.blocks:
-            held[block.block_id] += 1
+    for rid in mgr.request_ids():
+        for block_id in mgr.block_table(rid):
+            held[block_id] += 1
     refs = [b.ref_cnt for b in mgr.store.pool.blocks]
     assert refs == held, f"ref counts {refs} != requests holding the block {held}"
 
@@ -95,7 +95,7 @@ def test_hostile_manager_calls(tmp_path: Path, figures: Figures) -> None:
             for _ in range(int(rng.integers(4, 24))):
                 op = str(rng.choice(["add", "add", "computed", "allocate", "allocate", "allocate",
                                      "commit", "commit", "append", "free", "views"]))
-                live = sorted(mgr._requests)
+                live = sorted(mgr.request_ids())
                 free_ids = [f"r{i}" for i in range(4) if f"r{i}" not in mgr]
                 mine = free_ids if op == "add" else live
                 if mine and rng.random() < 0.8:
@@ -112,10 +112,10 @@ def test_hostile_manager_calls(tmp_path: Path, figures: Figures) -> None:
                 store.check_integrity()
                 check_refs(mgr)
         finally:
-            for rid in list(mgr._requests):
+            for rid in mgr.request_ids():
                 mgr.free(rid)
         pool = mgr.store.pool
-        assert len(pool.free_queue) == pool.num_blocks and not mgr._requests
+        assert len(pool.free_queue) == pool.num_blocks and not mgr.request_ids()
         store.check_integrity()
         res = store.retrieve(SENTINEL)
         assert check_kv(SENTINEL, res.kv, res.num_tokens, L, B) == 4
