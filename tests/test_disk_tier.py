@@ -11,7 +11,6 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import NamedTuple
 
 import lmdb
 import numpy as np
@@ -21,7 +20,7 @@ import torch
 from kvstore import ConfigError, DiskSync, StoreConfig
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
 from tiers import lmdb_env
-from tiers.base import BlockHash
+from tiers.base import BlockHash, BlockKey
 from tiers.disk_index import LOG_KEEP
 from tiers.lmdb import LMDBTier, bytes_per_block
 
@@ -101,41 +100,34 @@ def test_lookups_follow_writes_of_another_process(tmp_path: Path) -> None:
         last = np.arange(BLOCK, dtype=np.uint32) + 10_000 + (LOG_KEEP + 4) * BLOCK
         assert store.lookup(last) == BLOCK and store.lookup(added) == 3 * BLOCK
         assert mirror.num_rebuilds == 2
-        assert sorted(disk.held_hashes()) == sorted(h for _, h in _held(disk))
+        assert len(set(disk.held_hashes())) == len(disk)
         store.check_integrity()
 
 
-def _held(disk: LMDBTier) -> list[tuple[bytes, BlockHash]]:
-    return [(b.parent, b.block_hash) for b in disk.held_blocks()]
-
-
-class ParentKey(NamedTuple):
-    """A block key that names its parent (the shape `BlockKey` takes once it carries one)."""
-
-    block_hash: BlockHash
-    tokens: bytes
-    parent: bytes
-
-
-def test_held_blocks_come_roots_first_with_parents_and_tokens(tmp_path: Path) -> None:
+def test_held_keys_come_roots_first_with_parents_extras_and_tokens(tmp_path: Path) -> None:
     tier = LMDBTier(str(tmp_path), 64 * bytes_per_block(LAYOUT.block_bytes(BLOCK)), SHAPE, LAYOUT.dtype, sync=False)
     try:
         def h(i: int) -> BlockHash:
             return BlockHash(i.to_bytes(16, "little"))
 
-        # two chains, 1 <- 2 <- 3 and 10 <- 11, stored in scrambled order (tail first)
+        seed = b"s" * 16  # a first block's parent is the namespace seed
+        # two chains, 1 <- 2 <- 3 and 10 <- 11, stored in scrambled order (tail first); block 20
+        # without its extras (as a block demoted without KV events): held, not announceable
         chain = [(3, 2), (11, 10), (2, 1), (10, 0), (1, 0)]
-        keys = [ParentKey(h(i), i.to_bytes(4, "little") * BLOCK, bytes(h(p)) if p else b"") for i, p in chain]
-        blocks = [torch.full(SHAPE, float(i), dtype=LAYOUT.dtype) for i, _ in chain]
-        assert tier.put(keys, blocks) == 5
-        order = [int.from_bytes(b.block_hash, "little") for b in tier.held_blocks()]
+        keys = [BlockKey(h(i), i.to_bytes(4, "little") * BLOCK, bytes(h(p)) if p else seed,
+                         b"" if i != 11 else b"\x91\x92\xa2mm\x05") for i, p in chain]
+        keys.append(BlockKey(h(20), (20).to_bytes(4, "little") * BLOCK, seed, None))
+        blocks = [torch.full(SHAPE, float(int.from_bytes(k.block_hash, "little")), dtype=LAYOUT.dtype) for k in keys]
+        assert tier.put(keys, blocks) == 6
+        held = list(tier.held_keys())
+        assert tier.num_unannounceable == 1 and len(tier) == 6
+        order = [int.from_bytes(k.block_hash, "little") for k in held]
         assert sorted(order) == [1, 2, 3, 10, 11]
         for child, parent in chain:
             if parent:
                 assert order.index(parent) < order.index(child)
-        by_hash = {b.block_hash: b for b in tier.held_blocks()}
-        assert by_hash[h(2)].parent == bytes(h(1)) and by_hash[h(1)].parent == b""
-        assert by_hash[h(11)].tokens == (11).to_bytes(4, "little") * BLOCK
+        by_hash = {k.block_hash: k for k in held}
+        assert by_hash == {k.block_hash: k for k in keys if k.extras is not None}  # tokens, parent, extras
     finally:
         tier.close()
 

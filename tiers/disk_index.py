@@ -2,7 +2,7 @@
 
 Sub-databases (format 2):
 - `index`: namespace tag (8 bytes) + block hash -> `Entry` (slot, payload length, xxh3-64,
-  write generation, LRU tick, codec id, layout tag, parent hash, token ids);
+  write generation, LRU tick, codec id, layout tag, parent hash, extras, token ids);
 - `order`: big-endian LRU tick -> index key (the eviction order: lowest tick first);
 - `free`: `u`/`p` + big-endian slot size + slot -> b"" (free slots; `p`: its space was
   given back to the file system);
@@ -40,13 +40,17 @@ CODEC_RAW = 0
 _U64 = struct.Struct("<Q")
 _BE = struct.Struct(">Q")
 _SLOT = struct.Struct(">QQ")
-_ENTRY = struct.Struct("<BBHIQQQQQQ")  # format, codec, parent length, layout, slot bytes, slot, length, xxh, gen, tick
-_ENTRY_FORMAT = 1
+# format, codec, parent length, layout, slot bytes, slot, length, xxh, gen, extras length, tick
+_ENTRY = struct.Struct("<BBHIQQQQQIQ")
+_ENTRY_FORMAT = 2
 _TICK_AT = _ENTRY.size - 8  # the LRU tick is the header's last field
+_NO_EXTRAS = 0xFFFFFFFF  # extras length of an entry whose extras are not known
+_BOUND = struct.Struct("<BIQHI")  # what the checksum binds of an entry: codec, layout, length, lengths
 
 
 class Entry(NamedTuple):
-    """One block's index entry."""
+    """One block's index entry. `parent` is b"" and `extras` None where not known (a block
+    stored without them); `extras` b"" means the block has none."""
 
     codec: int
     layout: int
@@ -58,22 +62,27 @@ class Entry(NamedTuple):
     tick: int
     parent: bytes
     tokens: bytes
+    extras: bytes | None = None
 
 
 def pack_entry(e: Entry) -> bytes:
+    extras = b"" if e.extras is None else e.extras
     return _ENTRY.pack(_ENTRY_FORMAT, e.codec, len(e.parent), e.layout, e.slot_bytes, e.slot, e.length, e.xxh,
-                       e.gen, e.tick) + e.parent + e.tokens
+                       e.gen, _NO_EXTRAS if e.extras is None else len(extras), e.tick) + e.parent + extras + e.tokens
 
 
 def unpack_entry(raw: bytes | memoryview) -> Entry:
     """Parse an entry; raise `CorruptRecordError` if it is not one."""
     if len(raw) < _ENTRY.size:
         raise CorruptRecordError("index entry shorter than its header")
-    fmt, codec, plen, layout, slot_bytes, slot, length, xxh, gen, tick = _ENTRY.unpack_from(raw)
-    if fmt != _ENTRY_FORMAT or _ENTRY.size + plen > len(raw) or not 0 < length <= slot_bytes:
+    fmt, codec, plen, layout, slot_bytes, slot, length, xxh, gen, xlen, tick = _ENTRY.unpack_from(raw)
+    known = xlen != _NO_EXTRAS
+    end = plen + (xlen if known else 0)
+    if fmt != _ENTRY_FORMAT or _ENTRY.size + end > len(raw) or not 0 < length <= slot_bytes:
         raise CorruptRecordError("malformed index entry")
     rest = bytes(raw[_ENTRY.size :])
-    return Entry(codec, layout, slot_bytes, slot, length, xxh, gen, tick, rest[:plen], rest[plen:])
+    return Entry(codec, layout, slot_bytes, slot, length, xxh, gen, tick, rest[:plen], rest[end:],
+                 rest[plen:end] if known else None)
 
 
 def ns_tag(namespace: bytes) -> bytes:
@@ -86,9 +95,12 @@ def block_cost(slot_bytes: int) -> int:
     return slot_bytes + INDEX_BYTES_PER_BLOCK
 
 
-def checksum(key: bytes, parent: bytes, tokens: bytes) -> Any:
-    """An xxh3-64 state over what binds a payload to its entry; the payload is fed next."""
-    return xxhash.xxh3_64(b"".join((key, len(parent).to_bytes(2, "little"), parent, tokens)))
+def checksum(key: bytes, e: Entry) -> Any:
+    """An xxh3-64 state over what binds a payload to its entry (key, codec, layout, length,
+    parent, extras, token ids); the payload is fed next."""
+    extras = b"" if e.extras is None else e.extras
+    bound = _BOUND.pack(e.codec, e.layout, e.length, len(e.parent), _NO_EXTRAS if e.extras is None else len(extras))
+    return xxhash.xxh3_64(b"".join((key, bound, e.parent, extras, e.tokens)))
 
 
 class Index:
@@ -289,8 +301,7 @@ class WriteBatch:
         used."""
         txn, ix = self._txn, self._ix
         e = entry
-        txn.put(key, _ENTRY.pack(_ENTRY_FORMAT, e.codec, len(e.parent), e.layout, e.slot_bytes, slot, e.length, xxh,
-                                 self.gen, self.tick) + e.parent + e.tokens, db=ix.index)
+        txn.put(key, pack_entry(e._replace(slot=slot, xxh=xxh, gen=self.gen, tick=self.tick)), db=ix.index)
         txn.put(_BE.pack(self.tick), key, db=ix.order)
         self.tick += 1
         self.used += block_cost(e.slot_bytes)

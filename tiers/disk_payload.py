@@ -59,8 +59,8 @@ def source_pieces(srcs: Sequence[torch.Tensor], positions: Sequence[int]) -> lis
     return out
 
 
-def payload_sum(key: bytes, parent: bytes, tokens: bytes, pieces: Pieces) -> int:
-    h = checksum(key, parent, tokens)
+def payload_sum(key: bytes, entry: Entry, pieces: Pieces) -> int:
+    h = checksum(key, entry)
     for piece in pieces:
         h.update(piece)
     return int(h.intdigest())
@@ -109,7 +109,7 @@ def write_payloads(files: SlotFiles, slot_bytes: int, blocks: Sequence[Prepared]
         size = 0
         for j in range(start, end):
             b = blocks[j]
-            h = checksum(b.key, b.entry.parent, b.entry.tokens)
+            h = checksum(b.key, b.entry)
             if b.entry.length <= _CHUNK:  # a small block: hashed whole, written with its neighbours
                 for piece in b.pieces:
                     h.update(piece)
@@ -200,7 +200,7 @@ def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Ent
                 n += 1
             continue
         pieces = targets[start][0]  # one large block, a chunk at a time
-        h = checksum(keys[start], e.parent, e.tokens)
+        h = checksum(keys[start], e)
         offset, i, ok = slots[start] * slot_bytes, 0, True
         while i < len(pieces) and ok:
             chunk: Pieces = []
@@ -221,7 +221,7 @@ def read_payloads(files: SlotFiles, keys: Sequence[bytes], entries: Sequence[Ent
 
 
 def _verified(key: bytes, e: Entry, target: Target, complete: bool) -> bool:
-    h = checksum(key, e.parent, e.tokens)
+    h = checksum(key, e)
     for piece in target[0]:
         h.update(piece)
     return complete and h.intdigest() == e.xxh

@@ -7,13 +7,13 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import lmdb
 import msgpack
 import numpy as np
 
-from tiers.base import BlockHash, ScrubResult
+from tiers.base import BlockHash, BlockKey, ScrubResult
 from tiers.disk_files import SlotFiles
 from tiers.disk_index import (
     CODEC_RAW,
@@ -34,14 +34,6 @@ unpack = unpack_entry
 _BE_TICK = 8
 
 
-class HeldBlock(NamedTuple):
-    """A block held on disk: its hash, its parent's hash (b"" when unknown) and token ids."""
-
-    block_hash: BlockHash
-    parent: bytes
-    tokens: bytes
-
-
 def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
     """Whether `key` still names the payload `e` names (else it was evicted or rewritten
     since `e` was read: a failed read of it was a race, not damage)."""
@@ -56,34 +48,40 @@ def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
     return (cur.gen, cur.slot_bytes, cur.slot, cur.xxh) == (e.gen, e.slot_bytes, e.slot, e.xxh)
 
 
-def held_blocks(env: lmdb.Environment, ix: Index, tag: bytes) -> list[HeldBlock]:
-    """One namespace's blocks, each after its parent (blocks whose parent is not held come
-    first), from one snapshot."""
+def held_keys(env: lmdb.Environment, ix: Index, tag: bytes) -> tuple[list[BlockKey], int]:
+    """One namespace's blocks whose entries carry token ids, parent and extras, as keys, each
+    after its parent (blocks whose parent is not held come first), from one snapshot; and how
+    many of the namespace's blocks lack any of the three."""
     n = len(tag)
-    items: dict[BlockHash, tuple[bytes, bytes]] = {}
+    items: dict[BlockHash, BlockKey] = {}
+    num_without = 0
     with begin(env, buffers=True) as txn:
         for key in ix.keys_of(txn, tag):
             try:
                 e = unpack_entry(txn.get(key, db=ix.index))
             except CorruptRecordError:
                 continue
-            items[BlockHash(key[n:])] = (e.parent, e.tokens)
+            if not (e.tokens and e.parent and e.extras is not None):
+                num_without += 1
+                continue
+            h = BlockHash(key[n:])
+            items[h] = BlockKey(h, e.tokens, e.parent, e.extras)
     children: dict[bytes, list[BlockHash]] = {}
     queue: deque[BlockHash] = deque()
-    for h, (parent, _) in items.items():
-        if parent and parent in items and parent != h:
-            children.setdefault(parent, []).append(h)
+    for h, k in items.items():
+        if k.parent in items and k.parent != h:
+            children.setdefault(bytes(k.parent or b""), []).append(h)
         else:
             queue.append(h)
-    out: list[HeldBlock] = []
+    out: list[BlockKey] = []
     seen: set[BlockHash] = set()
     while queue:
         h = queue.popleft()
         seen.add(h)
-        out.append(HeldBlock(h, *items[h]))
+        out.append(items[h])
         queue.extend(c for c in children.get(h, ()) if c not in seen)
-    out.extend(HeldBlock(h, *items[h]) for h in items if h not in seen)  # a cycle: only by damage
-    return out
+    out.extend(items[h] for h in items if h not in seen)  # a cycle: only by damage
+    return out, num_without
 
 
 def check_integrity(env: lmdb.Environment, ix: Index, mirror: Mirror, tag: bytes) -> None:
@@ -148,7 +146,7 @@ def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes, layout
             buf = buffers[e.slot_bytes] = np.empty(e.slot_bytes, dtype=np.uint8)
         payload = buf[: e.length]
         got = files.read(e.slot_bytes, e.slot, [payload])
-        if got < e.length or payload_sum(key, e.parent, e.tokens, [payload]) != e.xxh or (
+        if got < e.length or payload_sum(key, e, [payload]) != e.xxh or (
                 own and (e.layout != layout or e.length != block_bytes)):
             damaged.append((key, e.gen))
         elif own:

@@ -70,10 +70,12 @@ class DiskWriter:
         lay = self._lay
         out = []
         for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
-            key = lay.tag + bytes(keys[p].block_hash)
-            parent = bytes(getattr(keys[p], "parent", b"") or b"")  # set where keys carry their parent
-            tokens = keys[p].tokens if lay.verify_tokens else b""
-            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, 0, 0, 0, parent, tokens)
+            k = keys[p]
+            key = lay.tag + bytes(k.block_hash)
+            parent = b"" if k.parent is None else bytes(k.parent)
+            extras = None if k.extras is None else bytes(k.extras)
+            tokens = k.tokens if lay.verify_tokens else b""
+            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, 0, 0, 0, parent, tokens, extras)
             out.append(Prepared(key, entry, pieces, keep))
         return out
 

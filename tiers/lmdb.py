@@ -19,6 +19,7 @@ namespace only unless told otherwise.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -60,13 +61,14 @@ from tiers.disk_index import (
 )
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
-from tiers.disk_scan import HeldBlock, summarize
+from tiers.disk_scan import summarize
 from tiers.disk_writer import DiskWriter, Layout
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, release_env
 from tiers.lmdb_record import UnverifiableRecordError
 
-__all__ = ["DiskSync", "HeldBlock", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
+__all__ = ["DiskSync", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
+logger = logging.getLogger(__name__)
 _MAX_PENDING_TOUCHES = 4096
 
 
@@ -120,7 +122,8 @@ class LMDBTier(Tier):
         self._lock = threading.Lock()
         self._closed = False
         self.counters = TierCounters()
-        self.num_unverifiable = 0  # sound blocks this reader cannot check (no token ids): misses
+        self.num_unverifiable = 0  # sound blocks this reader cannot check or decode: misses
+        self.num_unannounceable = 0  # see held_keys
         self.num_raced = 0  # blocks evicted by another process while being read: misses
         self._register(identity)
         layout = Layout(self._tag, self._layout, self._block_bytes, self._slot_bytes, verify_tokens)
@@ -187,11 +190,17 @@ class LMDBTier(Tier):
         self._check_open()
         return iter(self._mirror.snapshot())
 
-    def held_blocks(self) -> list[HeldBlock]:
-        """This namespace's blocks with their parent hash and token ids, every block after
-        its parent (roots first), read in one snapshot."""
+    def held_keys(self) -> Iterator[BlockKey]:
+        """This namespace's blocks whose entries carry token ids, parent and extras, each after
+        its parent (roots first), read in one snapshot; `num_unannounceable` counts this
+        namespace's blocks without them (stored without KV events or token verification)."""
         self._check_open()
-        return disk_scan.held_blocks(self._env, self._ix, self._tag)
+        keys, num_without = disk_scan.held_keys(self._env, self._ix, self._tag)
+        self.num_unannounceable = num_without
+        if num_without:
+            logger.info("kvstrata: %d disk blocks are not announced in KV events: their entries carry no parent, "
+                        "extras or token ids (stored without KV events, or without verify_tokens)", num_without)
+        return iter(keys)
 
     def payload_location(self, block_hash: BlockHash) -> PayloadLocation | None:
         """Where one of this namespace's blocks lies: its index key and its payload's file,
@@ -271,10 +280,12 @@ class LMDBTier(Tier):
         if not fresh:
             self.touch(touched)
             return 0
-        return self._write(self._writer.prepare(keys, srcs, fresh), touched)
+        keys = self._described(keys)  # a demoted block's parent and extras, for its entry
+        return self._write(self._writer.prepare(keys, srcs, fresh), touched, keys)
 
-    def _write(self, blocks: list[Prepared], touched: list[BlockHash]) -> int:
-        """One write transaction with the buffered touches; they are kept if it fails."""
+    def _write(self, blocks: list[Prepared], touched: list[BlockHash], keys: Sequence[BlockKey] = ()) -> int:
+        """One write transaction with the buffered touches; they are kept if it fails. The
+        blocks it added are announced by their `keys`."""
         with self._lock:
             pending, self._pending = self._pending, []
         try:
@@ -285,8 +296,9 @@ class LMDBTier(Tier):
             raise
         self.counters.num_evictions += done.num_evicted
         self._announce_removed(done.removed)
-        n = len(self._tag)
-        self._announce(True, [BlockHash(k[n:]) for k in done.added])
+        if done.added and self.listener is not None:
+            by_key = {self._key(k.block_hash): k for k in keys}
+            self._announce(True, [by_key[k] for k in done.added if k in by_key])
         return len(done.added)
 
     def _remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,

@@ -70,8 +70,9 @@ def entry_with_tokens(path: Path, loc: PayloadLocation, tokens: bytes) -> bytes:
     """A sound entry for `loc`'s block, checksum and all, but naming other token ids (what a
     hash collision between two prefixes would look like)."""
     e = read_entry(path, loc.index_key)
-    xxh = payload_sum(loc.index_key, e.parent, tokens, [np.frombuffer(read_payload(loc), np.uint8)])
-    return pack_entry(e._replace(tokens=tokens, xxh=xxh))
+    e = e._replace(tokens=tokens)
+    xxh = payload_sum(loc.index_key, e, [np.frombuffer(read_payload(loc), np.uint8)])
+    return pack_entry(e._replace(xxh=xxh))
 
 
 def damage_entry_in_file(path: Path, key: bytes, kind: str, rng: np.random.Generator) -> None:
@@ -87,16 +88,18 @@ def damage_entry_in_file(path: Path, key: bytes, kind: str, rng: np.random.Gener
         places.append(at)
         at = data.find(raw, at + 1)
     assert places, "entry not found in data.mdb"
-    # Offsets inside the packed entry (header <BBHIQQQQQQ: slot at 16, xxh3 at 32), then parent, tokens.
+    # Offsets inside the packed entry (header <BBHIQQQQQIQ: slot at 16, xxh3 at 32), then parent,
+    # extras, tokens.
     e = unpack_entry(raw)
-    header = len(raw) - len(e.parent) - len(e.tokens)
+    extras = len(e.extras or b"")
+    header = len(raw) - len(e.parent) - extras - len(e.tokens)
     if kind == "entry-checksum":
         pos = 32 + int(rng.integers(8))
     elif kind == "entry-slot":
         pos = 16
     else:
         assert kind == "entry-tokens" and e.tokens, kind
-        pos = header + len(e.parent) + int(rng.integers(len(e.tokens)))
+        pos = header + len(e.parent) + extras + int(rng.integers(len(e.tokens)))
     for at in places:
         data[at + pos] ^= 1 << int(rng.integers(8))
     data_path.write_bytes(data)
