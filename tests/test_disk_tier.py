@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from kvstore import ConfigError, DiskSync, StoreConfig
+from tests.reliability import diskdamage
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
 from tiers import lmdb_env
 from tiers.base import BlockHash, BlockKey
-from tiers.disk_index import LOG_KEEP
+from tiers.disk_index import LOG_KEEP, pack_entry
 from tiers.lmdb import LMDBTier, bytes_per_block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,3 +232,26 @@ def test_a_foreign_lmdb_is_refused_before_anything_is_written_into_it(tmp_path: 
         assert [bytes(k) for k in txn.cursor().iternext(values=False)] == [b"someone"]  # no sub-database created
     env.close()
     assert not list(tmp_path.glob("slots-*"))
+
+
+def test_an_entry_damaged_into_one_without_token_ids_is_damage_not_a_miss(tmp_path: Path) -> None:
+    """An entry cut right after its parent looks like one written without token ids (a sound
+    miss, left in place); its payload's checksum, which binds the token ids, tells them apart:
+    the damaged one is deleted. (Deciding from the entry alone left it in place for good.)"""
+    tokens = _tokens(2 * BLOCK, 7)
+    with open_store(str(tmp_path)) as store:
+        store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        loc = _disk(store).payload_location(store.block_hashes(tokens)[1])
+        assert loc is not None
+    e = diskdamage.read_entry(tmp_path, loc.index_key)
+    raw = pack_entry(e)
+    diskdamage.put_entries(tmp_path, {loc.index_key: raw[: len(raw) - len(e.tokens)]})
+    assert diskdamage.read_entry(tmp_path, loc.index_key).tokens == b""  # still parses
+    with open_store(str(tmp_path)) as store:
+        res = store.retrieve(tokens)
+        assert res.num_tokens == BLOCK
+        check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        disk = _disk(store)
+        assert disk.stats().num_corrupt == 1 and disk.num_unverifiable == 0
+        assert disk.match_prefix([store.block_hashes(tokens)[1]]) == 0  # deleted
+        store.check_integrity()

@@ -1,5 +1,6 @@
-"""Whole-index passes of the disk tier: integrity, scrub, roots-first enumeration, wipe, and
-the per-namespace summary `kvstrata inspect` prints (`summarize`, read-only)."""
+"""Whole-index passes of the disk tier: the checks of a directory before it is opened,
+integrity, scrub, roots-first enumeration, wipe, and the per-namespace summary `kvstrata
+inspect` prints (`summarize`, read-only)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import msgpack
 import numpy as np
 
 from tiers.base import BlockHash, BlockKey, ScrubResult
+from tiers.disk_codec import DiskCodec
 from tiers.disk_files import SlotFiles
 from tiers.disk_index import (
-    CODEC_RAW,
     DB_NAMES,
+    FORMAT,
     OLD_DB_NAMES,
     TAG_BYTES,
     Entry,
@@ -27,11 +29,38 @@ from tiers.disk_index import (
 )
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import payload_sum
-from tiers.errors import CorruptRecordError
+from tiers.errors import ConfigError, CorruptRecordError
 from tiers.lmdb_env import _ENVS, begin
+from tiers.lmdb_record import UnverifiableRecordError
 
 unpack = unpack_entry
 _BE_TICK = 8
+
+
+def open_index(env: lmdb.Environment, path: str) -> Index:
+    """The index of the disk tier at `path` (its sub-databases created if new). Raises
+    `ConfigError`, having created nothing, for an LMDB store that is not kvstrata's, a disk
+    tier of the first format, or one of a format this version does not read."""
+    with begin(env) as txn:
+        names = {bytes(k) for k in txn.cursor().iternext(values=False)}
+    if names - set(DB_NAMES) and not set(OLD_DB_NAMES) <= names:  # checked before anything is created
+        raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's (its keys include "
+                          f"{sorted(names - set(DB_NAMES))[:3]}); nothing was changed")
+    if set(OLD_DB_NAMES) <= names:
+        raise ConfigError(
+            f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
+            "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
+            "that directory away (or delete it) to start an empty disk tier there")
+    try:
+        ix = Index(env)
+    except lmdb.Error as exc:  # a key of ours that is no sub-database: not our store
+        raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
+    with begin(env) as txn:
+        fmt = txn.get(b"format", db=ix.meta)
+    if fmt is not None and bytes(fmt) != FORMAT:
+        raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)!r}, which this version "
+                          f"of kvstrata does not read (it reads {FORMAT!r}); use another disk_path")
+    return ix
 
 
 def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
@@ -46,6 +75,18 @@ def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
         except CorruptRecordError:
             return True  # the entry itself is damaged now
     return (cur.gen, cur.slot_bytes, cur.slot, cur.xxh) == (e.gen, e.slot_bytes, e.slot, e.xxh)
+
+
+def payload_sound(files: SlotFiles, key: bytes, e: Entry, buffers: dict[int, np.ndarray] | None = None) -> bool:
+    """Whether the payload `e` names is whole and passes its checksum (read into one of
+    `buffers`, by slot size, where given)."""
+    buf = None if buffers is None else buffers.get(e.slot_bytes)
+    if buf is None:
+        buf = np.empty(e.slot_bytes, dtype=np.uint8)
+        if buffers is not None:
+            buffers[e.slot_bytes] = buf
+    payload = buf[: e.length]
+    return files.read(e.slot_bytes, e.slot, [payload]) == e.length and payload_sum(key, e, [payload]) == e.xxh
 
 
 def held_keys(env: lmdb.Environment, ix: Index, tag: bytes) -> tuple[list[BlockKey], int]:
@@ -122,10 +163,12 @@ def check_integrity(env: lmdb.Environment, ix: Index, mirror: Mirror, tag: bytes
         mirror.check(txn)
 
 
-def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes, layout: int,
-          block_bytes: int) -> tuple[ScrubResult, list[tuple[bytes, int | None]]]:
-    """Verify every entry and payload of one snapshot; return the counts and the damaged
-    (key, generation) pairs for the caller to delete (a generation: only if unchanged)."""
+def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes,
+          codec: DiskCodec) -> tuple[ScrubResult, list[tuple[bytes, int | None]]]:
+    """Verify every entry and payload (as stored, whatever its codec) of one snapshot, and
+    this namespace's entries against its layout; return the counts and the damaged (key,
+    generation) pairs for the caller to delete (a generation: only if unchanged). A sound
+    payload this reader does not decode (`DiskCodec.check`) is not damage."""
     with begin(env) as txn:
         items = list(ix.entries(txn))
     num_ok = num_foreign = 0
@@ -138,16 +181,15 @@ def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes, layout
             damaged.append((key, None))
             continue
         own = key[:TAG_BYTES] == tag
-        if e.codec != CODEC_RAW:
-            num_foreign += not own
-            continue  # a payload this version cannot decode: not judged
-        buf = buffers.get(e.slot_bytes)
-        if buf is None:
-            buf = buffers[e.slot_bytes] = np.empty(e.slot_bytes, dtype=np.uint8)
-        payload = buf[: e.length]
-        got = files.read(e.slot_bytes, e.slot, [payload])
-        if got < e.length or payload_sum(key, e, [payload]) != e.xxh or (
-                own and (e.layout != layout or e.length != block_bytes)):
+        sound = payload_sound(files, key, e, buffers)
+        if sound and own:
+            try:
+                codec.check(e)
+            except UnverifiableRecordError:
+                pass  # sound, in a form this reader does not decode: left alone
+            except CorruptRecordError:
+                sound = False
+        if not sound:
             damaged.append((key, e.gen))
         elif own:
             num_ok += 1

@@ -2,9 +2,11 @@
 
 One write transaction (LMDB's writer lock, shared by every process on the directory) applies
 buffered touches, evicts down to the budget, takes slots (free ones first, then new ones at
-the end of the file; laid out in prefix order, so a prefix reads forwards), gives the space
-of slots left free back to the file system, writes the payloads straight from the source
-tensors, syncs them as the durability mode asks, and only then puts the entries and commits.
+the end of the file, of each block's slot size; laid out in prefix order, so a prefix reads
+forwards), gives the space of slots left free back to the file system, writes the payloads
+straight from the source tensors (blocks the tier's codec encoded, before the lock, from
+their encoding), syncs them as the durability mode asks, and only then puts the entries and
+commits.
 A process killed anywhere in between leaves the index as it was before (its payload bytes
 land in slots no committed entry names). A full file system, a file-size limit or a full
 index map is a `DiskFullError` with nothing written.
@@ -18,9 +20,11 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import lmdb
+import numpy as np
 import torch
 
 from tiers.base import BlockKey
+from tiers.disk_codec import DiskCodec
 from tiers.disk_durability import DiskSync, GroupSync
 from tiers.disk_files import SlotFiles
 from tiers.disk_index import CODEC_RAW, Entry, Index, WriteBatch, block_cost, unpack_entry
@@ -42,13 +46,11 @@ class WriteOutcome(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """What every block of one disk tier is: its namespace tag, layout tag, sizes, and
-    whether token ids are kept."""
+    """What the blocks of one disk tier are: its namespace tag, its codecs (layout tags, slot
+    sizes, encoding), and whether token ids are kept."""
 
     tag: bytes
-    layout: int
-    block_bytes: int
-    slot_bytes: int
+    codec: DiskCodec
     verify_tokens: bool
 
 
@@ -60,23 +62,30 @@ class DiskWriter:
         self._env, self._ix, self._files, self._mirror = env, ix, files, mirror
         self._path, self._lay, self._mode = path, layout, mode
         self._capacity_bytes = capacity_bytes
-        self._cost = block_cost(layout.slot_bytes)
         self._env_syncs = bool(env.flags().get("sync", False))
         self._group = GroupSync(self.sync_all, path) if mode is DiskSync.GROUP else None
 
     def prepare(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], positions: list[int]) -> list[Prepared]:
         """Entries (slot and checksum still 0) and payload pieces of the blocks at
-        `positions`, before any lock is taken."""
-        lay = self._lay
+        `positions`, encoded by the tier's codec where it has one, before any lock is taken."""
+        lay, codec = self._lay, self._lay.codec
+        encoded = [codec.encode(srcs[p]) for p in positions]
+        raw = iter(source_pieces(srcs, [p for p, x in zip(positions, encoded) if x is None]))
         out = []
-        for p, (pieces, keep) in zip(positions, source_pieces(srcs, positions)):
+        for p, x in zip(positions, encoded):
             k = keys[p]
             key = lay.tag + bytes(k.block_hash)
             parent = b"" if k.parent is None else bytes(k.parent)
             extras = None if k.extras is None else bytes(k.extras)
             tokens = k.tokens if lay.verify_tokens else b""
-            entry = Entry(CODEC_RAW, lay.layout, lay.slot_bytes, 0, lay.block_bytes, 0, 0, 0, parent, tokens, extras)
-            out.append(Prepared(key, entry, pieces, keep))
+            if x is None:
+                pieces, keep = next(raw)
+                entry = Entry(CODEC_RAW, codec.raw_layout, codec.raw_slot_bytes, 0, codec.block_bytes, 0, 0, 0,
+                              parent, tokens, extras)
+                out.append(Prepared(key, entry, pieces, keep))
+            else:
+                entry = Entry(x.codec_id, x.layout, x.slot_bytes, 0, len(x.data), 0, 0, 0, parent, tokens, extras)
+                out.append(Prepared(key, entry, [np.frombuffer(x.data, dtype=np.uint8)], x.data))
         return out
 
     def put(self, blocks: list[Prepared], touches: list[bytes]) -> WriteOutcome:
@@ -96,7 +105,7 @@ class DiskWriter:
                     raise
                 raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
             except lmdb.Error as exc:
-                reason = disk_full_reason(exc, self._path, len(blocks) * self._lay.slot_bytes)
+                reason = disk_full_reason(exc, self._path, sum(b.entry.slot_bytes for b in blocks))
                 if reason is not None:
                     raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
                 raise
@@ -112,25 +121,30 @@ class DiskWriter:
         return _FULL_ERRNOS.get(exc.errno or 0)
 
     def _write(self, blocks: list[Prepared], touches: list[bytes], extra: int) -> WriteOutcome:
-        slot_bytes, cost = self._lay.slot_bytes, self._cost
         with begin(self._env, write=True) as txn:
             wb = WriteBatch(self._ix, txn)
             seq_before = wb.seq
             wb.touch(touches)
             fresh = [b for b in blocks if wb.get(b.key) is None]  # another process may have written some
             budget = self._capacity_bytes * (1.0 - 0.15 * extra)
-            skip = 0
-            while skip < len(fresh) and (len(fresh) - skip) * cost > budget:
-                skip += 1  # the most evictable never enter
+            costs = [block_cost(b.entry.slot_bytes) for b in fresh]
+            total, skip = sum(costs), 0
+            while skip < len(fresh) and total > budget:
+                total -= costs[skip]  # the most evictable never enter
+                skip += 1
             fresh = fresh[skip:]
-            victims = wb.evict(wb.used + len(fresh) * cost - budget)
-            slots = wb.allocate(slot_bytes, len(fresh))
-            in_prefix_order = fresh[::-1]
+            victims = wb.evict(wb.used + total - budget)
+            by_size: dict[int, list[Prepared]] = {}
+            for b in reversed(fresh):  # prefix order: a prefix reads forwards
+                by_size.setdefault(b.entry.slot_bytes, []).append(b)
+            slots = {size: wb.allocate(size, len(group)) for size, group in by_size.items()}
             self._punch(wb.unpunched())
-            sums = write_payloads(self._files, slot_bytes, in_prefix_order, slots)
+            where: dict[bytes, tuple[int, int]] = {}
+            for size, group in by_size.items():
+                sums = write_payloads(self._files, size, group, slots[size])
+                where.update((b.key, (s, x)) for b, s, x in zip(group, slots[size], sums))
             if fresh and self._mode is DiskSync.COMMIT:
-                self._files.sync([slot_bytes])
-            where = {b.key: (s, x) for b, s, x in zip(in_prefix_order, slots, sums)}
+                self._files.sync(list(by_size))
             for b in fresh:  # eviction order: the first gets the lowest tick
                 wb.insert(b.key, b.entry, *where[b.key])
             wb.finish()

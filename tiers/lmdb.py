@@ -4,12 +4,15 @@
 file of fixed-size slots per payload size (`tiers/disk_files.py`). A write transaction (LMDB's
 writer lock, shared by every process on the directory) applies buffered touches, evicts,
 takes free slots (consecutive ones for a sequence, laid out in prefix order so a prefix reads
-sequentially), writes the payloads straight from the source tensors, syncs them as the
-durability mode asks (`tiers/disk_durability.py`), then commits the entries: an entry is
-committed only after its bytes are written. Reads take the entries from one read
-transaction, read straight into the destinations and verify each block's checksum; a
-mismatch is checked against a fresh transaction before it is called damage (another process
-may have evicted the block and reused its slot meanwhile: a plain miss). Lookups probe an
+sequentially), writes the payloads straight from the source tensors (or as the tier's codec
+encoded them, `tiers/disk_codec.py`), syncs them as the durability mode asks
+(`tiers/disk_durability.py`), then commits the entries: an entry is committed only after its
+bytes are written. Reads take the entries from one read transaction, read straight into the
+destinations (encoded payloads: into a buffer, then decoded) and verify each block's
+checksum; a mismatch is checked against a fresh transaction before it is called damage
+(another process may have evicted the block and reused its slot meanwhile: a plain miss). An
+entry this reader cannot verify (no token ids) or decode (a codec it does not know, load or
+accept) is a miss left in place once its payload passes its checksum. Lookups probe an
 in-memory copy of this namespace's hashes (`tiers/disk_mirror.py`) and touch no file.
 
 Every namespace's blocks share one LRU order and one byte budget (each opener's own
@@ -20,7 +23,6 @@ namespace only unless told otherwise.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -30,7 +32,6 @@ from typing import NamedTuple
 import lmdb
 import msgpack
 import torch
-import xxhash
 
 from tiers import disk_scan
 from tiers.base import (
@@ -45,25 +46,16 @@ from tiers.base import (
     count_held,
     plan_put,
 )
+from tiers.codecs import CodecSpec
+from tiers.disk_codec import DiskCodec
 from tiers.disk_durability import DiskSync
 from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
-from tiers.disk_index import (
-    CODEC_RAW,
-    DB_NAMES,
-    FORMAT,
-    LOG_KEEP,
-    OLD_DB_NAMES,
-    Entry,
-    Index,
-    WriteBatch,
-    block_cost,
-    ns_tag,
-)
+from tiers.disk_index import FORMAT, LOG_KEEP, Entry, WriteBatch, block_cost, ns_tag
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
 from tiers.disk_scan import summarize
 from tiers.disk_writer import DiskWriter, Layout
-from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
+from tiers.errors import CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, release_env
 from tiers.lmdb_record import UnverifiableRecordError
 
@@ -73,12 +65,14 @@ _MAX_PENDING_TOUCHES = 4096
 
 
 class PayloadLocation(NamedTuple):
-    """Where a block's bytes lie on disk: its index key, and its payload's file and range."""
+    """Where a block's bytes lie on disk: its index key, its payload's file and range, and
+    the codec id the payload is stored in (0: raw bytes)."""
 
     index_key: bytes
     file: str
     offset: int
     length: int
+    codec_id: int = 0
 
 
 def bytes_per_block(block_bytes: int) -> int:
@@ -94,13 +88,12 @@ class LMDBTier(Tier):
 
     def __init__(self, path: str, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype, *,
                  verify_tokens: bool = True, sync: DiskSync | bool | str = DiskSync.COMMIT, namespace: bytes = b"",
-                 identity: object = None, read_bps: int | None = None) -> None:
+                 identity: object = None, read_bps: int | None = None, codec: CodecSpec | None = None) -> None:
         self._mode = DiskSync.parse(sync, "sync")
         self._shape, self._dtype = tuple(block_shape), dtype
-        self._block_bytes = math.prod(block_shape) * dtype.itemsize
-        self._slot_bytes = slot_bytes_for(self._block_bytes)
-        self._cost = block_cost(self._slot_bytes)
-        self._layout = xxhash.xxh32_intdigest(f"{dtype}:{list(block_shape)}".encode())
+        self._codec = DiskCodec(codec, self._shape, dtype)  # ConfigError: a codec that cannot be built
+        self._block_bytes = self._codec.block_bytes
+        self._cost = block_cost(self._codec.slot_bytes)
         self._verify_tokens = verify_tokens
         self._namespace = bytes(namespace)
         self._tag = ns_tag(self._namespace)
@@ -111,7 +104,7 @@ class LMDBTier(Tier):
         self._path, self._env = acquire_env(path, map_size, self._mode is DiskSync.COMMIT)
         self._pid = os.getpid()
         try:
-            self._ix = self._open_index(path)
+            self._ix = disk_scan.open_index(self._env, path)
         except BaseException:
             release_env(self._path)
             raise
@@ -126,31 +119,9 @@ class LMDBTier(Tier):
         self.num_unannounceable = 0  # see held_keys
         self.num_raced = 0  # blocks evicted by another process while being read: misses
         self._register(identity)
-        layout = Layout(self._tag, self._layout, self._block_bytes, self._slot_bytes, verify_tokens)
+        layout = Layout(self._tag, self._codec, verify_tokens)
         self._writer = DiskWriter(self._env, self._ix, self._files, self._mirror, path=self._path, layout=layout,
                                   mode=self._mode, capacity_bytes=capacity_bytes)
-
-    def _open_index(self, path: str) -> Index:
-        with begin(self._env) as txn:
-            names = {bytes(k) for k in txn.cursor().iternext(values=False)}
-        if names - set(DB_NAMES) and not set(OLD_DB_NAMES) <= names:  # checked before anything is created
-            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's (its keys include "
-                              f"{sorted(names - set(DB_NAMES))[:3]}); nothing was changed")
-        if set(OLD_DB_NAMES) <= names:
-            raise ConfigError(
-                f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
-                "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
-                "that directory away (or delete it) to start an empty disk tier there")
-        try:
-            ix = Index(self._env)
-        except lmdb.Error as exc:  # a key of ours that is no sub-database: not our store
-            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
-        with begin(self._env) as txn:
-            fmt = txn.get(b"format", db=ix.meta)
-        if fmt is not None and bytes(fmt) != FORMAT:
-            raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)!r}, which this version "
-                              f"of kvstrata does not read (it reads {FORMAT!r}); use another disk_path")
-        return ix
 
     def _register(self, identity: object) -> None:
         """Record the format and this namespace's identity and budget (for `kvstrata
@@ -203,8 +174,8 @@ class LMDBTier(Tier):
         return iter(keys)
 
     def payload_location(self, block_hash: BlockHash) -> PayloadLocation | None:
-        """Where one of this namespace's blocks lies: its index key and its payload's file,
-        offset and length (for diagnosis); None if not held. Changes nothing."""
+        """Where one of this namespace's blocks lies: its index key, its payload's file,
+        offset, length and codec (for diagnosis); None if not held. Changes nothing."""
         self._check_open()
         key = self._key(block_hash)
         with begin(self._env, db=self._ix.index) as txn:
@@ -212,7 +183,8 @@ class LMDBTier(Tier):
         if raw is None:
             return None
         e = disk_scan.unpack(raw)
-        return PayloadLocation(key, os.path.join(self._path, file_name(e.slot_bytes)), e.slot * e.slot_bytes, e.length)
+        return PayloadLocation(key, os.path.join(self._path, file_name(e.slot_bytes)), e.slot * e.slot_bytes, e.length,
+                               e.codec)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
@@ -225,24 +197,23 @@ class LMDBTier(Tier):
     # -- reads -----------------------------------------------------------------------------
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
-        n = self._read(keys, dsts)
-        if self._read_bps is not None and n:
-            time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
+        n, num_bytes = self._read(keys, dsts)
+        if self._read_bps is not None and n:  # the bytes read as stored (encoded)
+            time.sleep(max(0.0, num_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
     def _check_entry(self, e: Entry, key: BlockKey) -> None:
-        if e.codec != CODEC_RAW:
-            raise UnverifiableRecordError(f"payload codec {e.codec} unknown to this reader")
-        if e.layout != self._layout or e.length != self._block_bytes or e.slot_bytes != self._slot_bytes:
-            raise CorruptRecordError("entry layout differs from this tier's")
+        self._codec.check(e)
         if self._verify_tokens and key.tokens and e.tokens != key.tokens:
             if not e.tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
                 raise UnverifiableRecordError("entry carries no token ids to verify")
             raise CorruptRecordError("token ids differ (hash collision or damage)")
 
-    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """Blocks delivered into `dsts`, and the bytes of their payloads as stored."""
         entries: list[Entry] = []
         damaged: tuple[bytes, int | None] | None = None
+        unverifiable: tuple[bytes, Entry] | None = None
         with begin(self._env, db=self._ix.index, buffers=True) as txn:
             for key in keys[: len(dsts)]:
                 raw = txn.get(self._key(key.block_hash))
@@ -250,27 +221,39 @@ class LMDBTier(Tier):
                     break
                 try:
                     e = disk_scan.unpack(raw)
+                except CorruptRecordError:
+                    damaged = (self._key(key.block_hash), None)
+                    break
+                try:
                     self._check_entry(e, key)
                 except UnverifiableRecordError:
-                    self.num_unverifiable += 1
+                    unverifiable = (self._key(key.block_hash), e)
                     break
                 except CorruptRecordError:
                     damaged = (self._key(key.block_hash), None)
                     break
                 entries.append(e)
         ekeys = [self._key(k.block_hash) for k in keys[: len(entries)]]
-        result = read_payloads(self._files, ekeys, entries, dsts, self._dtype, self._shape)
+        result = read_payloads(self._files, ekeys, entries, dsts, self._dtype, self._shape, self._codec.decode)
         if result.failed is not None:
             e = entries[result.failed]
-            if disk_scan.same_entry(self._env, self._ix, ekeys[result.failed], e):
+            if result.undecodable or disk_scan.same_entry(self._env, self._ix, ekeys[result.failed], e):
                 damaged = (ekeys[result.failed], e.gen)
             else:
                 self.num_raced += 1
                 damaged = None
+        elif unverifiable is not None:  # a miss if sound; an entry damaged into that shape is damage
+            ukey, ue = unverifiable
+            if disk_scan.payload_sound(self._files, ukey, ue):
+                self.num_unverifiable += 1
+            elif disk_scan.same_entry(self._env, self._ix, ukey, ue):
+                damaged = (ukey, ue.gen)
+            else:
+                self.num_raced += 1
         if damaged is not None:
             self.counters.num_corrupt += 1
             self._remove([damaged], damaged=True)
-        return result.num_ok
+        return result.num_ok, sum(e.length for e in entries[: result.num_ok])
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -387,8 +370,7 @@ class LMDBTier(Tier):
         one snapshot, deletes in one write transaction. Token ids are checked against the
         entry's own (the caller's tokens are not known here)."""
         self._check_open()
-        result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._layout,
-                                          self._block_bytes)
+        result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._codec)
         if damaged:
             num = self._remove(damaged, damaged=True, reclaim=True)
             self.counters.num_corrupt += num
