@@ -263,8 +263,10 @@ class LMDBTier(Tier):
         if not fresh:
             self.touch(touched)
             return 0
-        keys = self._described(keys)  # a demoted block's parent and extras, for its entry
-        return self._write(self._writer.prepare(keys, srcs, fresh), touched, keys)
+        described = list(keys)  # a demoted block's parent and extras, for its entry
+        for p, k in zip(fresh, self._described([keys[p] for p in fresh])):
+            described[p] = k
+        return self._write(self._writer.prepare(described, srcs, fresh), touched, [described[p] for p in fresh])
 
     def _write(self, blocks: list[Prepared], touched: list[BlockHash], keys: Sequence[BlockKey] = ()) -> int:
         """One write transaction with the buffered touches; they are kept if it fails. The
