@@ -38,7 +38,7 @@ import torch
 from bench.args import CONTEXT, Choices, invoke, positive
 from bench.common import print_table, write_results
 from bench.progress import tqdm
-from bench.redis_servers import RedisServer, redis_cluster
+from bench.redis_servers import RedisServer, check_server, redis_binary, redis_cluster
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.remote import connect
 
@@ -186,10 +186,14 @@ def bench_size(url: str, ports: list[int] | None, cluster: bool, label: str, mib
 
 @contextlib.contextmanager
 def _target(topology: str, url: str | None) -> Iterator[tuple[str, list[int] | None]]:
-    """(URL, ports of servers the bench started, None for a given URL)."""
+    """(URL, ports of servers the bench started, None for a given URL). A given URL is
+    checked first (one line naming it if no server answers there); without one a
+    `redis-server` must be installed (`RedisServerError` naming how to get it)."""
     if url is not None:
+        check_server(url, "--url")
         yield url, None
         return
+    redis_binary("--url")
     if topology == "cluster":
         with redis_cluster(3) as cluster:
             yield cluster.url, [s.port for s in cluster.servers]
