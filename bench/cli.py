@@ -34,6 +34,7 @@ BENCHMARKS = {
     "codecs": "bench.codec_speed",
     "codec-vllm": "bench.codec_vllm",  # run with .venv-vllm's Python
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
+    "peer": "bench.peer",
 }
 COMMANDS = {
     "demo": "bench.demo",
@@ -71,6 +72,7 @@ _BENCH_SUMMARIES = {
     "codec-vllm": "Codecs in real vLLM: the first token after a kvstrata hit against vLLM's own hit.",
     "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
+    "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
 }
 
 

@@ -2,32 +2,37 @@
 
 Run: `kvstrata bench tiers [--mib N] [--sizes 16K,64K,...]`. For each block size, a context
 of about N MiB of KV is stored into and retrieved from a pool-only store (the pool is in
-host memory without CUDA), a CPU-only store and a disk-only store (LMDB, fsync on commit).
-Baselines, measured in the same run on the same bytes:
-`numpy.copyto` of the whole buffer (memory), and a raw file write + fsync and a read with
-the page cache dropped (`posix_fadvise(DONTNEED)`) and warm (disk). Ratios are tier GB/s
-over baseline GB/s. `retrieve` allocates its result (its page faults are part of the cost);
-`retrieve(out=)` and the disk rows write into a preallocated buffer, like the baselines.
+host memory without CUDA), a CPU-only store, and a disk-only store in each durability mode
+(`bench/tiers_disk.py`). Baselines, measured in the same run on the same bytes:
+`numpy.copyto` of the whole buffer (memory); raw file writes (with `fdatasync` for the
+`commit` mode), and reads with the page cache dropped (`posix_fadvise(DONTNEED)`) and warm,
+timed interleaved with the disk tier (disk). Ratios are tier GB/s over baseline GB/s.
+`retrieve` allocates its result (its page faults are part of the cost); `retrieve(out=)` and
+the disk reads write into a preallocated buffer, like the baselines. Then: `lookup()` of a
+prompt held on disk against hashing it alone, and allocating `retrieve()` against
+`retrieve(out=)` for long prompts of a Llama-3-8B layout (`--long-tokens`).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Choices, Directory, invoke, positive
-from bench.common import drop_file_cache, print_table, timeit, write_results
+from bench.args import CONTEXT, Choices, Directory, IntList, invoke, positive
+from bench.common import print_table, timeit, write_results
 from bench.progress import tqdm
+from bench.tiers_disk import disk_rows, lookup_rows
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 TOKEN_KV_HEADS, TOKEN_HEAD_DIM = 8, 128  # a Llama-3-8B-like head shape: 4 KiB/token/layer in bf16
+LONG_LAYOUT = KVLayout(32, 8, 128, torch.bfloat16)  # Llama-3-8B: 128 KiB of KV per token
 SIZES = {"16K": (4, 1), "64K": (16, 1), "256K": (16, 4), "1M": (16, 16), "4M": (16, 64)}  # (block_size, layers)
 
 
@@ -39,29 +44,6 @@ def baseline_memory(src: np.ndarray, repeat: int) -> float:
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the destination's pages in: time copies, not page faults
     return _gbps(src.nbytes, timeit(lambda: np.copyto(dst, src), repeat=repeat))
-
-
-def baseline_disk(src: np.ndarray, workdir: Path, repeat: int) -> tuple[float, float, float]:
-    """(write+fsync, cold read, warm read) GB/s of one raw file holding `src`."""
-    path = workdir / "raw.bin"
-
-    def write() -> None:
-        with open(path, "wb") as f:
-            f.write(memoryview(src).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-
-    w = _gbps(src.nbytes, timeit(write, repeat=repeat))
-    buf = bytearray(src.nbytes)
-
-    def read() -> None:
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(buf)
-
-    cold = _gbps(src.nbytes, timeit(read, repeat=repeat, setup=lambda: drop_file_cache(path)))
-    warm = _gbps(src.nbytes, timeit(read, repeat=repeat))
-    path.unlink()
-    return w, cold, warm
 
 
 def bench_size(label: str, mib: int, workdir: Path, repeat: int) -> dict[str, float]:
@@ -77,8 +59,6 @@ def bench_size(label: str, mib: int, workdir: Path, repeat: int) -> dict[str, fl
     out: dict[str, float] = {"block_bytes": block_bytes, "num_blocks": num_blocks, "total_bytes": nbytes}
 
     out["memcpy_gbps"] = baseline_memory(src, repeat)
-    raw = baseline_disk(src, workdir, repeat)
-    out["raw_write_gbps"], out["raw_read_cold_gbps"], out["raw_read_warm_gbps"] = raw
 
     def fresh_tokens() -> list[int]:
         return rng.integers(0, 2**31, size=num_tokens).tolist()
@@ -118,74 +98,117 @@ def bench_size(label: str, mib: int, workdir: Path, repeat: int) -> dict[str, fl
         out["cpu_store_gbps"], out["cpu_retrieve_gbps"] = _gbps(nbytes, t_store), _gbps(nbytes, t_get)
         out["cpu_retrieve_out_gbps"] = _gbps(nbytes, t_into)
 
-    # Disk tier: LMDB only, fsync per commit.
-    disk = workdir / f"lmdb-{label}"
-    cfg = StoreConfig(layout, block_size=block_size, cpu_bytes=0, disk_path=str(disk),
-                      disk_bytes=3 * nbytes + (64 << 20), disk_sync=True)
-    with KVCacheStore(cfg) as store:
-        t_disk_store, tokens = time_store(store)
-        t_warm = timeit(lambda: store.retrieve(tokens, out=dst), repeat=repeat)
-        res = store.retrieve(tokens)
-        assert res.num_tokens == num_tokens and torch.equal(res.kv.view(torch.int16), kv.view(torch.int16))
-    # Cold: the page cache cannot drop pages a process has mapped, so each read reopens the
-    # store after dropping the file's pages (the reopen itself is not timed).
-    colds = []
-    for _ in range(repeat):
-        drop_file_cache(disk / "data.mdb")
-        with KVCacheStore(cfg) as store:
-            t0 = time.perf_counter()
-            store.retrieve(tokens, out=dst)
-            colds.append(time.perf_counter() - t0)
-    t_cold = sorted(colds)[len(colds) // 2]
-    shutil.rmtree(disk)
-    out["disk_store_gbps"] = _gbps(nbytes, t_disk_store)
-    out["disk_retrieve_cold_gbps"], out["disk_retrieve_warm_gbps"] = _gbps(nbytes, t_cold), _gbps(nbytes, t_warm)
+    out.update(disk_rows(layout, block_size, kv, workdir, repeat, fresh_tokens, dst))
     return out
 
 
-def run(
-    mib: int = 64, sizes: list[str] | None = None, repeat: int = 3, workdir: str | None = None
-) -> dict[str, object]:
+def long_rows(token_counts: list[int], workdir: Path, repeat: int) -> dict[str, dict[str, float]]:
+    """Allocating `retrieve()` against `retrieve(out=)` for long prompts (Llama-3-8B layout,
+    128 KiB per token, 256-token blocks), from the CPU tier and from a warm disk tier,
+    interleaved."""
+    out: dict[str, dict[str, float]] = {}
+    for n in token_counts:
+        kv = torch.zeros(LONG_LAYOUT.block_shape(n), dtype=LONG_LAYOUT.dtype)
+        kv.view(torch.int16).random_()
+        row: dict[str, float] = {"bytes": kv.numel() * kv.element_size()}
+        for tier in ("cpu", "disk"):
+            row.update(_long_one(tier, kv, workdir, repeat))
+        out[str(n)] = row
+    return out
+
+
+def _long_one(tier: str, kv: torch.Tensor, workdir: Path, repeat: int) -> dict[str, float]:
+    n, nbytes = kv.shape[2], kv.numel() * kv.element_size()
+    dst = torch.zeros_like(kv)
+    tokens = np.random.default_rng(n).integers(0, 2**31, size=n).tolist()
+    cfg = (StoreConfig(LONG_LAYOUT, block_size=256, cpu_bytes=nbytes + LONG_LAYOUT.block_bytes(256)) if tier == "cpu"
+           else StoreConfig(LONG_LAYOUT, block_size=256, cpu_bytes=0, disk_path=str(workdir / "long"),
+                            disk_bytes=2 * nbytes + (64 << 20), disk_sync=False))
+    with KVCacheStore(cfg) as store:
+        store.store(tokens, kv)
+        store.retrieve(tokens)  # the first allocation of that size, untimed
+        t_alloc, t_out = _interleaved(lambda: store.retrieve(tokens), lambda: store.retrieve(tokens, out=dst), repeat)
+    shutil.rmtree(workdir / "long", ignore_errors=True)
+    return {f"{tier}_retrieve_gbps": _gbps(nbytes, t_alloc), f"{tier}_retrieve_out_gbps": _gbps(nbytes, t_out)}
+
+
+def _interleaved(a: Callable[[], object], b: Callable[[], object], repeat: int) -> tuple[float, float]:
+    ta, tb = [], []
+    for _ in range(repeat):
+        for fn, ts in ((a, ta), (b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return sorted(ta)[len(ta) // 2], sorted(tb)[len(tb) // 2]
+
+
+def run(mib: int = 64, sizes: list[str] | None = None, repeat: int = 3, workdir: str | None = None,
+        lookup_tokens: list[int] | None = None, long_tokens: list[int] | None = None) -> dict[str, object]:
     sizes = sizes or list(SIZES)
     tmp = Path(tempfile.mkdtemp(prefix="kvstrata-bench-", dir=workdir))
-    results = {}
+    results: dict[str, dict[str, float]] = {}
     try:
         for label in tqdm(sizes, desc="block sizes", disable=None):
             results[label] = bench_size(label, mib, tmp, repeat)
+        lookups = lookup_rows(tmp, tuple(lookup_tokens or (1024, 4096)))
+        long = long_rows(long_tokens or [], tmp, repeat)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    pairs = [  # (operation, tier key, baseline name, baseline key)
-        ("pool store", "pool_store_gbps", "memcpy", "memcpy_gbps"),
-        ("pool retrieve", "pool_retrieve_gbps", "memcpy", "memcpy_gbps"),
-        ("pool retrieve(out=)", "pool_retrieve_out_gbps", "memcpy", "memcpy_gbps"),
-        ("cpu store", "cpu_store_gbps", "memcpy", "memcpy_gbps"),
-        ("cpu retrieve", "cpu_retrieve_gbps", "memcpy", "memcpy_gbps"),
-        ("cpu retrieve(out=)", "cpu_retrieve_out_gbps", "memcpy", "memcpy_gbps"),
-        ("disk store", "disk_store_gbps", "write+fsync", "raw_write_gbps"),
-        ("disk retrieve cold", "disk_retrieve_cold_gbps", "read cold", "raw_read_cold_gbps"),
-        ("disk retrieve warm", "disk_retrieve_warm_gbps", "read warm", "raw_read_warm_gbps"),
-    ]
+    _print_memory(results, mib, repeat)
+    _print_disk(results, repeat)
+    print_table("Disk lookup() of a prompt held on disk (Llama-3-8B layout, 256-token blocks), us",
+                ["tokens", "lookup", "hashing alone", "probe (lookup - hashing)"],
+                [[n, r["lookup_us"], r["hash_only_us"], r["probe_us"]] for n, r in lookups.items()])
+    rows = []
+    for n, r in long.items():
+        for tier in ("cpu", "disk"):
+            a, b = r[f"{tier}_retrieve_gbps"], r[f"{tier}_retrieve_out_gbps"]
+            r[f"{tier}_retrieve_vs_out"] = a / b
+            rows.append([n, f"{r['bytes'] / 2**30:.2f}", tier, a, b, a / b])
+    if rows:
+        print_table(f"Allocating retrieve() against retrieve(out=), Llama-3-8B layout (median of {repeat})",
+                    ["tokens", "GiB", "tier", "retrieve GB/s", "retrieve(out=) GB/s", "ratio"], rows)
+    return {"mib": mib, "repeat": repeat, "sizes": results, "lookup": lookups, "long": long}
+
+
+def _print_memory(results: dict[str, dict[str, float]], mib: int, repeat: int) -> None:
+    ops = ["pool_store", "pool_retrieve", "pool_retrieve_out", "cpu_store", "cpu_retrieve", "cpu_retrieve_out"]
     rows = []
     for label, r in results.items():
-        for op, key, base, base_key in pairs:
-            r[key.replace("_gbps", "_ratio")] = r[key] / r[base_key]
-            rows.append([label, op, r[key], base, r[base_key], r[key] / r[base_key]])
-    print_table(f"Tier bandwidth, ~{mib} MiB of bf16 KV per block size (median of {repeat})",
+        for op in ops:
+            key = f"{op}_gbps"
+            r[f"{op}_ratio"] = r[key] / r["memcpy_gbps"]
+            rows.append([label, op.replace("_", " ").replace("retrieve out", "retrieve(out=)"), r[key], "memcpy",
+                         r["memcpy_gbps"], r[key] / r["memcpy_gbps"]])
+    print_table(f"Memory tiers, ~{mib} MiB of bf16 KV per block size (median of {repeat})",
                 ["block", "operation", "GB/s", "baseline", "base GB/s", "ratio"], rows)
-    # Per-block overhead: time beyond what memcpy needs for the same bytes, per block.
     over_rows = []
     for label, r in results.items():
         t_copy = r["total_bytes"] / (r["memcpy_gbps"] * 1e9)
-        for op in ("pool_store", "pool_retrieve_out", "pool_retrieve", "cpu_store", "cpu_retrieve_out",
-                   "cpu_retrieve"):
+        for op in ops:
             t_op = r["total_bytes"] / (r[f"{op}_gbps"] * 1e9)
             r[f"{op}_overhead_us_per_block"] = (t_op - t_copy) / r["num_blocks"] * 1e6
-        over_rows.append([label, int(r["num_blocks"]), *(r[f"{op}_overhead_us_per_block"] for op in (
-            "pool_store", "pool_retrieve_out", "pool_retrieve", "cpu_store", "cpu_retrieve_out", "cpu_retrieve"))])
+        over_rows.append([label, int(r["num_blocks"]), *(r[f"{op}_overhead_us_per_block"] for op in ops)])
     print_table("Per-block overhead over memcpy of the same bytes (us per block)",
-                ["block", "blocks", "pool store", "pool retrieve(out=)", "pool retrieve", "cpu store",
-                 "cpu retrieve(out=)", "cpu retrieve"], over_rows)
-    return {"mib": mib, "repeat": repeat, "sizes": results}
+                ["block", "blocks", *(op.replace("_", " ") for op in ops)], over_rows)
+
+
+def _print_disk(results: dict[str, dict[str, float]], repeat: int) -> None:
+    rows = []
+    for label, r in results.items():
+        for m in ("commit", "group", "none"):
+            base = "write+fdatasync" if m == "commit" else "write"
+            for kind, where in (("fill", "new file"), ("reuse", "over a file")):
+                key, base_key = f"disk_{kind}_{m}_gbps", f"raw_{kind}_{m}_gbps"
+                r[key.replace("_gbps", "_ratio")] = r[key] / r[base_key]
+                rows.append([label, f"store, {m}, {kind}", r[key], f"{base} ({where})", r[base_key],
+                             r[key] / r[base_key]])
+        for kind in ("warm", "cold"):
+            key, base_key = f"disk_read_{kind}_gbps", f"raw_read_{kind}_gbps"
+            r[key.replace("_gbps", "_ratio")] = r[key] / r[base_key]
+            rows.append([label, f"retrieve(out=) {kind}", r[key], f"read {kind}", r[base_key], r[key] / r[base_key]])
+    print_table(f"Disk tier against raw file I/O on the same bytes, A/B interleaved (median of {repeat})",
+                ["block", "operation", "GB/s", "baseline", "base GB/s", "ratio"], rows)
 
 
 @click.command("tiers", help=__doc__, context_settings=CONTEXT)
@@ -195,8 +218,13 @@ def run(
 @click.option("--repeat", type=positive(), default=3, show_default=True)
 @click.option("--workdir", type=Directory(), default=None,
               help="directory on the disk to measure (default: system tmp)")
-def command(mib: int, sizes: list[str], repeat: int, workdir: str | None) -> None:
-    write_results("tiers", run(mib, sizes, repeat, workdir))
+@click.option("--lookup-tokens", type=IntList(256), default="1024,4096", show_default=True,
+              help="prompt lengths of the disk lookup rows")
+@click.option("--long-tokens", type=IntList(256), default="4096,8192", show_default=True,
+              help="prompt lengths of the long retrieve rows (128 KiB of KV per token; each needs ~4x that in RAM)")
+def command(mib: int, sizes: list[str], repeat: int, workdir: str | None, lookup_tokens: list[int],
+            long_tokens: list[int]) -> None:
+    write_results("tiers", run(mib, sizes, repeat, workdir, lookup_tokens, long_tokens))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,6 +14,7 @@ from kvstore.errors import (
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
 from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
+from tiers.disk_durability import DiskSync
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "ConfigError",
     "CorruptRecordError",
     "DiskFullError",
+    "DiskSync",
     "ExtraKeys",
     "HashAlgo",
     "InvalidInputError",

@@ -13,6 +13,7 @@ import torch
 from kvstore.errors import ConfigError
 from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
 from tiers.codecs import CodecKind
+from tiers.disk_durability import DiskSync
 from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
@@ -145,8 +146,12 @@ class StoreConfig:
         hash_algo: `HashAlgo` or its name.
         verify_tokens: keep each block's token ids beside it and treat a hit whose tokens
             differ as a miss (a guard against hash collisions).
-        disk_sync: fsync each LMDB commit (durable across power loss; a killed process
-            never loses a committed block either way).
+        disk_sync: durability of disk-tier writes across a power loss (a killed process
+            never loses a committed block in any mode): `DiskSync.COMMIT` (default; each
+            store's blocks are synced to the device before it returns), `DiskSync.GROUP`
+            (synced by a background thread within 0.2 s) or `DiskSync.NONE` (the kernel
+            writes back when it likes). A name or a bool is accepted (True: COMMIT, False:
+            NONE); see `tiers/disk_durability.py`.
         write_through: write stored blocks to the disk tier at once as well as to the CPU
             tier (they survive a killed process; CPU eviction costs no write). Otherwise
             blocks reach disk when the CPU tier evicts them, or on `close()`.
@@ -172,7 +177,9 @@ class StoreConfig:
             work, or to emulate a slower one.
         result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
             returns (pre-faulted, huge pages where the kernel allows): a result dropped by
-            the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
+            the caller is reused instead of faulted in anew. Beyond it, the most recent
+            result too large to fit is kept as well (one buffer, at most 1/8 of RAM), so long
+            prompts are recycled too. 0: a fresh allocation each time.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
         events_endpoint: publish KV events (blocks entering and leaving each tier) in vLLM's
@@ -234,7 +241,7 @@ class StoreConfig:
     disk_bytes: int = 8 << 30
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     verify_tokens: bool = True
-    disk_sync: bool = True
+    disk_sync: DiskSync | bool | str = DiskSync.COMMIT
     write_through: bool = False
     persist_on_close: bool = True
     pool_blocks: int = 0
@@ -291,6 +298,7 @@ class StoreConfig:
         except UnicodeEncodeError as exc:
             raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        object.__setattr__(self, "disk_sync", DiskSync.parse(self.disk_sync, "StoreConfig.disk_sync"))
         if self.disk_path is not None:
             try:
                 path = os.fspath(self.disk_path)

@@ -21,6 +21,7 @@ from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import ConfigError
 from kvstore.events_wire import check_events
 from tiers.codecs import CodecKind, parse_codec
+from tiers.disk_durability import DiskSync
 
 ENV_PREFIX = "KVSTRATA_"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -76,7 +77,9 @@ class Settings:
             path does not show).
         write_through: write each saved block to disk at once (survives a killed engine, and
             other processes see it at once); otherwise on CPU-tier eviction or shutdown.
-        disk_sync: fsync every LMDB commit (only matters for power loss).
+        disk_sync: durability of disk writes (only matters for power loss): `none` (the
+            kernel writes back when it likes; also `false`), `group` (synced in the background
+            every 0.2 s) or `commit` (synced before each save returns; also `true`).
         verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
         stats_path: if set, the worker keeps a JSON file of its load/save counters here.
         remote_url: a Valkey/Redis server or cluster shared by engines on many hosts.
@@ -128,7 +131,7 @@ class Settings:
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     namespace: str = ""
     write_through: bool = True
-    disk_sync: bool = False
+    disk_sync: DiskSync = DiskSync.NONE
     verify_tokens: bool = True
     stats_path: str | None = None
     remote_url: str | None = field(default=None, repr=False)  # it may hold a password
@@ -161,9 +164,10 @@ class Settings:
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        set_(self, "disk_sync", DiskSync.parse(self.disk_sync, "disk_sync"))
         for name in ("disk_codec", "remote_codec"):
             set_(self, name, parse_codec(getattr(self, name), name))
-        for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "async_loads", "require_redis",
+        for name in ("write_through", "verify_tokens", "async_saves", "async_loads", "require_redis",
                      "require_vllm", "require_dynamo", "events_insecure", "events_connect"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         for name in ("disk_path", "stats_path"):
@@ -245,7 +249,7 @@ class Settings:
                 "| --- | --- | --- | --- | --- |"]
         for f in fields(cls):
             key = "-" if f.metadata.get("env_only") else f"`{f.name}`"
-            default = f.default.value if isinstance(f.default, HashAlgo) else f.default
+            default = f.default.value if isinstance(f.default, (HashAlgo, DiskSync)) else f.default
             default = default.label if isinstance(default, CodecKind) else default
             rows.append(f"| {f.name} | {key} | `{ENV_PREFIX}{f.name.upper()}` | `{default!r}` | "
                         f"{described.get(f.name, '')} |")

@@ -45,12 +45,15 @@ def test_vllm_reference_chain_matches_its_definition() -> None:
 
 
 def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
-    cli.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path)])
+    cli.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path),
+              "--lookup-tokens", "256", "--long-tokens", "256"])
     data = json.loads((results_dir / "tiers.json").read_text())
     r = data["sizes"]["16K"]
-    for k in ("memcpy_gbps", "cpu_store_gbps", "cpu_retrieve_gbps", "disk_store_gbps",
-              "disk_retrieve_cold_gbps", "raw_write_gbps"):
+    for k in ("memcpy_gbps", "cpu_store_gbps", "cpu_retrieve_gbps", "disk_fill_commit_gbps", "disk_reuse_none_gbps",
+              "disk_read_cold_gbps", "raw_fill_commit_gbps", "disk_reuse_none_ratio"):
         assert r[k] > 0, k
+    assert data["lookup"]["256"]["lookup_us"] > 0
+    assert data["long"]["256"]["disk_retrieve_vs_out"] > 0
 
 
 def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

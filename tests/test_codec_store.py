@@ -1,9 +1,9 @@
 """Codecs inside stores: what the disk and remote tiers return through each codec, which
 stores share records, and what a damaged or unreadable encoded record becomes.
 
-Real LMDB and real redis-server processes. A lossless record comes back bit-exact to every
-reader; a lossy one within the codec's bound, and only to stores whose identity names a
-lossy codec, in both directions and in every tier.
+Real disk tiers (slot files and their LMDB index) and real redis-server processes. A
+lossless record comes back bit-exact to every reader; a lossy one within the codec's bound,
+and only to stores whose identity names a lossy codec, in both directions and in every tier.
 """
 
 from __future__ import annotations
@@ -21,10 +21,15 @@ import xxhash
 from bench.redis_servers import RedisServer, redis_server
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError
+from tests.reliability import diskdamage
 from tiers.base import BlockKey, TierKind
-from tiers.codecs import CodecKind, CodecSpec, build_codec
+from tiers.codecs import CodecKind, CodecSpec, build_codec, parse_codec
 from tiers.codecs.scaled import ScaledCodec
-from tiers.lmdb import LMDBTier
+from tiers.disk_codec import encoded_slot_bytes
+from tiers.disk_files import slot_bytes_for
+from tiers.disk_index import pack_entry
+from tiers.disk_payload import payload_sum
+from tiers.lmdb import LMDBTier, PayloadLocation, bytes_per_block
 from tiers.lmdb_record import RecordCodec
 from tiers.remote import RemoteTier
 
@@ -104,7 +109,8 @@ def test_disk_round_trip(tmp_path: Path, kind: CodecKind) -> None:
     x = kv()
     with open_store(tmp_path, disk_codec=kind) as store:
         assert store.store(TOKENS, x) == len(TOKENS)
-        sizes = [len(v) for _, v in _records(tier(store, TierKind.DISK))]
+        locations = _locations(store)
+        capacity = tier(store, TierKind.DISK).capacity_blocks
     with open_store(tmp_path, disk_codec=kind) as store:  # reopened: nothing in memory
         got = store.retrieve(TOKENS)
         assert got.num_tokens == len(TOKENS) and got.blocks_per_tier == {TierKind.DISK: 3}
@@ -116,8 +122,17 @@ def test_disk_round_trip(tmp_path: Path, kind: CodecKind) -> None:
             assert torch.equal(got.kv.view(torch.uint8), x.view(torch.uint8))
         store.check_integrity()
     raw = LAYOUT.block_bytes(BLOCK)
+    assert all(loc.codec_id == kind.value for loc in locations)
     if kind is not CodecKind.NONE:
-        assert max(sizes) < (0.95 if kind is CodecKind.ZSTD else 0.6) * raw
+        assert max(loc.length for loc in locations) < (0.95 if kind is CodecKind.ZSTD else 0.6) * raw
+    # a lossy codec's payloads have one size: its blocks take smaller slots, so more fit
+    slots = {Path(loc.file).name for loc in locations}
+    if kind.lossy:
+        assert slots == {f"slots-{encoded_slot_bytes(locations[0].length)}.kvd"}
+        assert encoded_slot_bytes(locations[0].length) < slot_bytes_for(raw)
+        assert capacity > (16 << 20) // bytes_per_block(raw)
+    else:  # raw and zstd payloads take raw-size slots (zstd writes only its encoded length)
+        assert slots == {f"slots-{slot_bytes_for(raw)}.kvd"}
 
 
 def test_load_policy_measures_decoded_bytes(tmp_path: Path) -> None:
@@ -125,11 +140,11 @@ def test_load_policy_measures_decoded_bytes(tmp_path: Path) -> None:
     x = kv()
     with open_store(tmp_path, disk_codec="k8v4") as store:
         store.store(TOKENS, x)
-        stored = sum(len(v) for _, v in _records(tier(store, TierKind.DISK)))
+        stored = sum(loc.length for loc in _locations(store))
     with open_store(tmp_path, disk_codec="k8v4", load_policy="auto") as store:
         seen: list[tuple[TierKind, int, float]] = []
         observe = store.load_policy.observe_load
-        store.load_policy.observe_load = lambda kind, n, s: (seen.append((kind, n, s)), observe(kind, n, s))[1]
+        store.load_policy.observe_load = lambda kind, n, s: (seen.append((kind, n, s)), observe(kind, n, s))[1]  # type: ignore[method-assign]
         assert store.retrieve(TOKENS).num_tokens == len(TOKENS)
         assert [(k, n) for k, n, _ in seen] == [(TierKind.DISK, 3 * LAYOUT.block_bytes(BLOCK))]
         assert stored < 0.5 * seen[0][1]
@@ -141,8 +156,8 @@ def test_non_finite_blocks_are_stored_raw(tmp_path: Path) -> None:
     x[1, 0, BLOCK + 3, 1, 7] = float("inf")  # the second block cannot be scaled
     with open_store(tmp_path, disk_codec="int8") as store:
         store.store(TOKENS, x)
-        codecs = [msgpack.unpackb(_header(v)).get("c", 0) for _, v in _records(tier(store, TierKind.DISK))]
-        assert sorted(codecs) == [0, CodecKind.INT8.value, CodecKind.INT8.value]
+        codecs = [loc.codec_id for loc in _locations(store)]
+        assert codecs == [CodecKind.INT8.value, 0, CodecKind.INT8.value]
         got = store.retrieve(TOKENS)
         assert got.kv is not None and torch.equal(got.kv[:, :, BLOCK : 2 * BLOCK], x[:, :, BLOCK : 2 * BLOCK])
 
@@ -154,10 +169,9 @@ def test_blocks_a_lossless_codec_cannot_shrink_are_stored_raw(tmp_path: Path) ->
     x[:, :, :BLOCK] = x[:, :, :BLOCK].nan_to_num()
     with open_store(tmp_path, disk_codec="zstd") as store:
         store.store(TOKENS, x)
-        records = _records(tier(store, TierKind.DISK))
-        codecs = sorted(msgpack.unpackb(_header(v)).get("c", 0) for _, v in records)
-        assert codecs == [0, CodecKind.ZSTD.value, CodecKind.ZSTD.value]
-        assert max(len(v) for _, v in records) < LAYOUT.block_bytes(BLOCK) + 512
+        locations = _locations(store)
+        assert [loc.codec_id for loc in locations] == [0, CodecKind.ZSTD.value, CodecKind.ZSTD.value]
+        assert locations[0].length == LAYOUT.block_bytes(BLOCK)  # raw: never more than the block
         got = store.retrieve(TOKENS)
         assert got.kv is not None and torch.equal(got.kv.view(torch.uint8), x.view(torch.uint8))
 
@@ -195,11 +209,22 @@ def test_lossy_record_under_an_exact_key_is_refused(tmp_path: Path, server: Redi
     x = kv(BLOCK)
     with open_store(tmp_path, remote=server.url) as exact:
         key = BlockKey(exact.block_hashes(TOKENS[:BLOCK])[0], TOKENS[:BLOCK].tobytes())
+        disk, remote = tier(exact, TierKind.DISK), tier(exact, TierKind.REMOTE)
+        # a disk tier writing int8 under the exact store's namespace: its entry and checksum are sound
+        planter = LMDBTier(str(tmp_path), 16 << 20, LAYOUT.block_shape(BLOCK), LAYOUT.dtype, sync=False,
+                           namespace=exact.seed, codec=CodecSpec(CodecKind.INT8))
+        try:
+            assert planter.put([key], [x]) == 1
+            loc = planter.payload_location(key.block_hash)
+            assert loc is not None and loc.codec_id == CodecKind.INT8.value
+            dst = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
+            assert planter.get_into([key], [dst]) == 1  # the lossy reader it was meant for reads it
+            assert bool(((dst.float() - x.float()).abs() <= blockwise_bound(CodecKind.INT8, x)).all())
+        finally:
+            planter.close()
         lossy = RecordCodec(LAYOUT.block_shape(BLOCK), LAYOUT.dtype, verify_tokens=True, namespace=exact.seed,
                             codec=CodecSpec(CodecKind.INT8))
         record = bytes(lossy.encode(key, x))
-        disk, remote = tier(exact, TierKind.DISK), tier(exact, TierKind.REMOTE)
-        _plant(disk, key, record)
         remote.put([key], [x])  # then overwrite the value with the lossy record
         assert remote.flush()
         import redis
@@ -209,41 +234,102 @@ def test_lossy_record_under_an_exact_key_is_refused(tmp_path: Path, server: Redi
             out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             assert t.get_into([key], [out]) == 0
             assert t.match_prefix([key.block_hash]) == 1  # left in place
-        assert remote.num_unverifiable == 1 and disk.counters.num_corrupt == remote.counters.num_corrupt == 0
+        assert remote.num_unverifiable == disk.num_unverifiable == 1
+        assert disk.counters.num_corrupt == remote.counters.num_corrupt == 0
+        assert disk.scrub().num_corrupt == 0
         dst = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
         lossy.copy_out(lossy.decode(record, key), dst)
         assert bool(((dst.float() - x.float()).abs() <= blockwise_bound(CodecKind.INT8, x)).all())
+
+
+def test_zstd_payloads_of_another_element_dtype_are_a_miss_left_in_place(tmp_path: Path) -> None:
+    """zstd's byte planes follow the element dtype: an opaque-layout store that reads pages as
+    bytes must not decode planes split as bfloat16 (it would return permuted bytes). Both stores
+    are exact and share the namespace; the reader's miss leaves the block to its writer."""
+    opaque = KVLayout(2, 2, 64, torch.uint8)
+    x = kv(BLOCK).view(torch.uint8).reshape(opaque.block_shape(BLOCK)).clone()
+    with open_store(tmp_path, layout=opaque, disk_codec="zstd", codec_dtype=torch.bfloat16) as writer:
+        assert writer.store(TOKENS[:BLOCK], x) == BLOCK
+        loc, = _locations(writer)
+        assert loc.codec_id == CodecKind.ZSTD.value
+    with open_store(tmp_path, layout=opaque) as bytewise:  # same identity, planes of one byte
+        assert bytewise.lookup(TOKENS[:BLOCK]) == BLOCK
+        assert bytewise.retrieve(TOKENS[:BLOCK]).num_tokens == 0
+        disk = tier(bytewise, TierKind.DISK)
+        assert isinstance(disk, LMDBTier) and disk.num_unverifiable == 1 and disk.counters.num_corrupt == 0
+        assert bytewise.lookup(TOKENS[:BLOCK]) == BLOCK  # left in place
+    with open_store(tmp_path, layout=opaque, codec_dtype=torch.bfloat16) as planes:  # exact, bfloat16 planes
+        got = planes.retrieve(TOKENS[:BLOCK])
+        assert got.num_tokens == BLOCK and got.kv is not None and torch.equal(got.kv, x)
 
 
 def test_unknown_codec_is_a_miss_left_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     x = kv(BLOCK)
     with open_store(tmp_path, disk_codec="zstd") as store:
         store.store(TOKENS[:BLOCK], x)
-        disk = tier(store, TierKind.DISK)
-        (h, value), = _records(disk)
-        key = BlockKey(h, TOKENS[:BLOCK].tobytes())
-        _plant(disk, key, _with_codec_id(value, 250))  # a codec of some later kvstrata
-        out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
-        assert disk.get_into([key], [out]) == 0 and disk.match_prefix([h]) == 1
-        _plant(disk, key, value)
-        monkeypatch.setitem(sys.modules, "zstandard", None)  # a reader without the library
-        reader = LMDBTier(str(tmp_path), 16 << 20, LAYOUT.block_shape(BLOCK), LAYOUT.dtype, namespace=store.seed)
+        loc, = _locations(store)
+        h, seed = store.block_hashes(TOKENS[:BLOCK])[0], store.seed
+    key = BlockKey(h, TOKENS[:BLOCK].tobytes())
+    sound = diskdamage.read_entry(tmp_path, loc.index_key)
+    _rewrite_entry(tmp_path, loc, codec=250)  # a codec of some later kvstrata, checksum and all
+    for codec in ("zstd", "none"):
+        reader = LMDBTier(str(tmp_path), 16 << 20, LAYOUT.block_shape(BLOCK), LAYOUT.dtype, namespace=seed,
+                          codec=CodecSpec(parse_codec(codec)))
         try:
+            out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             assert reader.get_into([key], [out]) == 0 and reader.match_prefix([h]) == 1
-            assert reader.counters.num_corrupt == 0 and reader.scrub().num_corrupt == 0
+            assert reader.num_unverifiable == 1 and reader.scrub().num_corrupt == 0
         finally:
             reader.close()
-        assert disk.counters.num_corrupt == 0
+    diskdamage.put_entries(tmp_path, {loc.index_key: pack_entry(sound)})
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # a reader without the library
+    reader = LMDBTier(str(tmp_path), 16 << 20, LAYOUT.block_shape(BLOCK), LAYOUT.dtype, namespace=seed)
+    try:
+        out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
+        assert reader.get_into([key], [out]) == 0 and reader.match_prefix([h]) == 1
+        assert reader.counters.num_corrupt == 0 and reader.scrub().num_corrupt == 0
+        assert reader.match_prefix([h]) == 1
+    finally:
+        reader.close()
 
 
 @pytest.mark.parametrize("kind", [k for k in CodecKind if k is not CodecKind.NONE])
-def test_damaged_encoded_records_are_misses_and_deleted(tmp_path: Path, server: RedisServer, kind: CodecKind) -> None:
+def test_damaged_encoded_disk_payloads_are_misses_and_deleted(tmp_path: Path, kind: CodecKind) -> None:
+    """A flipped payload bit fails the checksum; a payload that fails to decode under a valid
+    checksum (a hostile or buggy writer) fails in the codec. Both are deleted as damage."""
     x = kv(BLOCK)
-    with open_store(tmp_path, remote=server.url, disk_codec=kind, remote_codec=kind) as store:
+    for damage in ("bit", "undecodable"):
+        path = tmp_path / damage
+        with open_store(path, disk_codec=kind) as store:
+            store.store(TOKENS[:BLOCK], x)
+            loc, = _locations(store)
+            key = BlockKey(store.block_hashes(TOKENS[:BLOCK])[0], TOKENS[:BLOCK].tobytes())
+        if damage == "bit":
+            diskdamage.damage_payload(loc, "payload-bit", np.random.default_rng(int(kind.value)))
+        else:
+            payload = bytearray(diskdamage.read_payload(loc))
+            if kind is CodecKind.ZSTD:
+                payload[-4:] = b"\xff\xff\xff\xff"
+            else:
+                payload[0:2] = b"\0\0"  # a zero scale
+            _rewrite_entry(path, loc, payload=bytes(payload))
+        with open_store(path, disk_codec=kind) as store:
+            disk = tier(store, TierKind.DISK)
+            out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
+            assert disk.get_into([key], [out]) == 0
+            assert disk.match_prefix([key.block_hash]) == 0  # deleted
+            assert disk.counters.num_corrupt == 1
+            disk.check_integrity()
+
+
+@pytest.mark.parametrize("kind", [k for k in CodecKind if k is not CodecKind.NONE])
+def test_damaged_encoded_records_are_misses_and_deleted(server: RedisServer, kind: CodecKind) -> None:
+    x = kv(BLOCK)
+    with open_store(Path("unused"), disk=False, remote=server.url, remote_codec=kind) as store:
         store.store(TOKENS[:BLOCK], x)
         assert store.flush()
         key = BlockKey(store.block_hashes(TOKENS[:BLOCK])[0], TOKENS[:BLOCK].tobytes())
-        disk, remote = tier(store, TierKind.DISK), tier(store, TierKind.REMOTE)
+        remote = tier(store, TierKind.REMOTE)
         import redis
 
         client = redis.Redis.from_url(server.url)
@@ -251,29 +337,35 @@ def test_damaged_encoded_records_are_misses_and_deleted(tmp_path: Path, server: 
         # a flipped payload bit fails the checksum; a payload that fails to decode under a
         # valid checksum (a hostile or buggy writer) fails in the codec
         for damaged in (_flip_last(value), _undecodable(value, key, store.seed)):
-            _plant(disk, key, damaged)
             client.set(remote._key(key.block_hash), damaged)
-            for t in (disk, remote):
-                out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
-                assert t.get_into([key], [out]) == 0
-                assert t.match_prefix([key.block_hash]) == 0  # deleted
-        assert disk.counters.num_corrupt == 2 and remote.counters.num_corrupt == 2
-        disk.check_integrity()
+            out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
+            assert remote.get_into([key], [out]) == 0
+            assert remote.match_prefix([key.block_hash]) == 0  # deleted
+        assert remote.counters.num_corrupt == 2
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _records(disk: LMDBTier) -> list[tuple[bytes, bytes]]:
-    with disk._env.begin(db=disk._blocks) as txn:
-        return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+def _locations(store: KVCacheStore) -> list[PayloadLocation]:
+    """Where each stored block of `TOKENS` lies (prefix order), for the blocks held."""
+    disk = tier(store, TierKind.DISK)
+    assert isinstance(disk, LMDBTier)
+    found = [disk.payload_location(h) for h in store.block_hashes(TOKENS)]
+    return [loc for loc in found if loc is not None]
 
 
-def _plant(disk: LMDBTier, key: BlockKey, record: bytes) -> None:
-    """Put `record` under `key` in the disk tier (through its writer when absent)."""
-    if disk.match_prefix([key.block_hash]) == 0:
-        disk.put([key], [kv(BLOCK)])
-    with disk._env.begin(write=True, db=disk._blocks) as txn:
-        txn.put(key.block_hash, record)
-    disk._discard_damaged([])  # recount the bytes used
+def _rewrite_entry(path: Path, loc: PayloadLocation, *, codec: int | None = None, payload: bytes | None = None) -> None:
+    """Give the block at `loc` another codec id or payload, with a checksum that holds (what a
+    later kvstrata, or a buggy writer, would leave). The directory must not be open."""
+    e = diskdamage.read_entry(path, loc.index_key)
+    if codec is not None:
+        e = e._replace(codec=codec)
+    if payload is not None:
+        with open(loc.file, "r+b") as f:
+            f.seek(loc.offset)
+            f.write(payload)
+    data = payload if payload is not None else diskdamage.read_payload(loc)
+    e = e._replace(xxh=payload_sum(loc.index_key, e, [np.frombuffer(data, np.uint8)]))
+    diskdamage.put_entries(path, {loc.index_key: pack_entry(e)})
 
 
 def _header(record: bytes) -> bytes:
@@ -284,13 +376,6 @@ def _header(record: bytes) -> bytes:
 def _repack(record: bytes, header: dict[str, object], payload: bytes) -> bytes:
     packed = msgpack.packb(header, use_bin_type=True)
     return b"KVS1" + len(packed).to_bytes(4, "little") + packed + payload
-
-
-def _with_codec_id(record: bytes, codec_id: int) -> bytes:
-    """`record` relabelled with another codec id (its checksum still holds: it covers the payload)."""
-    header = msgpack.unpackb(_header(record))
-    header["c"] = codec_id
-    return _repack(record, header, record[8 + len(_header(record)) :])
 
 
 def _flip_last(record: bytes) -> bytes:

@@ -15,8 +15,7 @@ from tests.conftest import BLOCK, LAYOUT
 from tiers.base import BlockKey, Tier
 from tiers.cpu import CPUTier
 from tiers.eviction import EvictionKind
-from tiers.lmdb import LMDBTier
-from tiers.lmdb_record import record_bytes_on_disk
+from tiers.lmdb import LMDBTier, bytes_per_block
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 BLOCK_BYTES = LAYOUT.block_bytes(BLOCK)
@@ -43,7 +42,7 @@ def cpu_with(eviction: EvictionKind, **kwargs: object) -> Callable[[Path, int], 
 
 
 def make_lmdb(tmp: Path, capacity: int) -> Tier:
-    capacity_bytes = capacity * record_bytes_on_disk(BLOCK_BYTES + 256)
+    capacity_bytes = capacity * bytes_per_block(BLOCK_BYTES)
     return LMDBTier(str(tmp / "db"), capacity_bytes, SHAPE, LAYOUT.dtype, sync=False)
 
 

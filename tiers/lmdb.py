@@ -1,141 +1,200 @@
-"""Disk tier: LMDB under `disk_path`, checksummed records, byte-bounded LRU eviction.
+"""Disk tier: payloads in slot files, a small LMDB index beside them, byte-bounded LRU.
 
-Records are `tiers/lmdb_record.py`'s; one that fails validation on read is a miss and is
-deleted. The LRU order lives in LMDB itself (sub-databases `atime`
-hash->tick and `lru` tick->hash), so a reopened store finds everything committed and
-evicts in the same order. Reads never take LMDB's writer lock: their recency updates are
-buffered and applied in the next write transaction.
+`disk_path` holds `data.mdb`/`lock.mdb` (the index, `tiers/disk_index.py`) and one sparse
+file of fixed-size slots per payload size (`tiers/disk_files.py`). A write transaction (LMDB's
+writer lock, shared by every process on the directory) applies buffered touches, evicts,
+takes free slots (consecutive ones for a sequence, laid out in prefix order so a prefix reads
+sequentially), writes the payloads straight from the source tensors (or as the tier's codec
+encoded them, `tiers/disk_codec.py`), syncs them as the durability mode asks
+(`tiers/disk_durability.py`), then commits the entries: an entry is committed only after its
+bytes are written. Reads take the entries from one read transaction, read straight into the
+destinations (encoded payloads: into a buffer, then decoded) and verify each block's
+checksum; a mismatch is checked against a fresh transaction before it is called damage
+(another process may have evicted the block and reused its slot meanwhile: a plain miss). An
+entry this reader cannot verify (no token ids) or decode (a codec it does not know, load or
+accept) is a miss left in place once its payload passes its checksum. Lookups probe an
+in-memory copy of this namespace's hashes (`tiers/disk_mirror.py`) and touch no file.
+
+Every namespace's blocks share one LRU order and one byte budget (each opener's own
+`capacity_bytes` bounds what it writes); `scrub`, `clear` and `held_hashes` act on this
+namespace only unless told otherwise.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import lmdb
 import msgpack
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, ScrubResult, Tier, TierCounters, TierKind, TierTraits
+from tiers import disk_scan
+from tiers.base import (
+    BlockHash,
+    BlockKey,
+    Occupancy,
+    ScrubResult,
+    Tier,
+    TierCounters,
+    TierKind,
+    TierTraits,
+    count_held,
+    plan_put,
+)
 from tiers.codecs import CodecSpec
-from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
-from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
-from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
+from tiers.disk_codec import DiskCodec
+from tiers.disk_durability import DiskSync
+from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
+from tiers.disk_index import FORMAT, LOG_KEEP, Entry, WriteBatch, block_cost, ns_tag
+from tiers.disk_mirror import Mirror
+from tiers.disk_payload import Prepared, read_payloads
+from tiers.disk_scan import summarize
+from tiers.disk_writer import DiskWriter, Layout
+from tiers.errors import CorruptRecordError, DiskFullError, StoreClosedError
+from tiers.lmdb_env import acquire_env, begin, release_env
+from tiers.lmdb_record import UnverifiableRecordError
 
+__all__ = ["DiskSync", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
 logger = logging.getLogger(__name__)
-_U64 = struct.Struct("<Q")
-_TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _MAX_PENDING_TOUCHES = 4096
-_DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
+
+
+class PayloadLocation(NamedTuple):
+    """Where a block's bytes lie on disk: its index key, its payload's file and range, and
+    the codec id the payload is stored in (0: raw bytes)."""
+
+    index_key: bytes
+    file: str
+    offset: int
+    length: int
+    codec_id: int = 0
+
+
+def bytes_per_block(block_bytes: int) -> int:
+    """What one block of `block_bytes` counts against `capacity_bytes`."""
+    return block_cost(slot_bytes_for(block_bytes))
 
 
 class LMDBTier(Tier):
-    """Blocks in an LMDB environment, bounded by `capacity_bytes` of disk (pages counted)."""
+    """Blocks on disk, bounded by `capacity_bytes` (slots plus their index entries)."""
 
     kind = TierKind.DISK
     traits = TierTraits(persistent=True)
 
-    def __init__(
-        self,
-        path: str,
-        capacity_bytes: int,
-        block_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        *,
-        verify_tokens: bool = True,
-        sync: bool = True,
-        namespace: bytes = b"",
-        identity: object = None,
-        read_bps: int | None = None,
-        codec: CodecSpec | None = None,
-    ) -> None:
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
-        self._namespace = self.codec.namespace
-        self._block_bytes = self.codec.block_bytes
+    def __init__(self, path: str, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+                 verify_tokens: bool = True, sync: DiskSync | bool | str = DiskSync.COMMIT, namespace: bytes = b"",
+                 identity: object = None, read_bps: int | None = None, codec: CodecSpec | None = None) -> None:
+        self._mode = DiskSync.parse(sync, "sync")
+        self._shape, self._dtype = tuple(block_shape), dtype
+        self._codec = DiskCodec(codec, self._shape, dtype)  # ConfigError: a codec that cannot be built
+        self._block_bytes = self._codec.block_bytes
+        self._cost = block_cost(self._codec.slot_bytes)
+        self._verify_tokens = verify_tokens
+        self._namespace = bytes(namespace)
+        self._tag = ns_tag(self._namespace)
         self._capacity_bytes = capacity_bytes
-        self._read_bps = read_bps  # a cap on read bandwidth (None: none)
-        self._path, self._env = acquire_env(path, 2 * capacity_bytes + (64 << 20), sync)
+        self._read_bps = read_bps
+        entry_bytes = 512 + 4 * (block_shape[2] if len(block_shape) > 2 else 64)
+        map_size = (96 << 20) + 4 * (capacity_bytes // self._cost + 1) * entry_bytes
+        self._path, self._env = acquire_env(path, map_size, self._mode is DiskSync.COMMIT)
         self._pid = os.getpid()
         try:
-            self._dbs = {name: self._env.open_db(name) for name in _DB_NAMES}
-        except lmdb.Error as exc:  # e.g. a foreign LMDB whose main database has a key "meta"
+            self._ix = disk_scan.open_index(self._env, path)
+        except BaseException:
             release_env(self._path)
-            raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
-        self._blocks, self._atime, self._lru, self._meta = (self._dbs[n] for n in _DB_NAMES)
+            raise
+        self._files = SlotFiles(self._path)
+        self._mirror = Mirror(self._env, self._ix, self._tag)
+        self._mirror.refresh()
         self._pending: list[BlockHash] = []
         self._lock = threading.Lock()
         self._closed = False
         self.counters = TierCounters()
-        self._num_unverifiable = 0
+        self.num_unverifiable = 0  # sound blocks this reader cannot check or decode: misses
         self.num_unannounceable = 0  # see held_keys
+        self.num_raced = 0  # blocks evicted by another process while being read: misses
         self._register(identity)
+        layout = Layout(self._tag, self._codec, verify_tokens)
+        self._writer = DiskWriter(self._env, self._ix, self._files, self._mirror, path=self._path, layout=layout,
+                                  mode=self._mode, capacity_bytes=capacity_bytes)
 
     def _register(self, identity: object) -> None:
-        """Record this namespace's identity and budget in `meta` (what `kvstrata inspect`
-        shows). Best effort: a full disk must not fail an open."""
-        entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes}, use_bin_type=True,
-                              default=str)
+        """Record the format and this namespace's identity and budget (for `kvstrata
+        inspect`), and free the slots damaged entries left unnamed. Best effort: a full disk
+        must not fail an open."""
+        entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes,
+                               "tag": self._tag, "block_bytes": self._block_bytes}, use_bin_type=True, default=str)
         try:
             with begin(self._env, write=True) as txn:
-                txn.put(b"ns:" + self._namespace, entry, db=self._meta)
+                txn.put(b"format", FORMAT, db=self._ix.meta)
+                txn.put(b"ns:" + self._namespace, entry, db=self._ix.meta)
+                if self._ix.get_u64(txn, b"leaked"):  # slots named by damaged entries deleted earlier
+                    WriteBatch(self._ix, txn).reclaim()
         except lmdb.Error:
             pass
 
     # -- queries ---------------------------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
-        return self._capacity_bytes // record_bytes_on_disk(self._block_bytes + 256)
+        return self._capacity_bytes // self._cost
 
     @property
     def path(self) -> str:
         return self._path
 
+    @property
+    def mode(self) -> DiskSync:
+        return self._mode
+
     def __len__(self) -> int:
         self._check_open()
         with begin(self._env) as txn:
-            return int(txn.stat(self._blocks)["entries"])
+            return int(txn.stat(self._ix.index)["entries"])
 
     def held_hashes(self) -> Iterator[BlockHash]:
-        """This namespace's blocks (each record's header names its owner), read in one
-        snapshot."""
+        """This namespace's blocks, from the in-memory index (current as of this call)."""
         self._check_open()
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
-        return iter(mine)
+        return iter(self._mirror.snapshot())
 
     def held_keys(self) -> Iterator[BlockKey]:
-        """This namespace's blocks whose records carry token ids, parent and extras, read in
-        one snapshot; `num_unannounceable` counts this namespace's records without them
-        (written before they existed, or without token verification)."""
+        """This namespace's blocks whose entries carry token ids, parent and extras, each after
+        its parent (roots first), read in one snapshot; `num_unannounceable` counts this
+        namespace's blocks without them (stored without KV events or token verification)."""
         self._check_open()
-        keys: list[BlockKey] = []
-        mine = 0
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for h, v in txn.cursor():
-                if self.codec.owner(v) != self._namespace:
-                    continue
-                mine += 1
-                key = self.codec.announced_key(v, bytes(h))
-                if key is not None:
-                    keys.append(key)
-        self.num_unannounceable = mine - len(keys)
-        if self.num_unannounceable:
-            logger.info("kvstrata: %d disk blocks are not announced in KV events: their records carry no parent or "
-                        "token ids (written by an older kvstrata, or without verify_tokens)", self.num_unannounceable)
+        keys, num_without = disk_scan.held_keys(self._env, self._ix, self._tag)
+        self.num_unannounceable = num_without
+        if num_without:
+            logger.info("kvstrata: %d disk blocks are not announced in KV events: their entries carry no parent, "
+                        "extras or token ids (stored without KV events, or without verify_tokens)", num_without)
         return iter(keys)
+
+    def payload_location(self, block_hash: BlockHash) -> PayloadLocation | None:
+        """Where one of this namespace's blocks lies: its index key, its payload's file,
+        offset, length and codec (for diagnosis); None if not held. Changes nothing."""
+        self._check_open()
+        key = self._key(block_hash)
+        with begin(self._env, db=self._ix.index) as txn:
+            raw = txn.get(key)
+        if raw is None:
+            return None
+        e = disk_scan.unpack(raw)
+        return PayloadLocation(key, os.path.join(self._path, file_name(e.slot_bytes)), e.slot * e.slot_bytes, e.length,
+                               e.codec)
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        n, end = start, len(block_hashes)
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            while n < end and txn.get(block_hashes[n]) is not None:
-                n += 1
-        return n - start
+        self._mirror.refresh()
+        return count_held(self._mirror.hashes, block_hashes, start)
 
+    def _key(self, block_hash: BlockHash) -> bytes:
+        return self._tag + bytes(block_hash)
+
+    # -- reads -----------------------------------------------------------------------------
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
         n, num_bytes = self._read(keys, dsts)
@@ -143,138 +202,101 @@ class LMDBTier(Tier):
             time.sleep(max(0.0, num_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
+    def _check_entry(self, e: Entry, key: BlockKey) -> None:
+        self._codec.check(e)
+        if self._verify_tokens and key.tokens and e.tokens != key.tokens:
+            if not e.tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
+                raise UnverifiableRecordError("entry carries no token ids to verify")
+            raise CorruptRecordError("token ids differ (hash collision or damage)")
+
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
-        """Blocks copied into `dsts` and the bytes of their records."""
-        n = num_bytes = 0
-        corrupt: list[BlockHash] = []
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for key, dst in zip(keys, dsts):
-                value = txn.get(key.block_hash)
-                if value is None:
+        """Blocks delivered into `dsts`, and the bytes of their payloads as stored."""
+        entries: list[Entry] = []
+        damaged: tuple[bytes, int | None] | None = None
+        unverifiable: tuple[bytes, Entry] | None = None
+        with begin(self._env, db=self._ix.index, buffers=True) as txn:
+            for key in keys[: len(dsts)]:
+                raw = txn.get(self._key(key.block_hash))
+                if raw is None:
                     break
                 try:
-                    self.codec.copy_out(self.codec.decode(value, key), dst)
+                    e = disk_scan.unpack(raw)
+                except CorruptRecordError:
+                    damaged = (self._key(key.block_hash), None)
+                    break
+                try:
+                    self._check_entry(e, key)
                 except UnverifiableRecordError:
-                    self._num_unverifiable += 1
+                    unverifiable = (self._key(key.block_hash), e)
                     break
                 except CorruptRecordError:
-                    corrupt.append(key.block_hash)
+                    damaged = (self._key(key.block_hash), None)
                     break
-                n += 1
-                num_bytes += len(value)
-        if corrupt:
-            self.counters.num_corrupt += len(corrupt)
-            self._discard_damaged(corrupt)
-        return n, num_bytes
+                entries.append(e)
+        ekeys = [self._key(k.block_hash) for k in keys[: len(entries)]]
+        result = read_payloads(self._files, ekeys, entries, dsts, self._dtype, self._shape, self._codec.decode)
+        if result.failed is not None:
+            e = entries[result.failed]
+            if result.undecodable or disk_scan.same_entry(self._env, self._ix, ekeys[result.failed], e):
+                damaged = (ekeys[result.failed], e.gen)
+            else:
+                self.num_raced += 1
+                damaged = None
+        elif unverifiable is not None:  # a miss if sound; an entry damaged into that shape is damage
+            ukey, ue = unverifiable
+            if disk_scan.payload_sound(self._files, ukey, ue):
+                self.num_unverifiable += 1
+            elif disk_scan.same_entry(self._env, self._ix, ukey, ue):
+                damaged = (ukey, ue.gen)
+            else:
+                self.num_raced += 1
+        if damaged is not None:
+            self.counters.num_corrupt += 1
+            self._remove([damaged], damaged=True)
+        return result.num_ok, sum(e.length for e in entries[: result.num_ok])
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        keys = self._described(keys)  # a demoted block's parent and extras, for its record
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
-        records: dict[BlockHash, bytearray] = {}
-        for i in missing:  # encode outside the write transaction; last duplicate wins
-            records.pop(keys[i].block_hash, None)
-            records[keys[i].block_hash] = self.codec.encode(keys[i], srcs[i])
-        for attempt in range(4):
-            try:
-                written = self._write(records, [k.block_hash for k in keys], extra=attempt)
-                break
-            except lmdb.MapFullError:
-                # A process killed inside a read transaction leaves its slot in the reader
-                # table, pinning every page freed since: clear dead readers, then retry.
-                self._env.reader_check()
-                continue
-            except lmdb.Error as exc:
-                reason = disk_full_reason(exc, self._path, sum(map(len, records.values())))
-                if reason is not None:
-                    raise DiskFullError(
-                        f"disk tier at {self._path}: {reason}; nothing was written ({exc})"
-                    ) from exc
-                raise
-        else:
-            raise DiskFullError(
-                f"disk tier at {self._path}: LMDB map full after evicting; nothing was written"
-            )
-        return written
+        self._mirror.refresh()
+        _, fresh = plan_put(keys, self._mirror.hashes.__contains__, len(keys))
+        touched = [k.block_hash for k in keys]
+        if not fresh:
+            self.touch(touched)
+            return 0
+        described = list(keys)  # a demoted block's parent and extras, for its entry
+        for p, k in zip(fresh, self._described([keys[p] for p in fresh])):
+            described[p] = k
+        return self._write(self._writer.prepare(described, srcs, fresh), touched, [described[p] for p in fresh])
 
-    def _write(self, records: dict[BlockHash, bytearray], touched: list[BlockHash], extra: int) -> int:
-        """One write transaction: apply buffered touches, evict, insert. Aborts as a whole."""
+    def _write(self, blocks: list[Prepared], touched: list[BlockHash], keys: Sequence[BlockKey] = ()) -> int:
+        """One write transaction with the buffered touches; they are kept if it fails. The
+        blocks it added are announced by their `keys`."""
         with self._lock:
             pending, self._pending = self._pending, []
-        evicted: list[BlockHash] = []
         try:
-            with begin(self._env, write=True) as txn:
-                tick, used = self._read_meta(txn)
-                tick = self._touch_in(txn, pending + touched, tick)
-                fresh = [(h, v) for h, v in records.items() if txn.get(h, db=self._blocks) is None]
-                sizes = [record_bytes_on_disk(len(v)) for _, v in fresh]
-                budget = self._capacity_bytes * (1.0 - 0.15 * extra)
-                total, skip = sum(sizes), 0
-                while skip < len(fresh) and total > budget:  # the most evictable never enter
-                    total -= sizes[skip]
-                    skip += 1
-                fresh, sizes = fresh[skip:], sizes[skip:]
-                used = self._evict_in(txn, used, used + total - budget, evicted)
-                # Records go in prefix order (the reverse of eviction order), so a sequence's
-                # pages lie forwards in the file and a read of its prefix is sequential (the
-                # kernel's readahead then works); ticks still follow eviction order.
-                for j in range(len(fresh) - 1, -1, -1):
-                    h, v = fresh[j]
-                    txn.put(h, v, db=self._blocks)
-                    txn.put(h, _TICK.pack(tick + j), db=self._atime)
-                    txn.put(_TICK.pack(tick + j), h, db=self._lru)
-                tick += len(fresh)
-                used += sum(sizes)
-                self._write_meta(txn, tick, used)
+            done = self._writer.put(blocks, [self._key(h) for h in pending + touched])
         except BaseException:
             with self._lock:
                 self._pending[:0] = pending
             raise
-        self._announce(False, evicted)  # committed: tell the listener
-        self._announce(True, [h for h, _ in fresh])
-        return len(fresh)
+        self.counters.num_evictions += done.num_evicted
+        self._announce_removed(done.removed)
+        if done.added and self.listener is not None:
+            by_key = {self._key(k.block_hash): k for k in keys}
+            self._announce(True, [by_key[k] for k in done.added if k in by_key])
+        return len(done.added)
 
-    def _evict_in(self, txn: lmdb.Transaction, used: int, num_bytes: float, evicted: list[BlockHash]) -> int:
-        if num_bytes <= 0:
-            return used
-        freed = 0
-        cursor = txn.cursor(db=self._lru)
-        victims = []
-        for tick_key, h in cursor.iternext():
-            if freed >= num_bytes:
-                break
-            value = txn.get(h, db=self._blocks)
-            victims.append((bytes(tick_key), bytes(h)))
-            freed += record_bytes_on_disk(len(value)) if value is not None else 0
-        for tick_key, h in victims:
-            txn.delete(tick_key, db=self._lru)
-            txn.delete(h, db=self._atime)
-            txn.delete(h, db=self._blocks)
-            evicted.append(BlockHash(h))
-        self.counters.num_evictions += len(victims)
-        return max(0, used - freed)
+    def _remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
+                reclaim: bool = False) -> int:
+        removed = self._writer.remove(items, damaged=damaged, reclaim=reclaim).removed
+        self._announce_removed(removed)
+        return len(removed)
 
-    def _touch_in(self, txn: lmdb.Transaction, hashes: Sequence[BlockHash], tick: int) -> int:
-        for h in hashes:
-            old = txn.get(h, db=self._atime)
-            if old is None:
-                continue
-            txn.delete(bytes(old), db=self._lru)
-            txn.put(h, _TICK.pack(tick), db=self._atime)
-            txn.put(_TICK.pack(tick), h, db=self._lru)
-            tick += 1
-        return tick
+    def _announce_removed(self, keys: list[bytes]) -> None:
+        n = len(self._tag)
+        self._announce(False, [BlockHash(k[n:]) for k in keys if k[:n] == self._tag])
 
-    def _read_meta(self, txn: lmdb.Transaction) -> tuple[int, int]:
-        tick = txn.get(b"tick", db=self._meta)
-        used = txn.get(b"bytes", db=self._meta)
-        return (_U64.unpack(tick)[0] if tick else 0), (_U64.unpack(used)[0] if used else 0)
-
-    def _write_meta(self, txn: lmdb.Transaction, tick: int, used: int) -> None:
-        txn.put(b"tick", _U64.pack(tick), db=self._meta)
-        txn.put(b"bytes", _U64.pack(used), db=self._meta)
-
+    # -- recency, deletion, lifecycle ------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         self._check_open()
         with self._lock:
@@ -290,66 +312,31 @@ class LMDBTier(Tier):
         so reads and `close()` never fail for want of room.
         """
         try:
-            self._write({}, [], extra=0)
-        except lmdb.Error as exc:
-            full = disk_full_reason(exc, self._path, 0) is not None
-            if not isinstance(exc, lmdb.MapFullError) and not full:
-                raise
+            self._write([], [])
+        except DiskFullError:
             with self._lock:
                 self._pending.clear()
         return True
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
-        gone: list[BlockHash] = []
-        with begin(self._env, write=True) as txn:
-            tick, used = self._read_meta(txn)
-            for h in block_hashes:
-                value = txn.get(h, db=self._blocks)
-                if value is None:
-                    continue
-                used -= record_bytes_on_disk(len(value))
-                old = txn.get(h, db=self._atime)
-                if old is not None:
-                    txn.delete(bytes(old), db=self._lru)
-                txn.delete(h, db=self._atime)
-                txn.delete(h, db=self._blocks)
-                gone.append(h)
-            self._write_meta(txn, tick, max(0, used))
-        self._announce(False, gone)
-        return len(gone)
-
-    def _discard_damaged(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Delete damaged records, then recount the bytes used from the records left.
-
-        A damaged record's length need not be the length it was accounted at (a truncated or
-        overwritten value), so subtracting it would leave the accounting off for good.
-        """
-        with begin(self._env, write=True, buffers=True) as txn:
-            tick, _ = self._read_meta(txn)
-            for h in block_hashes:
-                old = txn.get(h, db=self._atime)
-                if old is not None:
-                    txn.delete(bytes(old), db=self._lru)
-                txn.delete(h, db=self._atime)
-                txn.delete(h, db=self._blocks)
-            cursor = txn.cursor(db=self._blocks)
-            used = sum(record_bytes_on_disk(len(v)) for v in cursor.iternext(keys=False))
-            self._write_meta(txn, tick, used)
-        self._announce(False, block_hashes)
+        return self._remove([(self._key(h), None) for h in block_hashes])
 
     def clear(self, *, all_namespaces: bool = False) -> None:
-        """Delete this namespace's records (their owner is in each header); with
-        `all_namespaces`, every record in the directory, whoever wrote it."""
+        """Delete this namespace's blocks; with `all_namespaces`, every block in the
+        directory, whoever wrote it (the data files are emptied)."""
         self._check_open()
         if all_namespaces:
-            mine = list(self.held_hashes())
+            mine = self._mirror.snapshot()
             with begin(self._env, write=True) as txn:
-                for db in (self._blocks, self._atime, self._lru, self._meta):
-                    txn.drop(db, delete=False)
+                disk_scan.wipe(self._ix, txn, LOG_KEEP)
+                self._files.truncate_all()
+            self._mirror.refresh()
             self._announce(False, mine)
         else:
-            self._discard_damaged(list(self.held_hashes()))
+            with begin(self._env, buffers=True) as txn:
+                keys = list(self._ix.keys_of(txn, self._tag))
+            self._remove([(k, None) for k in keys])
         with self._lock:
             self._pending.clear()
 
@@ -357,12 +344,14 @@ class LMDBTier(Tier):
         if self._closed:
             return
         try:
-            if self._pending:
+            if self._pending and os.getpid() == self._pid:
                 self.flush()
         finally:
             self._closed = True
             if os.getpid() == self._pid:
+                self._writer.close()
                 release_env(self._path)
+            self._files.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -375,59 +364,24 @@ class LMDBTier(Tier):
 
     def check_integrity(self) -> None:
         self._check_open()
-        with begin(self._env, buffers=False) as txn:
-            _, used = self._read_meta(txn)
-            total = 0
-            n_blocks = 0
-            for h, value in txn.cursor(db=self._blocks):
-                n_blocks += 1
-                total += record_bytes_on_disk(len(value))
-                tick = txn.get(h, db=self._atime)
-                if tick is None or txn.get(tick, db=self._lru) != h:
-                    raise RuntimeError(f"disk tier: block {h.hex()} missing from the LRU index (a bug)")
-            n_lru = txn.stat(self._lru)["entries"]
-            n_atime = txn.stat(self._atime)["entries"]
-            if not n_blocks == n_lru == n_atime:
-                raise RuntimeError(
-                    f"disk tier: {n_blocks} blocks, {n_atime} atime, {n_lru} lru entries (a bug)"
-                )
-            if total != used:
-                raise RuntimeError(f"disk tier: accounted {used} bytes, records take {total} (a bug)")
+        disk_scan.check_integrity(self._env, self._ix, self._mirror, self._tag)
 
     def scrub(self) -> ScrubResult:
-        """Validate every record (header, key, checksum; layout for this namespace's); delete
-        the damaged ones. Sound records of other stores sharing the directory are counted and
-        left alone.
-
-        Reads in one snapshot, then deletes in one write transaction. Token ids are checked
-        against the record's own header only (the caller's tokens are not known here).
-        """
+        """Verify every block's entry and payload checksum (any namespace) and delete the
+        damaged ones; sound blocks of other namespaces are counted and left alone. Reads in
+        one snapshot, deletes in one write transaction. Token ids are checked against the
+        entry's own (the caller's tokens are not known here)."""
         self._check_open()
-        damaged: list[BlockHash] = []
-        num_ok = num_foreign = 0
-        with begin(self._env, db=self._blocks, buffers=True) as txn:
-            for h, value in txn.cursor():
-                key = BlockKey(BlockHash(bytes(h)))
-                try:
-                    hdr, _ = self.codec.parse(value, key.block_hash)  # damaged for every reader
-                    if hdr.get("ns", self._namespace) != self._namespace or (
-                        "ns" not in hdr and not self.codec.is_own_layout(hdr)
-                    ):
-                        num_foreign += 1  # sound, another store's: not ours to judge or delete
-                        continue
-                    self.codec.decode(value, key)
-                except CorruptRecordError:
-                    damaged.append(key.block_hash)
-                else:
-                    num_ok += 1
+        result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._codec)
         if damaged:
-            self.counters.num_corrupt += len(damaged)
-            self._discard_damaged(damaged)
-        return ScrubResult(num_ok, len(damaged), num_foreign)
+            num = self._remove(damaged, damaged=True, reclaim=True)
+            self.counters.num_corrupt += num
+            result = result._replace(num_corrupt=num)
+        return result
 
     def occupancy(self) -> Occupancy:
         self._check_open()
         with begin(self._env) as txn:
-            _, used = self._read_meta(txn)
-            num = int(txn.stat(self._blocks)["entries"])
+            used = self._ix.get_u64(txn, b"used")
+            num = int(txn.stat(self._ix.index)["entries"])
         return Occupancy(num, self.capacity_blocks, used, self._capacity_bytes)

@@ -1,4 +1,5 @@
-"""One LMDB environment per directory per process, shared by reference count.
+"""One LMDB environment (the disk tier's index) per directory per process, shared by
+reference count.
 
 LMDB forbids opening one file twice in a process, so every disk tier on a directory shares
 one `lmdb.Environment`. This module opens it (turning every way an open can fail into a
@@ -89,7 +90,7 @@ def acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environ
         _check_address_space(map_size, path)
         try:
             env = lmdb.open(
-                real, map_size=map_size, max_dbs=4, max_readers=1024,
+                real, map_size=map_size, max_dbs=8, max_readers=1024,
                 sync=sync, metasync=sync, readahead=True, meminit=False, lock=True,
             )
         except (lmdb.Error, MemoryError, OverflowError, ValueError) as exc:

@@ -1,4 +1,7 @@
-"""The disk tier's self-checking record: encoding, validation and the payload copy-out.
+"""A self-checking block record: encoding, validation and the payload copy-out.
+
+The remote tier stores its values in this form (it is the first disk format's record; the
+disk tier now keeps payloads in slot files and their checks in its index, `tiers/disk_*.py`).
 
 Record = b"KVS1" | u32 header length | msgpack header | payload. The header names the
 format version, the key, the namespace of the store that wrote it, the layout (dtype,
@@ -30,15 +33,6 @@ from tiers.errors import ConfigError, CorruptRecordError
 FORMAT_VERSION = 1
 _MAGIC = b"KVS1"
 _PREFIX = struct.Struct("<4sI")
-_PAGE = 4096
-_ENTRY_OVERHEAD = 128  # atime + lru entries and B-tree slack per block
-
-
-def record_bytes_on_disk(value_len: int) -> int:
-    """Bytes a record of `value_len` occupies in LMDB: overflow pages plus index entries."""
-    return -(-(value_len + 16) // _PAGE) * _PAGE + _ENTRY_OVERHEAD
-
-
 
 
 class UnverifiableRecordError(CorruptRecordError):

@@ -1,36 +1,36 @@
-"""Corruption: damage records inside the LMDB file and check every one is a miss, then gone.
+"""Corruption: damage blocks on disk and check every one is a miss, then gone.
 
-Two ways in, both worth testing: raw damage to data.mdb (bytes found by searching the file for
-the record the tier wrote: flipped bits, a torn run of zeros, damaged magic or header) and
-well-formed LMDB values with wrong contents (truncated, extended, empty, another key's record,
-another layout's header, another prefix's token ids under a valid checksum). One block per
-prompt is damaged; the prompt must then come back exactly up to that block, the record must
-be deleted, the other prompts must be untouched, and the tier's invariants must hold.
+Two ways in, both worth testing: raw damage to the files (a payload's bytes in its slot file:
+a flipped bit, a torn run of zeros, a tail that never reached the device; an index entry's
+bytes inside data.mdb: its checksum, the slot it names, a token id) and well-formed index
+values with wrong contents written through LMDB (truncated, extended, empty, another key's
+entry, another layout's, another prefix's token ids under a valid checksum). One block per
+prompt is damaged; the prompt must then come back exactly up to that block, the block must be
+deleted, the other prompts must be untouched, and the tier's invariants must hold.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import lmdb
-import msgpack
 import numpy as np
 import pytest
 import torch
 
 from kvstore import KVCacheStore, KVLayout
-from tiers.base import BlockKey
 from tiers.cpu import CPUTier
-from tiers.lmdb import LMDBTier
+from tiers.disk_index import pack_entry
+from tiers.lmdb import LMDBTier, PayloadLocation
 
+from . import diskdamage
 from .budget import BUDGET
 from .conftest import Figures
 from .kvgen import BLOCK, LAYOUT, SMALL_BLOCK, SMALL_LAYOUT, check_kv, make_kv, open_store
 
-RAW_KINDS = ("payload-bit", "header-byte", "magic-byte", "zero-run", "tail-zeroed")
+RAW_KINDS = ("payload-bit", "entry-checksum", "entry-slot", "zero-run", "tail-zeroed", "entry-tokens")
 VALUE_KINDS = ("truncated", "extended", "empty", "other-key", "other-layout", "other-tokens")
-LAYOUTS = {"overflow-pages": (LAYOUT, BLOCK), "leaf-pages": (SMALL_LAYOUT, SMALL_BLOCK)}
+# 4 KiB payloads fill page-sized slots; 256-byte ones share pages with their neighbours.
+LAYOUTS = {"page-slots": (LAYOUT, BLOCK), "small-slots": (SMALL_LAYOUT, SMALL_BLOCK)}
 
 
 def _disk(store: KVCacheStore) -> LMDBTier:
@@ -51,68 +51,31 @@ def _populate(path: Path, layout: KVLayout, block: int, num_prompts: int, seed: 
     return store, prompts
 
 
-def _key_and_block(
-    store: KVCacheStore, tokens: np.ndarray, index: int, layout: KVLayout, block: int
-) -> tuple[BlockKey, torch.Tensor]:
-    block_tokens = tokens[index * block : (index + 1) * block].tobytes()
-    key = BlockKey(store.block_hashes(tokens)[index], block_tokens)
-    kv = make_kv(tokens[: (index + 1) * block], layout, block)[:, :, index * block :]
-    return key, kv.contiguous()
+def _location(store: KVCacheStore, tokens: np.ndarray, index: int) -> PayloadLocation:
+    loc = _disk(store).payload_location(store.block_hashes(tokens)[index])
+    assert loc is not None
+    return loc
 
 
-def _tampered_value(kind: str, record: bytes, other: bytes, tier: LMDBTier, key: BlockKey,
-                    kv: torch.Tensor, rng: np.random.Generator) -> bytes:
+def _tampered_value(kind: str, path: Path, loc: PayloadLocation, other: PayloadLocation, block: int,
+                    rng: np.random.Generator) -> bytes:
+    entry = diskdamage.read_entry(path, loc.index_key)
+    raw = pack_entry(entry)
     if kind == "truncated":
-        return record[: int(rng.integers(1, len(record)))]
+        return raw[: int(rng.integers(1, len(raw)))]
     if kind == "extended":
-        return record + bytes(rng.integers(1, 64, dtype=np.uint8).item())
+        return raw + bytes(rng.integers(1, 64, dtype=np.uint8).item())
     if kind == "empty":
         return b""
     if kind == "other-key":
-        return other
-    hlen = int.from_bytes(record[4:8], "little")
-    header = msgpack.unpackb(record[8 : 8 + hlen])
+        return pack_entry(diskdamage.read_entry(path, other.index_key))
     if kind == "other-layout":
-        header["dtype"] = "float32" if header["dtype"] != "float32" else "float16"
-        packed = msgpack.packb(header, use_bin_type=True)
-        return b"KVS1" + len(packed).to_bytes(4, "little") + packed + record[8 + hlen :]
-    assert kind == "other-tokens"  # a colliding prefix: valid record, wrong token ids
-    other_tokens = bytes(reversed(key.tokens))
-    if other_tokens == key.tokens:
-        other_tokens = b"\x01" * len(key.tokens)
-    return bytes(tier.codec.encode(BlockKey(key.block_hash, other_tokens), kv))
-
-
-def _damage_file(data: bytearray, record: bytes, kind: str, rng: np.random.Generator) -> None:
-    """Damage `record` in the file image; copy-on-write leaves stale copies in free pages, so
-    every copy gets the same damage (the live one among them)."""
-    places = []
-    at = data.find(record)
-    while at >= 0:
-        places.append(at)
-        at = data.find(record, at + 1)
-    assert places, "record not found in data.mdb"
-    n, hlen = len(record), int.from_bytes(record[4:8], "little")
-    if kind == "payload-bit":
-        start = 8 + hlen + int(rng.integers(n - 8 - hlen))
-        edit = bytes([record[start] ^ (1 << int(rng.integers(8)))])
-    elif kind == "header-byte":
-        start = 8 + int(rng.integers(hlen))
-        edit = bytes([record[start] ^ int(rng.integers(1, 256))])
-    elif kind == "magic-byte":
-        start = int(rng.integers(8))
-        edit = bytes([record[start] ^ int(rng.integers(1, 256))])
-    else:  # zero-run: a torn sector somewhere; tail-zeroed: the end never reached the disk
-        if kind == "zero-run":
-            start = int(rng.integers(n - 16))
-            end = min(n, start + int(rng.integers(16, 513)))
-        else:
-            start, end = n - int(rng.integers(1, min(n - 8, 2048))), n
-        edit = bytes(end - start)
-        if edit == record[start:end]:
-            edit = b"\xff" + edit[1:]
-    for at in places:
-        data[at + start : at + start + len(edit)] = edit
+        return pack_entry(entry._replace(layout=entry.layout ^ 1))
+    assert kind == "other-tokens"  # a colliding prefix: sound entry, wrong token ids
+    other_tokens = bytes(reversed(entry.tokens))
+    if other_tokens == entry.tokens:
+        other_tokens = b"\x01" * len(entry.tokens)
+    return diskdamage.entry_with_tokens(path, loc, other_tokens)
 
 
 def _check_after_damage(path: Path, layout: KVLayout, block: int, prompts: list[np.ndarray],
@@ -152,19 +115,17 @@ def test_raw_file_damage_is_a_miss(tmp_path: Path, layout_name: str, figures: Fi
         path = tmp_path / f"r{r}"
         store, prompts = _populate(path, layout, block, per_round + 4, int(rng.integers(2**31)))
         damaged: dict[int, int] = {}
-        records: list[tuple[bytes, str]] = []
+        targets: list[tuple[PayloadLocation, str]] = []
         for i in range(per_round):
             index = int(rng.integers(len(prompts[i]) // block))
-            key, kv = _key_and_block(store, prompts[i], index, layout, block)
-            kind = RAW_KINDS[(r + i) % len(RAW_KINDS)]
-            records.append((bytes(_disk(store).codec.encode(key, kv)), kind))
+            targets.append((_location(store, prompts[i], index), RAW_KINDS[(r + i) % len(RAW_KINDS)]))
             damaged[i] = index
         store.close()
-        data_path = path / "data.mdb"
-        data = bytearray(data_path.read_bytes())
-        for record, kind in records:
-            _damage_file(data, record, kind, rng)
-        data_path.write_bytes(data)
+        for loc, kind in targets:
+            if kind.startswith("entry-"):
+                diskdamage.damage_entry_in_file(path, loc.index_key, kind, rng)
+            else:
+                diskdamage.damage_payload(loc, kind, rng)
         via_scrub = r % 2 == 1
         num_detected += _check_after_damage(path, layout, block, prompts, damaged, via_scrub)
         num_injected += len(damaged)
@@ -182,25 +143,16 @@ def test_wrong_values_are_a_miss(tmp_path: Path, layout_name: str, figures: Figu
     for r in range(-(-BUDGET.num_corruptions // per_round)):
         path = tmp_path / f"r{r}"
         store, prompts = _populate(path, layout, block, per_round + 4, int(rng.integers(2**31)))
-        disk = _disk(store)
         damaged: dict[int, int] = {}
-        values: dict[bytes, bytes] = {}
+        targets: list[tuple[PayloadLocation, str]] = []
+        other = _location(store, prompts[-1], 0)
         for i in range(per_round):
             index = int(rng.integers(len(prompts[i]) // block))
-            key, kv = _key_and_block(store, prompts[i], index, layout, block)
-            okey, okv = _key_and_block(store, prompts[-1], 0, layout, block)
-            record = bytes(disk.codec.encode(key, kv))
-            kind = VALUE_KINDS[(r + i) % len(VALUE_KINDS)]
-            other = bytes(disk.codec.encode(okey, okv))
-            values[key.block_hash] = _tampered_value(kind, record, other, disk, key, kv, rng)
+            targets.append((_location(store, prompts[i], index), VALUE_KINDS[(r + i) % len(VALUE_KINDS)]))
             damaged[i] = index
         store.close()
-        with lmdb.open(str(path), max_dbs=4) as env:
-            blocks = env.open_db(b"blocks")
-            with env.begin(write=True, db=blocks) as txn:
-                for h, value in values.items():
-                    assert txn.get(h) is not None
-                    txn.put(h, value)
+        values = {loc.index_key: _tampered_value(kind, path, loc, other, block, rng) for loc, kind in targets}
+        diskdamage.put_entries(path, values)
         # Scrub cannot see a colliding prefix (it has no query tokens): only retrieval can.
         num_detected += _check_after_damage(path, layout, block, prompts, damaged, via_scrub=False)
         num_injected += len(damaged)
@@ -210,26 +162,16 @@ def test_wrong_values_are_a_miss(tmp_path: Path, layout_name: str, figures: Figu
 
 
 def test_damage_under_a_running_store(tmp_path: Path, figures: Figures) -> None:
-    """Bits flipped in data.mdb while a store has it mapped: the next read sees and drops them."""
+    """Bits flipped in a slot file while a store has it open: the next read sees and drops them."""
     rng = np.random.default_rng([BUDGET.seed, 22])
     store, prompts = _populate(tmp_path, LAYOUT, BLOCK, 12, 5)
     try:
         disk = _disk(store)
         damaged = {}
-        fd = os.open(tmp_path / "data.mdb", os.O_RDWR)
-        try:
-            data = os.pread(fd, os.fstat(fd).st_size, 0)
-            for i in range(8):
-                index = int(rng.integers(len(prompts[i]) // BLOCK))
-                key, kv = _key_and_block(store, prompts[i], index, LAYOUT, BLOCK)
-                record = bytes(disk.codec.encode(key, kv))
-                at = data.find(record)
-                assert at >= 0
-                pos = at + len(record) - 1 - int(rng.integers(LAYOUT.block_bytes(BLOCK)))
-                os.pwrite(fd, bytes([data[pos] ^ 0x10]), pos)
-                damaged[i] = index
-        finally:
-            os.close(fd)
+        for i in range(8):
+            index = int(rng.integers(len(prompts[i]) // BLOCK))
+            diskdamage.damage_payload(_location(store, prompts[i], index), "payload-bit", rng)
+            damaged[i] = index
         for i, tokens in enumerate(prompts):
             res = store.retrieve(tokens)
             assert res.num_tokens == damaged.get(i, len(tokens) // BLOCK) * BLOCK

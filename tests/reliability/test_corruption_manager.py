@@ -1,15 +1,14 @@
 """Corruption seen through the manager: a lower-tier block that fails validation while
 `allocate_slots` loads it into the pool must shorten `num_computed_tokens` to the blocks
 before it (the runner recomputes the rest), never hand damaged KV to the runner, and the
-damaged copy must be gone. Damage: tampered LMDB values (flipped payload bit, another
-prefix's token ids under a valid checksum), flipped bits in CPU slots (`cpu_checksums`), and
+damaged copy must be gone. Damage: a flipped payload bit in its slot file, an index entry
+naming another prefix's token ids under a valid checksum, flipped bits in CPU slots (`cpu_checksums`), and
 a pool block whose token ids differ from the request's (a simulated hash collision)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -17,10 +16,10 @@ import torch
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore
 from tests.conftest import POOL_DEVICE
-from tiers.base import BlockKey
 from tiers.cpu import CPUTier
 from tiers.lmdb import LMDBTier
 
+from . import diskdamage
 from .budget import BUDGET
 from .conftest import Figures
 from .kvgen import BLOCK, LAYOUT, make_kv, open_store
@@ -56,26 +55,22 @@ def test_damaged_disk_record_shortens_the_prefix(tmp_path: Path, kind: str, figu
     with open_store(str(tmp_path), pool_blocks=16, pool_device=POOL_DEVICE) as store:
         for tokens in prompts:
             store.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        damaged = {i: int(rng.integers(len(t) // BLOCK)) for i, t in enumerate(prompts) if i % 2 == 0}
+    # close() spilled the pool to disk; damage the blocks there, then serve from a cold pool.
+    with open_store(str(tmp_path), pool_blocks=16, pool_device=POOL_DEVICE) as store:
         disk = store.tiers[-1]
         assert isinstance(disk, LMDBTier)
-        damaged = {i: int(rng.integers(len(t) // BLOCK)) for i, t in enumerate(prompts) if i % 2 == 0}
-        values = {}
-        for i, index in damaged.items():
-            tokens = prompts[i]
-            h = store.block_hashes(tokens)[index]
-            block_tokens = tokens[index * BLOCK : (index + 1) * BLOCK].tobytes()
-            kv = make_kv(tokens[: (index + 1) * BLOCK], LAYOUT, BLOCK)[:, :, index * BLOCK :].contiguous()
-            if kind == "payload-bit":
-                record = bytearray(disk.codec.encode(BlockKey(h, block_tokens), kv))
-                record[-1 - int(rng.integers(LAYOUT.block_bytes(BLOCK)))] ^= 1 << int(rng.integers(8))
-            else:  # valid record and checksum, but another prefix's token ids
-                record = bytearray(disk.codec.encode(BlockKey(h, bytes(reversed(block_tokens))), kv))
-            values[h] = bytes(record)
-    # close() spilled the pool to disk; damage the records there, then serve from a cold pool.
-    with lmdb.open(str(tmp_path), max_dbs=4) as env, env.begin(write=True, db=env.open_db(b"blocks")) as txn:
-        for h, value in values.items():
-            assert txn.get(h) is not None
-            txn.put(h, value)
+        locations = {i: disk.payload_location(store.block_hashes(prompts[i])[index]) for i, index in damaged.items()}
+    values = {}
+    for loc in locations.values():
+        assert loc is not None
+        if kind == "payload-bit":
+            diskdamage.damage_payload(loc, "payload-bit", rng)
+        else:  # a sound entry and checksum, but another prefix's token ids
+            tokens = diskdamage.read_entry(tmp_path, loc.index_key).tokens
+            values[loc.index_key] = diskdamage.entry_with_tokens(tmp_path, loc, bytes(reversed(tokens)))
+    if values:
+        diskdamage.put_entries(tmp_path, values)
     with open_store(str(tmp_path), pool_blocks=64, pool_device=POOL_DEVICE) as store:
         num_blocks = _serve_all(store, prompts, damaged)
         disk = store.tiers[-1]

@@ -1,0 +1,278 @@
+"""Whole-index passes of the disk tier: the checks of a directory before it is opened,
+integrity, scrub, roots-first enumeration, wipe, and the per-namespace summary `kvstrata
+inspect` prints (`summarize`, read-only)."""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lmdb
+import msgpack
+import numpy as np
+
+from tiers.base import BlockHash, BlockKey, ScrubResult
+from tiers.disk_codec import DiskCodec
+from tiers.disk_files import SlotFiles
+from tiers.disk_index import (
+    DB_NAMES,
+    FORMAT,
+    OLD_DB_NAMES,
+    TAG_BYTES,
+    Entry,
+    Index,
+    block_cost,
+    unpack_entry,
+)
+from tiers.disk_mirror import Mirror
+from tiers.disk_payload import payload_sum
+from tiers.errors import ConfigError, CorruptRecordError
+from tiers.lmdb_env import _ENVS, begin
+from tiers.lmdb_record import UnverifiableRecordError
+
+unpack = unpack_entry
+_BE_TICK = 8
+
+
+def open_index(env: lmdb.Environment, path: str) -> Index:
+    """The index of the disk tier at `path` (its sub-databases created if new). Raises
+    `ConfigError`, having created nothing, for an LMDB store that is not kvstrata's, a disk
+    tier of the first format, or one of a format this version does not read."""
+    with begin(env) as txn:
+        names = {bytes(k) for k in txn.cursor().iternext(values=False)}
+    if names - set(DB_NAMES) and not set(OLD_DB_NAMES) <= names:  # checked before anything is created
+        raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's (its keys include "
+                          f"{sorted(names - set(DB_NAMES))[:3]}); nothing was changed")
+    if set(OLD_DB_NAMES) <= names:
+        raise ConfigError(
+            f"disk_path {path!r} holds a disk tier in kvstrata's first on-disk format (block records inside "
+            "LMDB), which this version does not read; nothing was changed. Use another disk_path, or move "
+            "that directory away (or delete it) to start an empty disk tier there")
+    try:
+        ix = Index(env)
+    except lmdb.Error as exc:  # a key of ours that is no sub-database: not our store
+        raise ConfigError(f"disk_path {path!r} holds an LMDB store that is not kvstrata's: {exc}") from None
+    with begin(env) as txn:
+        fmt = txn.get(b"format", db=ix.meta)
+    if fmt is not None and bytes(fmt) != FORMAT:
+        raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)!r}, which this version "
+                          f"of kvstrata does not read (it reads {FORMAT!r}); use another disk_path")
+    return ix
+
+
+def same_entry(env: lmdb.Environment, ix: Index, key: bytes, e: Entry) -> bool:
+    """Whether `key` still names the payload `e` names (else it was evicted or rewritten
+    since `e` was read: a failed read of it was a race, not damage)."""
+    with begin(env, db=ix.index, buffers=True) as txn:
+        raw = txn.get(key)
+        if raw is None:
+            return False
+        try:
+            cur = unpack_entry(raw)
+        except CorruptRecordError:
+            return True  # the entry itself is damaged now
+    return (cur.gen, cur.slot_bytes, cur.slot, cur.xxh) == (e.gen, e.slot_bytes, e.slot, e.xxh)
+
+
+def payload_sound(files: SlotFiles, key: bytes, e: Entry, buffers: dict[int, np.ndarray] | None = None) -> bool:
+    """Whether the payload `e` names is whole and passes its checksum (read into one of
+    `buffers`, by slot size, where given)."""
+    buf = None if buffers is None else buffers.get(e.slot_bytes)
+    if buf is None:
+        buf = np.empty(e.slot_bytes, dtype=np.uint8)
+        if buffers is not None:
+            buffers[e.slot_bytes] = buf
+    payload = buf[: e.length]
+    return files.read(e.slot_bytes, e.slot, [payload]) == e.length and payload_sum(key, e, [payload]) == e.xxh
+
+
+def held_keys(env: lmdb.Environment, ix: Index, tag: bytes) -> tuple[list[BlockKey], int]:
+    """One namespace's blocks whose entries carry token ids, parent and extras, as keys, each
+    after its parent (blocks whose parent is not held come first), from one snapshot; and how
+    many of the namespace's blocks lack any of the three."""
+    n = len(tag)
+    items: dict[BlockHash, BlockKey] = {}
+    num_without = 0
+    with begin(env, buffers=True) as txn:
+        for key in ix.keys_of(txn, tag):
+            try:
+                e = unpack_entry(txn.get(key, db=ix.index))
+            except CorruptRecordError:
+                continue
+            if not (e.tokens and e.parent and e.extras is not None):
+                num_without += 1
+                continue
+            h = BlockHash(key[n:])
+            items[h] = BlockKey(h, e.tokens, e.parent, e.extras)
+    children: dict[bytes, list[BlockHash]] = {}
+    queue: deque[BlockHash] = deque()
+    for h, k in items.items():
+        if k.parent in items and k.parent != h:
+            children.setdefault(bytes(k.parent or b""), []).append(h)
+        else:
+            queue.append(h)
+    out: list[BlockKey] = []
+    seen: set[BlockHash] = set()
+    while queue:
+        h = queue.popleft()
+        seen.add(h)
+        out.append(items[h])
+        queue.extend(c for c in children.get(h, ()) if c not in seen)
+    out.extend(items[h] for h in items if h not in seen)  # a cycle: only by damage
+    return out, num_without
+
+
+def check_integrity(env: lmdb.Environment, ix: Index, mirror: Mirror, tag: bytes) -> None:
+    """Raise `RuntimeError` (a bug) unless, in one snapshot: every entry is in the LRU order
+    and the order holds nothing else, no slot is named twice or both named and free, every
+    slot lies below its file's high-water mark, the accounted bytes match the entries, and
+    this process's in-memory copy matches the namespace's keys."""
+    with begin(env) as txn:
+        hwm = ix.hwms(txn)
+        free = set(ix.free_slots(txn))
+        used = ix.get_u64(txn, b"used")
+        total = num_entries = 0
+        sound = True
+        slots: set[tuple[int, int]] = set()
+        for key, raw in ix.entries(txn):
+            num_entries += 1
+            try:
+                e = unpack_entry(raw)
+            except CorruptRecordError:
+                sound = False  # damage, deleted when read; not an invariant of the code
+                continue
+            total += block_cost(e.slot_bytes)
+            if txn.get(e.tick.to_bytes(_BE_TICK, "big"), db=ix.order) != key:
+                raise RuntimeError(f"disk tier: block {key.hex()} missing from the LRU order (a bug)")
+            where = (e.slot_bytes, e.slot)
+            if where in slots or where in free:
+                raise RuntimeError(f"disk tier: slot {where} named twice or named and free (a bug)")
+            if e.slot >= hwm.get(e.slot_bytes, 0):
+                raise RuntimeError(f"disk tier: slot {where} beyond its file's high-water mark (a bug)")
+            slots.add(where)
+        num_order = int(txn.stat(ix.order)["entries"])
+        if num_order != num_entries:
+            raise RuntimeError(f"disk tier: {num_entries} entries but {num_order} in the LRU order (a bug)")
+        if any(s >= hwm.get(size, 0) for size, s in free):
+            raise RuntimeError("disk tier: a free slot beyond its file's high-water mark (a bug)")
+        if sound and total != used:
+            raise RuntimeError(f"disk tier: accounted {used} bytes, entries take {total} (a bug)")
+        mirror.check(txn)
+
+
+def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes,
+          codec: DiskCodec) -> tuple[ScrubResult, list[tuple[bytes, int | None]]]:
+    """Verify every entry and payload (as stored, whatever its codec) of one snapshot, and
+    this namespace's entries against its layout; return the counts and the damaged (key,
+    generation) pairs for the caller to delete (a generation: only if unchanged). A sound
+    payload this reader does not decode (`DiskCodec.check`) is not damage."""
+    with begin(env) as txn:
+        items = list(ix.entries(txn))
+    num_ok = num_foreign = 0
+    damaged: list[tuple[bytes, int | None]] = []
+    buffers: dict[int, np.ndarray] = {}
+    for key, raw in items:
+        try:
+            e = unpack_entry(raw)
+        except CorruptRecordError:
+            damaged.append((key, None))
+            continue
+        own = key[:TAG_BYTES] == tag
+        sound = payload_sound(files, key, e, buffers)
+        if sound and own:
+            try:
+                codec.check(e)
+            except UnverifiableRecordError:
+                pass  # sound, in a form this reader does not decode: left alone
+            except CorruptRecordError:
+                sound = False
+        if not sound:
+            damaged.append((key, e.gen))
+        elif own:
+            num_ok += 1
+        else:
+            num_foreign += 1
+    return ScrubResult(num_ok, len(damaged), num_foreign), damaged
+
+
+def wipe(ix: Index, txn: lmdb.Transaction, log_keep: int) -> None:
+    """Delete every entry, slot and log record of every namespace (the caller empties the
+    data files before committing). Every process's in-memory copy rebuilds (the log position
+    it holds no longer exists)."""
+    seq = ix.get_u64(txn, b"seq")
+    for db in (ix.index, ix.order, ix.free, ix.log):
+        txn.drop(db, delete=False)
+    hwm_keys = [bytes(k) for k in txn.cursor(db=ix.meta).iternext(values=False) if bytes(k).startswith(b"hwm")]
+    for key in hwm_keys:
+        txn.delete(key, db=ix.meta)
+    ix.put_u64(txn, b"seq", seq + log_keep + 1)
+    ix.put_u64(txn, b"used", 0)
+
+
+@contextmanager
+def _read_only_index(path: str) -> Iterator[tuple[lmdb.Environment, Any]]:
+    """The index under `path`, read-only: this process's open environment if it has one,
+    else a read-only open (readers take no writer lock)."""
+    real = os.path.realpath(path)
+    shared = _ENVS.find(real)
+    if shared is not None:
+        yield shared, [shared.open_db(n) for n in DB_NAMES]
+        return
+    try:
+        env = lmdb.open(real, readonly=True, lock=True, max_dbs=8, create=False)
+    except lmdb.Error as exc:
+        raise ValueError(f"{path!r} is not a readable LMDB environment: {exc}") from None
+    try:
+        with env.begin() as txn:
+            if all(txn.get(name) is not None for name in OLD_DB_NAMES):
+                raise ValueError(f"{path!r} holds a disk tier in kvstrata's first on-disk format, which this "
+                                 "version does not read")
+        try:
+            dbs = [env.open_db(n, create=False) for n in DB_NAMES]
+        except lmdb.Error:
+            raise ValueError(f"{path!r} is an LMDB environment but not a kvstrata disk tier") from None
+        yield env, dbs
+    finally:
+        env.close()
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Per-namespace summary of the disk tier at `path`: identity, budget, blocks, bytes,
+    least and most recent LRU ticks; the data files. Raises `ValueError` naming the problem
+    if `path` holds no kvstrata disk tier."""
+    if not os.path.isfile(os.path.join(path, "data.mdb")):
+        raise ValueError(f"{path!r} holds no kvstrata disk tier (no data.mdb)")
+    with _read_only_index(path) as (env, dbs):
+        index_db, _, _, _, meta = dbs
+        spaces: dict[bytes, dict[str, Any]] = {}
+        with env.begin(buffers=True) as txn:
+            for key, value in txn.cursor(db=meta):
+                if bytes(key).startswith(b"ns:"):
+                    entry = msgpack.unpackb(bytes(value), raw=False)
+                    tag = entry.get("tag") or b""
+                    spaces[tag] = {"namespace": bytes(key)[3:].hex(), "identity": entry.get("identity"),
+                                   "capacity_bytes": entry.get("capacity_bytes"), "blocks": 0, "bytes": 0,
+                                   "oldest_tick": None, "newest_tick": None}
+            for key, raw in txn.cursor(db=index_db):
+                tag = bytes(key)[:TAG_BYTES]
+                space = spaces.setdefault(tag, {"namespace": f"(unregistered tag {tag.hex()})", "identity": None,
+                                                "capacity_bytes": None, "blocks": 0, "bytes": 0,
+                                                "oldest_tick": None, "newest_tick": None})
+                try:
+                    e = unpack_entry(raw)
+                except CorruptRecordError:
+                    continue
+                space["blocks"] += 1
+                space["bytes"] += block_cost(e.slot_bytes)
+                old, new = space["oldest_tick"], space["newest_tick"]
+                space["oldest_tick"] = e.tick if old is None else min(old, e.tick)
+                space["newest_tick"] = e.tick if new is None else max(new, e.tick)
+        info = env.info()
+    files = SlotFiles(path).file_sizes()
+    return {"path": os.path.abspath(path), "map_bytes": info["map_size"],
+            "index_bytes": os.path.getsize(os.path.join(path, "data.mdb")),
+            "data_files": {str(size): n for size, n in sorted(files.items())},
+            "namespaces": {s.pop("namespace"): s for s in spaces.values()}}
