@@ -221,3 +221,17 @@ def test_background_loads_end_once_every_group_did_and_failures_fail_the_request
     assert worker.take_load_errors() == set()  # several groups: vLLM takes no block ids
     assert (layers["l1"][5] == 1).all() and not layers["l1"][6].any()
     worker.flush()
+
+
+def test_a_prompt_filling_its_last_block_keeps_the_window_its_repeat_needs() -> None:
+    """A repeated prompt hits at most up to the block before its last token. When the prompt
+    fills its last block, that is one block short of where the prompt ended: the window
+    before that point is kept too (before, only the window before the prompt's end was, and
+    a repeat of a 512-token prompt never hit a windowed model)."""
+    planner = TransferPlanner(B, lambda tokens, keys: 0, [FULL, WINDOW])
+    tokens = list(range(24))  # exactly 6 blocks: a repeat hits at most 5
+    planner.num_new_matched_tokens("r", tokens, 0)
+    planner.on_alloc("r", tokens, 0)
+    ids = [list(range(1, 7)), [0, 0, 0, 14, 15, 16]]
+    (save,) = planner.build([("r", 0, 24)], lambda _: ids).saves
+    assert save.groups[1] == GroupBlocks(3, (14, 15, 16))  # [4, 6) for a hit of 6; [3, 5) for 5

@@ -19,7 +19,7 @@ else:
 
 from bench.tiny_arch import build_tiny_arch
 from bench.tiny_model import build_tiny_llama
-from tests.vllm_engines import connector, per_worker, prompt, reply, run_engine
+from tests.vllm_engines import connector, disk_blocks, per_worker, prompt, reply, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,9 +41,8 @@ def test_llama_is_served_by_kvstrata_across_ranks(layout: str, tmp_path: Path) -
     first = run_engine({**spec, "prompts": [ids], "rounds": 2, "reset_between": True}, env=TWO_CPUS)
     (cold, out), (warm, again) = reply(first, 0), reply(first, 1)
     assert (cold, warm) == (0, 288) and again == out
-    # Both workers stored all 9 blocks as new: had their keys been the same, the second
-    # writer would have found the first one's blocks already there.
     assert per_worker(first, "save_new_blocks") == [9, 9]
+    assert disk_blocks(spec["connector"]) == [9, 9]  # under two namespaces: never each other's keys
     assert per_worker(first, "load_tokens_cpu") == [288, 288]
     restart = run_engine({**spec, "prompts": [ids]}, env=TWO_CPUS)
     assert reply(restart, 0) == (288, out)
@@ -72,12 +71,14 @@ def test_mla_latent_is_stored_once_per_engine_at_tensor_parallel_1_and_2(tmp_pat
     tp1 = run_engine({**spec, "prompts": [a], "rounds": 2})
     assert [reply(tp1, r)[0] for r in range(2)] == [0, hit]
     assert reply(tp1, 1)[1] == reply(reference, 1)[1]  # the same tokens as vLLM's own connector
+    assert disk_blocks(spec["connector"]) == [hit // 16]
     assert reply(run_engine({**spec, "prompts": [a]}), 0) == reply(tp1, 1)  # a new process
 
     tp2 = {**spec, "llm": {**base["llm"], "tensor_parallel_size": 2}}
     first = run_engine({**tp2, "prompts": [a, b], "rounds": [[0], [1], [0], [1]]}, env=TWO_CPUS)
     assert [reply(first, r)[0] for r in range(4)] == [0, 0, hit, hit]  # TP 1's latent does not serve TP 2
     assert per_worker(first, "save_new_blocks") == [2 * hit // 16, 0]  # once, by rank 0
+    assert disk_blocks(spec["connector"]) == [hit // 16, 2 * hit // 16]  # TP 1's a; TP 2's a and b
     loaded = [c + d for c, d in zip(per_worker(first, "load_tokens_cpu"), per_worker(first, "load_tokens_disk"))]
     assert loaded == [2 * hit, 2 * hit]  # by both ranks (rank 1 from disk: it stores nothing itself)
     restart = run_engine({**tp2, "prompts": [a, b], "rounds": [[0, 1]]}, env=TWO_CPUS)

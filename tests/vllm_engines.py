@@ -71,3 +71,10 @@ def reply(result: dict, round_index: int, position: int = 0) -> tuple[int, list[
     """(cached prompt tokens, generated tokens) of one request of one round."""
     r = result["rounds"][round_index][position]
     return r["num_cached_tokens"], r["output"]
+
+
+def disk_blocks(settings: dict[str, object]) -> list[int]:
+    """The blocks each namespace holds on the connector's disk (`kvstrata inspect`), sorted."""
+    from bench.inspect_disk import inspect
+
+    return sorted(space["blocks"] for space in inspect(str(settings["disk_path"]))["namespaces"].values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -103,8 +104,10 @@ class StorePlanner:
         return int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
 
     def _manifest_key(self) -> dict[str, object]:
+        """What names one deployment's pipeline-stage manifests (vLLM's layer partition too)."""
         return {**self.deployment, "specs": [spec_identity(s) for s in self.specs],
-                "parallel": [self.places[-1].tp_size, self.places[-1].pp_size]}
+                "parallel": [self.places[-1].tp_size, self.places[-1].pp_size],
+                "partition": os.environ.get("VLLM_PP_LAYER_PARTITION")}
 
     def _config(self, group: int, layers: list[str], shard: Shard, *, cpu_bytes: int,
                 events: bool, write_through: bool) -> StoreConfig:

@@ -96,6 +96,12 @@ class _Request:
     load: tuple[int, int] | None  # block range to load in the next step
     extra_keys: ExtraKeys | None = None  # salt, adapter, multimodal inputs
     cacheable: bool = True  # False: nothing of it is saved (it cannot be keyed safely)
+    repeat_hit: int = 0  # the longest hit, in blocks, a repeat of its prompt can take
+
+
+def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ...], step_end: int) -> bool:
+    """Whether a block is saved: some hit ending at one of `hit_ends` needs it."""
+    return any(rule.savable(block, block_id, n, step_end) for n in hit_ends)
 
 
 def _trailing_run(blocks: range, block_ids: Sequence[int], keep: Callable[[int, int], bool]) -> GroupBlocks | None:
@@ -170,7 +176,8 @@ class TransferPlanner:
                     f"block-aligned store hit of {hit} tokens (a bug)"
                 )
             load = (num_computed // b, end // b)
-        self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable)
+        self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable,
+                                          repeat_hit=max(0, len(token_ids) - 1) // b)
 
     def take_load(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> BlockTransfer | None:
         """The load `on_alloc` recorded for `req_id`, into `block_ids` (the request's engine
@@ -238,10 +245,14 @@ class TransferPlanner:
         return plan
 
     def _save(self, state: _Request, block_ids: Sequence[Sequence[int]], done: int, step_end: int) -> BlockTransfer:
-        """The blocks in `[num_saved_blocks, done)` each group's rule keeps after this step."""
+        """The blocks in `[num_saved_blocks, done)` each group's rule keeps after this step:
+        those a hit of `done` blocks needs (a longer request continuing this one), and those
+        the longest hit of a repeat of the prompt needs (one block shorter when the prompt
+        fills its last block: a hit leaves one token to compute)."""
         groups = []
+        hit_ends = (done, min(done, state.repeat_hit))
         for rule, ids in zip(self.rules, block_ids, strict=True):
-            keep = functools.partial(rule.savable, num_done=done, step_end=step_end)
+            keep = functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)
             run = _trailing_run(range(state.num_saved_blocks, done), ids, keep)
             groups.append(run or GroupBlocks(done, ()))
         tokens = np.asarray(state.token_ids[: done * self.block_size], dtype=np.uint32)
