@@ -23,10 +23,12 @@ def prompt(seed: int, num_tokens: int) -> list[int]:
 
 
 def connector(path: Path, **overrides: object) -> dict[str, object]:
-    """The connector's settings over `path`: the defaults users get, with a disk and counters."""
+    """The connector's settings over `path`: the defaults users get, with a disk and counters,
+    and every hit loaded (these tiny models recompute a prompt faster than some loads take, so
+    the default load policy may rightly recompute: its own tests cover that)."""
     path.mkdir(parents=True, exist_ok=True)
     config: dict[str, object] = {"disk_path": str(path / "kv"), "disk_bytes": "256MiB", "cpu_bytes": "64MiB",
-                                 "stats_path": str(path / "stats")}
+                                 "stats_path": str(path / "stats"), "load_policy": "always"}
     config.update(overrides)
     return config
 

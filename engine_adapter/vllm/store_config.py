@@ -79,6 +79,10 @@ class StorePlanner:
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise ConfigError("kvstrata: vLLM gave the connector no KV cache group")
+        for i, g in enumerate(groups):
+            if getattr(g, "is_eagle_group", False):
+                raise ConfigError(f"kvstrata cannot serve KV cache group {i}: it holds a speculative-decoding draft "
+                                  "model's layers, whose last block vLLM may rewrite")
         self.specs = [g.kv_cache_spec for g in groups]
         self.layer_names = [list(g.layer_names) for g in groups]
         self.rules = [rule_for(spec, i) for i, spec in enumerate(self.specs)]
