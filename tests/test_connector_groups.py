@@ -235,3 +235,37 @@ def test_a_prompt_filling_its_last_block_keeps_the_window_its_repeat_needs() -> 
     ids = [list(range(1, 7)), [0, 0, 0, 14, 15, 16]]
     (save,) = planner.build([("r", 0, 24)], lambda _: ids).saves
     assert save.groups[1] == GroupBlocks(3, (14, 15, 16))  # [4, 6) for a hit of 6; [3, 5) for 5
+
+
+# -- tensor-parallel shards and the pipeline-stage manifest -----------------------------------------
+
+
+def test_ranks_holding_the_same_bytes_form_one_shard_written_by_its_first_rank() -> None:
+    from types import SimpleNamespace
+
+    from engine_adapter.vllm.parallel import Place, Shard, shard_of
+
+    mla = SimpleNamespace(max_tp_shards=1)  # the latent: the same on every rank
+    assert [shard_of(mla, Place(2, r, 1, 0)) for r in range(2)] == [Shard(2, 1, 0, True), Shard(2, 1, 0, False)]
+    gqa = SimpleNamespace(max_tp_shards=2)  # 2 KV heads over 4 ranks: pairs hold the same head
+    assert [(s.shard, s.writer) for s in (shard_of(gqa, Place(4, r, 1, 0)) for r in range(4))] == [
+        (0, True), (0, False), (1, True), (1, False)]
+    state = SimpleNamespace()  # no claim: every rank its own
+    assert [shard_of(state, Place(2, r, 1, 0)).shard for r in range(2)] == [0, 1]
+    assert shard_of(mla, Place(1, 0, 1, 0)).identity() is None  # no tensor parallelism: nothing in the key
+    assert shard_of(mla, Place(2, 1, 1, 0)).identity() == {"tp": 2, "shards": 1, "shard": 0}
+
+
+def test_stage_manifests_round_trip_and_a_missing_one_is_named(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from engine_adapter.vllm.parallel import Place, publish_layers, read_layers
+
+    deployment = {"model": "m", "parallel": [1, 2]}
+    stage1 = Place(1, 0, 2, 1)
+    publish_layers(str(tmp_path), deployment, stage1, [["model.layers.1.attn"], []])
+    assert read_layers(str(tmp_path), deployment, stage1, 2) == [["model.layers.1.attn"], []]
+    with pytest.raises(ConfigError, match=r"pipeline stage 0 \(tensor rank 0\) did not publish its layers"):
+        read_layers(str(tmp_path), deployment, Place(1, 0, 2, 0), 2)
+    with pytest.raises(ConfigError, match="did not publish"):  # another deployment's manifest is not this one's
+        read_layers(str(tmp_path), {**deployment, "model": "other"}, stage1, 2)
+    with pytest.raises(ConfigError, match="malformed"):
+        read_layers(str(tmp_path), deployment, stage1, 3)
