@@ -61,7 +61,7 @@ class GroupedWorker:
         for spec, store in stores:
             group_stats = stats if spec.group == primary else GroupStats(stats, f"group{spec.group}_")
             worker = ConnectorWorker(store, spec.config, list(spec.layer_names), num_blocks,
-                                     group_stats,  # type: ignore[arg-type]  (duck-typed counters)
+                                     group_stats,  # type: ignore[arg-type]  # duck-typed counters
                                      async_saves=async_saves)
             self.parts.append((spec.group, spec.writer, worker))
         stats.count("kv_cache_groups", len(self.parts))  # this worker's, once
