@@ -269,3 +269,16 @@ def test_stage_manifests_round_trip_and_a_missing_one_is_named(tmp_path) -> None
         read_layers(str(tmp_path), {**deployment, "model": "other"}, stage1, 2)
     with pytest.raises(ConfigError, match="malformed"):
         read_layers(str(tmp_path), deployment, stage1, 3)
+
+
+def test_a_chunked_group_keeps_the_chunk_a_repeat_needs_even_when_the_prompt_ends_a_chunk() -> None:
+    """A prompt ending on a chunk boundary needs nothing of the chunked group for a hit of all
+    its blocks, but its repeat hits one block shorter, inside the last chunk: that chunk's
+    first block is kept (before, only a run ending at the prompt's end was: nothing)."""
+    planner = TransferPlanner(B, lambda tokens, keys: 0, [FULL, CHUNKED])
+    tokens = list(range(32))  # 8 blocks, 4 chunks of 2: a repeat hits at most 7 blocks
+    planner.num_new_matched_tokens("r", tokens, 0)
+    planner.on_alloc("r", tokens, 0)
+    ids = [list(range(1, 9)), [0, 0, 0, 0, 0, 0, 17, 18]]
+    (save,) = planner.build([("r", 0, 32)], lambda _: ids).saves
+    assert save.groups[1] == GroupBlocks(6, (17,))  # block 6: the chunk [24, 32) before token 28

@@ -104,15 +104,18 @@ def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ..
     return any(rule.savable(block, block_id, n, step_end) for n in hit_ends)
 
 
-def _trailing_run(blocks: range, block_ids: Sequence[int], keep: Callable[[int, int], bool]) -> GroupBlocks | None:
-    """The longest run of `blocks` ending at its end whose (block, engine block) `keep`
-    accepts (vLLM drops a group's oldest blocks first), or None if empty."""
-    first = blocks.stop
-    while first > blocks.start and first - 1 < len(block_ids) and keep(first - 1, block_ids[first - 1]):
+def _last_run(blocks: range, block_ids: Sequence[int], keep: Callable[[int, int], bool]) -> GroupBlocks | None:
+    """The last run of consecutive `blocks` whose (block, engine block) `keep` accepts (the
+    blocks a group keeps are consecutive, and vLLM drops its oldest first), or None."""
+    end = min(blocks.stop, len(block_ids))
+    while end > blocks.start and not keep(end - 1, block_ids[end - 1]):
+        end -= 1
+    first = end
+    while first > blocks.start and keep(first - 1, block_ids[first - 1]):
         first -= 1
-    if first == blocks.stop:
+    if first == end:
         return None
-    return GroupBlocks(first, tuple(block_ids[first : blocks.stop]))
+    return GroupBlocks(first, tuple(block_ids[first:end]))
 
 
 class TransferPlanner:
@@ -198,7 +201,7 @@ class TransferPlanner:
         for rule, ids in zip(self.rules, block_ids, strict=True):
             needed = rule.needed(end)
             wanted = range(max(first, needed.start), end)
-            run = _trailing_run(wanted, ids, rule.loadable)
+            run = _last_run(wanted, ids, rule.loadable)
             groups.append(run or GroupBlocks(end, ()))
         tokens = np.asarray(state.token_ids[: end * self.block_size], dtype=np.uint32)
         return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)
@@ -253,7 +256,7 @@ class TransferPlanner:
         hit_ends = (done, min(done, state.repeat_hit))
         for rule, ids in zip(self.rules, block_ids, strict=True):
             keep = functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)
-            run = _trailing_run(range(state.num_saved_blocks, done), ids, keep)
+            run = _last_run(range(state.num_saved_blocks, done), ids, keep)
             groups.append(run or GroupBlocks(done, ()))
         tokens = np.asarray(state.token_ids[: done * self.block_size], dtype=np.uint32)
         return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)
