@@ -10,6 +10,7 @@ consecutive blocks it holds, so a lookup costs one walk per store.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from engine_adapter.vllm.groups import GroupKind, GroupRule
@@ -17,6 +18,8 @@ from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
 from kvstore.hashing import BlockHash
 from tiers.base import TierKind
+
+PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued writes, in all
 
 
 class _Runs:
@@ -56,13 +59,17 @@ class GroupLookup:
         it: in multiprocess mode every view is disk). A block still queued for writing in
         this process is waited for first (read-your-writes). Remembers the walk for `cut`."""
         self._runs = []
+        deadline = time.monotonic() + PENDING_WAIT_S
         for group in self.stores:
             runs = []
             for store in group:
                 hashes = store.block_hashes(token_ids, extra_keys)
                 if PENDING.any(store):
                     for h in hashes:
-                        PENDING.wait_for(store, h)
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break  # a stuck writer costs a miss, never a hang
+                        PENDING.wait_for(store, h, left)
                 runs.append(_Runs(store, hashes))
             self._runs.append(runs)
         n = len(token_ids) // self.block_size
