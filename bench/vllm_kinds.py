@@ -17,6 +17,7 @@ prints a table and writes `results/vllm_kinds.json`.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -32,6 +33,7 @@ import click
 from bench.args import CONTEXT, positive
 from bench.common import RESULTS_DIR, machine, print_table
 
+_SHM = "/dev/shm/vllm_dist_*"
 _CHUNKED = {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}
 _TWO_CPUS = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # kind -> (tiny model, LLM arguments, environment, windowed: also measured with the hybrid manager off)
@@ -110,8 +112,14 @@ def _run(kind: str, model: str, workdir: str, tokens: int, rounds: int, hybrid: 
                          "stats_path": stats, "load_policy": "always"}}
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "TOKENIZERS_PARALLELISM": "false", **env}
-    proc = subprocess.run([sys.executable, "-m", "bench.vllm_kinds", "--child", json.dumps(job)], env=full_env,
-                          capture_output=True, text=True, check=False)
+    before = set(glob.glob(_SHM))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "bench.vllm_kinds", "--child", json.dumps(job)], env=full_env,
+                              capture_output=True, text=True, check=False)
+    finally:
+        for path in set(glob.glob(_SHM)) - before:  # what this engine's parallel workers left
+            with contextlib.suppress(OSError):
+                os.remove(path)
     if proc.returncode != 0:
         raise RuntimeError(f"{tag} failed:\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
