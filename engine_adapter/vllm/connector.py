@@ -70,7 +70,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.from_sources(self._kv_transfer_config.kv_connector_extra_config)
-        self.plan = StorePlanner(vllm_config, kv_cache_config, self.settings)
+        self.store_planner = StorePlanner(vllm_config, kv_cache_config, self.settings)
         self._stats = ConnectorStats(role.name.lower(), self.settings.stats_path)
         self._store_keys: list[StoreConfig] = []
         self._worker: GroupedWorker | None = None
@@ -80,16 +80,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         several = len(kv_cache_config.kv_cache_groups) > 1
         if role == KVConnectorRole.WORKER:
             place = this_worker(vllm_config)
-            self.plan.publish(place)
-            stores = self.plan.worker_stores(place)
+            self.store_planner.publish(place)
+            stores = self.store_planner.worker_stores(place)
             if not stores:
                 raise ConfigError(f"kvstrata: worker {place} holds no KV cache layer")
             opened = [(gs, self._open(gs.config)) for gs in stores]
-            primary = next((store for gs, store in opened if gs.group == self.plan.primary), opened[0][1])
+            primary = next((store for gs, store in opened if gs.group == self.store_planner.primary), opened[0][1])
             self.store_config = primary.config
             if self.settings.metrics_port is not None and place.rank == 0:  # one server per port
                 serve_metrics(primary, self.settings.metrics_port)
-            self._worker = GroupedWorker(opened, self.plan.primary, kv_cache_config.num_blocks, self._stats,
+            self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
                                          async_saves=self.settings.async_saves, fail_whole_requests=several)
         else:
             lookup = self._open_scheduler_stores()
@@ -98,7 +98,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 logger.warning("kvstrata: async_loads is off but this model has several KV cache groups: its loads "
                                "run in the background anyway (vLLM can then recompute a failed one)")
             self._scheduler = ConnectorScheduler(
-                lookup.stores[lookup.primary][0], self.plan.block_size, self._stats,
+                lookup.stores[lookup.primary][0], self.store_planner.block_size, self._stats,
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
                 async_only=several)
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
@@ -111,8 +111,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def _open_scheduler_stores(self) -> GroupLookup:
         """The scheduler's stores: the worker's own where it lives in this process, else
         disk-only views of every worker's stores."""
-        rules, primary = self.plan.rules, self.plan.primary
-        own = self.plan.worker_stores(Place(1, 0, 1, 0)) if len(self.plan.places) == 1 else []
+        rules, primary = self.store_planner.rules, self.store_planner.primary
+        own = self.store_planner.worker_stores(Place(1, 0, 1, 0)) if len(self.store_planner.places) == 1 else []
         if own and all(find_store(gs.config) is not None for gs in own):  # share the worker's tiers
             stores: list[list[KVCacheStore]] = [[] for _ in rules]
             for gs in own:
@@ -127,7 +127,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if not self.settings.write_through:
             logger.warning("kvstrata: scheduler and workers are in different processes and write_through is off: "
                            "the scheduler sees blocks only once they reach disk")
-        views = [[self._open(c) for c in configs] for configs in self.plan.every_shard()]
+        views = [[self._open(c) for c in configs] for configs in self.store_planner.every_shard()]
         return GroupLookup(rules, views, primary)
 
     @property
