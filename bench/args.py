@@ -83,6 +83,8 @@ def directory_problem(text: str) -> str | None:
         probe = os.path.dirname(probe.rstrip(os.sep))
     if probe and not os.path.isdir(probe):
         return f"{text!r} is not a directory ({probe!r} is a file)"
+    if not os.access(probe or ".", os.W_OK | os.X_OK):
+        return f"{text!r} cannot be written ({os.path.abspath(probe or '.')!r} is not writable)"
     return None
 
 
@@ -101,6 +103,107 @@ class Directory(click.ParamType):
         from click.shell_completion import CompletionItem
 
         return [CompletionItem(incomplete, type="dir")]
+
+
+class Device(click.ParamType):
+    """`cpu`, `cuda` or `cuda:N`, present on this machine (the one line names the bad value)."""
+
+    name = "device"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        import torch
+
+        try:
+            device = torch.device(str(value))
+        except RuntimeError:
+            self.fail(f"{value!r} is not a device: use cpu, cuda or cuda:N", param, ctx)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count == 0:
+                self.fail(f"{value!r}: this machine has no CUDA device PyTorch {torch.__version__} can use; "
+                          "use --device cpu", param, ctx)
+            if device.index is not None and device.index >= count:
+                self.fail(f"{value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}", param, ctx)
+        elif device.type != "cpu":
+            self.fail(f"{value!r}: use cpu, cuda or cuda:N", param, ctx)
+        return str(device)
+
+
+class MemoryNeedError(KVStoreError, ValueError):
+    """The sizes asked for need more memory than the machine has available."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (Linux `MemAvailable`), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(need_bytes: int, what: str) -> None:
+    """Raise `MemoryNeedError` (one line naming `what`) if `need_bytes` exceed the memory
+    available now; where that is unknown, do nothing."""
+    have = available_memory()
+    if have is not None and need_bytes > have:
+        raise MemoryNeedError(f"{what} needs about {need_bytes / 2**30:.1f} GiB of memory and "
+                              f"{have / 2**30:.1f} GiB is available: ask for less")
+
+
+class MissingPackageError(KVStoreError, RuntimeError):
+    """A command needs an optional package this Python lacks."""
+
+
+def require_packages(packages: Sequence[str], purpose: str, install: str) -> None:
+    """Raise `MissingPackageError` (one line: what is missing, which Python, `install`) unless
+    this Python can import every one of `packages` (looked up, not imported)."""
+    import importlib.util
+
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise MissingPackageError(f"{purpose} needs {', '.join(missing)}, which {sys.executable} cannot import: "
+                                  f"{install}")
+
+
+VLLM_PACKAGES = ("vllm", "transformers", "tokenizers")  # the engine, and the tiny model's build
+VLLM_INSTALL = ("install the vllm extra (pip install 'kvstrata[vllm]'; in a checkout: bash scripts/setup_vllm.sh) "
+                "and run this with that environment's kvstrata (.venv-vllm/bin/kvstrata)")
+
+
+class ByteSize(click.ParamType):
+    """A byte count such as 1073741824, '512MiB' or '4G' (K/M/G/T are powers of 1024); the
+    text is kept (the value passes on as given)."""
+
+    name = "bytes"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        from kvstore.errors import ConfigError
+        from kvstore.settings import parse_bytes
+
+        try:
+            parse_bytes(param.name if param is not None and param.name else "size", str(value))
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        return str(value)
+
+
+class OutputFile(click.ParamType):
+    """A file path to write: not a directory, in a directory that is (or can become) writable."""
+
+    name = "file"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if os.path.isdir(text):
+            self.fail(f"{text!r} is a directory, not a file", param, ctx)
+        problem = directory_problem(os.path.dirname(text) or ".")
+        if problem is not None:
+            self.fail(f"{text!r}: {problem}", param, ctx)
+        return text
 
 
 def existing_file() -> click.Path:
@@ -123,6 +226,14 @@ def check_environment() -> str | None:
     return None if problem is None else f"KVSTRATA_RESULTS: {problem}"
 
 
+class CommandFailed(click.ClickException):
+    """A bad value met while `command_path` ran (a `KVStoreError` or `OSError`), one line."""
+
+    def __init__(self, command_path: str, message: str) -> None:
+        super().__init__(message)
+        self.command_path = command_path
+
+
 def fail(prog: str, message: str) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2
@@ -141,6 +252,8 @@ def invoke(command: click.Command, argv: Sequence[str] | None, prog: str) -> int
     except click.exceptions.NoArgsIsHelpError as exc:  # a group run without a command: its help
         print(exc.format_message())
         return 2
+    except CommandFailed as exc:
+        return fail(exc.command_path, " ".join(exc.format_message().split()))
     except click.ClickException as exc:
         where = exc.ctx.command_path if isinstance(exc, click.UsageError) and exc.ctx is not None else prog
         return fail(where, " ".join(exc.format_message().split()))

@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, check_environment, fail, invoke
+from bench.args import CONTEXT, CommandFailed, check_environment, fail, invoke
+from kvstore.errors import KVStoreError
 
 BENCHMARKS = {
     "hashing": "bench.hashing",
@@ -29,6 +30,9 @@ BENCHMARKS = {
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
     "load-policy": "bench.load_policy",
+    "codec-fidelity": "bench.codec_fidelity",
+    "codecs": "bench.codec_speed",
+    "codec-vllm": "bench.codec_vllm",  # run with .venv-vllm's Python
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
 }
 COMMANDS = {
@@ -63,8 +67,14 @@ _BENCH_SUMMARIES = {
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",
     "load-policy": "Load or recompute: TTFT under load_policy auto/always/never, slow disk.",
+    "codec-fidelity": "Codecs: the first token after a lossy hit against the exact hit (reference runner).",
+    "codec-vllm": "Codecs in real vLLM: the first token after a kvstrata hit against vLLM's own hit.",
+    "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
 }
+
+
+_RESOLVED = "kvstrata.resolved"  # ctx.meta key: the command a group resolved
 
 
 class LazyGroup(click.Group):
@@ -82,6 +92,21 @@ class LazyGroup(click.Group):
             command: click.Command = importlib.import_module(self.modules[name]).command
             return command
         return super().get_command(ctx, name)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the chosen command; a bad value it meets (`KVStoreError`, `OSError`) is reported
+        as that command's, e.g. `kvstrata demo-remote: error: ...`."""
+        try:
+            return super().invoke(ctx)
+        except (KVStoreError, OSError) as exc:
+            name = ctx.meta.get((_RESOLVED, ctx.command_path))
+            raise CommandFailed(f"{ctx.command_path} {name}" if name else ctx.command_path, str(exc)) from exc
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
+                                                                              list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        ctx.meta[(_RESOLVED, ctx.command_path)] = name
+        return name, command, rest
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """List commands with one-line summaries, without importing them."""

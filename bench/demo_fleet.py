@@ -111,13 +111,16 @@ def _wait_synced(url: str, n: int) -> None:
 
 
 def serve(placement: str, prompts: list[list[int]], n: int, root: Path, doc_tokens: int) -> list[dict[str, object]]:
-    from kvstore.router.service import RouterConfig, RouterThread
+    from router.config import RouterConfig, Subscription
+    from router.thread import RouterThread
 
     fleet = Fleet(n, root / placement, doc_tokens)
     router = None
     try:
         if placement == "router":
-            router = RouterThread(RouterConfig(subscribe=tuple(f"tcp://127.0.0.1:{p}" for p in fleet.ports)))
+            router = RouterThread(RouterConfig(subscriptions=tuple(
+                Subscription(f"tcp://127.0.0.1:{p}", name, f"tcp://127.0.0.1:{p + 1}")
+                for name, p in zip(fleet.names, fleet.ports))))
             _wait_synced(router.url, n)
         out = []
         for i, prompt in enumerate(tqdm(prompts, desc=f"{placement} placement", leave=False, disable=None)):

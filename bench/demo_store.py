@@ -7,7 +7,6 @@ again from disk, and prints tokens per tier and GB/s for each step.
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -16,8 +15,9 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, invoke, nonneg
+from bench.args import CONTEXT, Directory, check_memory, invoke, nonneg
 from bench.common import print_table
+from bench.demo_dir import prepare
 from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
 from tiers.base import TierKind
 
@@ -26,8 +26,9 @@ T = TypeVar("T")
 
 def run(tokens: int, layers: int, cpu_mib: int, disk_path: str, fresh: bool) -> list[list[object]]:
     layout = KVLayout(num_layers=layers, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    if fresh:
-        shutil.rmtree(disk_path, ignore_errors=True)
+    # The context's KV made in float32, its bfloat16 copy and a retrieved copy, plus the CPU tier.
+    check_memory(4 * tokens * layout.token_bytes + (cpu_mib << 20), f"--tokens {tokens} with --layers {layers}")
+    disk_path = str(prepare(disk_path, "demo-store", fresh=fresh))
     cfg = StoreConfig(layout, block_size=16, namespace="kvstrata-demo", cpu_bytes=cpu_mib << 20,
                       disk_path=disk_path, disk_bytes=4 * tokens * layout.token_bytes + (64 << 20))
     rng = np.random.default_rng(0)
@@ -72,8 +73,10 @@ def _row(name: str, res: RetrieveResult, nbytes: int, dt: float, kv: torch.Tenso
               help="context length (>= one block of 16)")
 @click.option("--layers", type=click.IntRange(1, 512), default=4, show_default=True)
 @click.option("--cpu-mib", type=nonneg(), default=64, show_default=True)
-@click.option("--disk-path", type=Directory(), default="kvstrata_data/demo", show_default=True)
-@click.option("--keep", is_flag=True, help="reuse an existing disk tier")
+@click.option("--disk-path", type=Directory(), default="kvstrata_data", show_default=True,
+              help="the disk tier goes in DISK_PATH/demo-store, a folder the demo makes and marks; its next "
+                   "run replaces only that folder")
+@click.option("--keep", is_flag=True, help="reuse the disk tier of an earlier run")
 def command(tokens: int, layers: int, cpu_mib: int, disk_path: str, keep: bool) -> int:
     rows = run(tokens, layers, cpu_mib, disk_path, fresh=not keep)
     return 0 if all(r[-1] in ("yes", "-") for r in rows) else 1

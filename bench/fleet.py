@@ -48,8 +48,8 @@ def replay_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_bl
 def run_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_blocks: int,
               remote_url: str | None) -> dict[str, object]:
     inf_hits, refs = infinite_hits(requests)
-    local = replay_fleet(requests, hosts, pool_blocks, cpu_blocks, None, f"{hosts} hosts, local tiers only")
-    with server_url(remote_url) as url:
+    with server_url(remote_url, "--remote-url") as url:  # checked (or started) before the first replay
+        local = replay_fleet(requests, hosts, pool_blocks, cpu_blocks, None, f"{hosts} hosts, local tiers only")
         shared = replay_fleet(requests, hosts, pool_blocks, cpu_blocks, url, f"{hosts} hosts + remote tier")
     print_table(f"Fleet of {hosts} hosts (round-robin), pool {pool_blocks} + CPU {cpu_blocks} blocks each: "
                 "block hit ratio",

@@ -24,7 +24,7 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, IntList, invoke, positive
+from bench.args import CONTEXT, Device, Directory, IntList, invoke, positive
 from bench.common import RESULTS_DIR, drop_file_cache, print_table, pyplot, save_plot, write_results
 from bench.model_speed import llama3_8b_shape
 from bench.progress import tqdm
@@ -156,10 +156,11 @@ def plot(path: Path, results: dict[int, dict[str, object]], title: str) -> bool:
 @click.option("--question-tokens", type=click.IntRange(1, 4096), default=32, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--workdir", type=Directory(), default=None, help="where the disk tier lives (default: system tmp)")
-@click.option("--device", default="cuda" if torch.cuda.is_available() else "cpu", show_default=True,
-              help="device of the model and the block pool (default: cuda when present)")
+@click.option("--device", type=Device(), default=None, show_default="cuda when present, else cpu",
+              help="device of the model and the block pool")
 def command(lengths: list[int], layers: int, docs: int, questions: int, question_tokens: int, dtype: str,
-            workdir: str | None, device: str) -> None:
+            workdir: str | None, device: str | None) -> None:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     write_results("offload", run(lengths, layers, docs, questions, question_tokens, dtype, workdir, device))
 
 

@@ -1,7 +1,9 @@
-"""Real `redis-server` processes on loopback, for `kvstrata bench remote` and the tests.
+"""Real `redis-server` processes on loopback, for the demos, the benchmarks and the tests.
 
-Where no `redis-server` (or `valkey-server`) binary is installed, a test is skipped, except
-under `KVSTRATA_REQUIRE_REDIS=1` (CI), where a missing server is a failure.
+Shipped with the `kvstrata` command, so it imports nothing test-only: a missing
+`redis-server` (or `valkey-server`) binary, a server that does not start and a server that
+cannot be reached raise `RedisServerError`, one line naming what to do (the command line
+prints it and exits 2). The tests turn a missing binary into a skip (`tests/redis_fixtures.py`).
 """
 
 from __future__ import annotations
@@ -11,21 +13,30 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
-
 from bench.ports import free_port
-from kvstore.settings import Settings
+from kvstore.errors import KVStoreError
 
 
-def redis_binary() -> str:
-    path = shutil.which("redis-server") or shutil.which("valkey-server")
+class RedisServerError(KVStoreError, RuntimeError):
+    """No redis-server to start, one that did not start, or a server that cannot be used."""
+
+
+def find_redis_binary() -> str | None:
+    """The path of `redis-server` (or `valkey-server`) on PATH, or None."""
+    return shutil.which("redis-server") or shutil.which("valkey-server")
+
+
+def redis_binary(option: str = "--url") -> str:
+    """The path of `redis-server` (or `valkey-server`); `RedisServerError` if neither is
+    installed, suggesting `option` (the command's server URL option) instead."""
+    path = find_redis_binary()
     if path is None:
-        if Settings.from_sources().require_redis:
-            raise AssertionError("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
-        pytest.skip("no redis-server or valkey-server installed")
+        raise RedisServerError(f"no redis-server or valkey-server on PATH to start: install one (apt-get install "
+                               f"redis-server) or pass {option} redis://HOST:PORT of a running server")
     return path
 
 
@@ -61,7 +72,8 @@ class RedisServer:
         deadline = time.monotonic() + 10
         while not _ping(self.port):
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} did not start")
+                self.kill()
+                raise RedisServerError(f"{self.binary} on port {self.port} did not start within 10 s")
             time.sleep(0.05)
         return self
 
@@ -101,7 +113,7 @@ class RedisCluster:
             s.start()
         cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
         if cli is None:
-            raise RuntimeError("redis-cli is needed to create a cluster")
+            raise RedisServerError("redis-cli (or valkey-cli) is needed to create a cluster")
         subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
         deadline = time.monotonic() + 20
@@ -111,7 +123,7 @@ class RedisCluster:
             if all("cluster_state:ok" in st for st in states):
                 return self
             if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not come up: {states}")
+                raise RedisServerError(f"cluster did not come up: {states}")
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -128,11 +140,59 @@ def redis_cluster(num_masters: int = 3) -> Iterator[RedisCluster]:
         cluster.stop()
 
 
+def check_server(url: str, option: str = "--url", timeout_s: float = 3.0) -> None:
+    """Check that a Valkey/Redis server answers at `url` (given as `option`).
+
+    Raises `ConfigError` for a malformed URL and `RedisServerError` for a server that cannot
+    be used (refused, unknown host, timeout, password, database), each one line naming the
+    URL (password hidden) and what to do. Changes nothing on the server.
+    """
+    import redis
+
+    from tiers.remote import check_url, connect, redacted
+
+    check_url(url)
+    shown = f"{option} {redacted(url)}"
+    path = url.split("://", 1)[1].partition("?")[0].partition("/")[2] if "+cluster" not in url else ""
+    if url.startswith(("redis://", "rediss://")):
+        if path and not path.isdigit():
+            raise RedisServerError(f"{shown}: database {path!r} is not a number (redis://HOST:PORT/0 names database 0)")
+        try:
+            port = urllib.parse.urlsplit(url).port
+        except ValueError:
+            port = 0
+        if port == 0:
+            raise RedisServerError(f"{shown}: the port is not a number in 1-65535")
+    client = None
+    try:
+        client = connect(url, timeout_s)
+        client.ping()
+    except redis.exceptions.AuthenticationError as exc:
+        raise RedisServerError(f"{shown}: the server refused the password ({_first_sentence(exc)}): give it in the "
+                               "URL (redis://:PASSWORD@HOST:PORT) or in KVSTRATA_REMOTE_PASSWORD") from None
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        raise RedisServerError(f"{shown}: no server answers ({_first_sentence(exc)}): start one there, or leave "
+                               f"out {option} to start one on loopback") from None
+    except (redis.exceptions.RedisError, ValueError) as exc:  # a bad database index, port, cluster mode, ...
+        raise RedisServerError(f"{shown}: the server refused it ({_first_sentence(exc)})") from None
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _first_sentence(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text.split(". ", 1)[0].rstrip(".")
+
+
 @contextmanager
-def server_url(url: str | None) -> Iterator[str]:
-    """`url` if given, else the URL of a loopback redis-server started for the block."""
+def server_url(url: str | None, option: str = "--url") -> Iterator[str]:
+    """`url` once `check_server` accepts it (given as `option`), else the URL of a loopback
+    redis-server started for the block (`RedisServerError` if none can be)."""
     if url is not None:
+        check_server(url, option)
         yield url
         return
+    redis_binary(option)
     with redis_server() as server:
         yield server.url

@@ -25,12 +25,11 @@ import numpy as np
 from bench.args import CONTEXT, invoke, nonneg, positive
 from bench.common import print_table, write_results
 from bench.progress import tqdm
-from kvstore.config import HashAlgo
-from kvstore.events import EventSource
-from kvstore.hashing import chain_hashes, namespace_seed
-from kvstore.router.fleet import FleetView
-from kvstore.router.index import TIER_BIT, block_key
-from kvstore.router.lookup import Chooser, Scoring, parse_query
+from router.decode import Stored
+from router.fleet import FleetView, Limits
+from router.index import KVIndex
+from router.keys import chain
+from router.lookup import Chooser, Scoring, parse_query
 
 
 def _rss() -> int:
@@ -57,18 +56,42 @@ def _time_each(fn: Callable[[], object], n: int) -> list[float]:
 
 
 def build_fleet(num_blocks: int, instances: int, shared: bool, block_size: int) -> FleetView:
-    """A fleet view whose instances each hold `num_blocks` random blocks in the CPU tier."""
-    seed = bytes(namespace_seed(["bench-router"]))
-    fleet = FleetView(stale_after_s=600)
+    """A fleet view whose instances each hold `num_blocks` random blocks in the CPU tier
+    (written into the index directly: the event path is measured by the tests, not here)."""
+    fleet = FleetView(Limits(stale_after_s=600, max_blocks_per_slot=max(num_blocks, 1) * 2))
     rng = np.random.default_rng(0)
     common = rng.integers(1, 2**63, size=num_blocks, dtype=np.int64).tolist() if shared else None
     for i in range(instances):
-        src = EventSource(f"engine-{i}", "bench", seed, "xxh3_128", block_size, None, 1)
-        fleet.on_batch(1, {"src": src.to_wire(), "ev": []}, "tcp://127.0.0.1:1")
-        fleet.apply_snapshot(1, {"src": src.to_wire(), "tiers": {}})
+        src = fleet.add(f"tcp://127.0.0.1:{20000 + i}", f"engine-{i}")
+        src.last_seen, src.block_size = 1e12, block_size  # alive for the whole run
         keys = common if shared else rng.integers(1, 2**63, size=num_blocks, dtype=np.int64).tolist()
-        fleet.index.add(fleet.instances[src.instance_id].slot, TIER_BIT["cpu"], keys)
+        fleet.index.add(src.slot.index, 1, keys)
     return fleet
+
+
+def via_events(num_blocks: int, block_size: int) -> dict[str, float]:
+    """One source announcing `num_blocks` blocks (chains of 64) as decoded `BlockStored`
+    events: resident bytes per block (index + the source's chain map) and apply time per
+    block, against writing the same number of keys into the index directly."""
+    fleet = FleetView(Limits(max_blocks_per_slot=num_blocks + 1))
+    src = fleet.add("tcp://127.0.0.1:1", "events")
+    rng = np.random.default_rng(2)
+    chains = [Stored(tuple(range(i, i + 64)), None, rng.integers(0, 128_000, size=64 * block_size).astype("<u4"),
+                     block_size, "CPU", None, None, None) for i in range(0, num_blocks, 64)]
+    gc.collect()
+    before = _rss()
+    t0 = time.perf_counter()
+    fleet.apply(src, list(chains))
+    apply_s = time.perf_counter() - t0
+    gc.collect()
+    used = _rss() - before
+    direct = KVIndex()
+    t0 = time.perf_counter()
+    direct.add(0, 1, range(len(chains) * 64))
+    direct_s = time.perf_counter() - t0
+    n = len(chains) * 64
+    return {"blocks": n, "bytes_per_block": used / n, "apply_us_per_block": apply_s / n * 1e6,
+            "index_add_us_per_block": direct_s / n * 1e6}
 
 
 def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_size: int,
@@ -88,20 +111,26 @@ def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_
         memory_rows.append([layout, entries, used / 2**20, used / entries, used / (num_blocks * instances)])
     print_table(f"Router index: {instances} instances x {num_blocks:,} blocks each (resident memory)",
                 ["layout", "entries", "MiB", "B/entry", "B/(block x instance)"], memory_rows)
+    events = via_events(min(num_blocks, 1 << 18), block_size)
+    print_table(f"One source announcing {events['blocks']:,} blocks through events (chains of 64)",
+                ["B/block (index + chain map)", "apply us/block", "index.add us/block (baseline)", "x baseline"],
+                [[events["bytes_per_block"], events["apply_us_per_block"], events["index_add_us_per_block"],
+                  events["apply_us_per_block"] / events["index_add_us_per_block"]]])
+    memory["via_events"] = events
     assert fleet is not None  # the shared layout, kept for the lookups
 
     # One instance holds the whole query prefix (in the pool tier); the rest hold nothing of it.
     rng = np.random.default_rng(1)
     tokens = rng.integers(0, 128_000, size=query_tokens).tolist()
     arr = np.asarray(tokens, dtype="<u4")
-    digests = chain_hashes(arr, block_size, namespace_seed(["bench-router"]), None, HashAlgo.XXH3_128)
-    fleet.index.add(fleet.instances["engine-0"].slot, TIER_BIT["pool"], [block_key(d) for d in digests])
+    keys = chain(arr, block_size)
+    fleet.index.add(fleet.sources["tcp://127.0.0.1:20000"].slot.index, 0, keys)
     chooser = Chooser(fleet, Scoring())
     query = parse_query({"token_ids": tokens})
     answer = chooser.answer(query)
     matched = answer["instances"]["engine-0"]["matched_tokens"]
-    assert answer["best"] == "engine-0" and matched == len(digests) * block_size
-    keys = [block_key(d) for d in digests]
+    assert answer["best"] == "engine-0" and matched == len(keys) * block_size
+    digests = keys
     probe_dict = fleet.index._blocks  # the same dict: probes of the same keys, K per block
 
     def probes() -> None:
@@ -109,9 +138,8 @@ def run(num_blocks: int, instances: int, lookups: int, query_tokens: int, block_
             for k in keys:
                 probe_dict.get(k)
 
-    seed_hash = namespace_seed(["bench-router"])
     rows, timings = [], {}
-    for name, fn in (("hash the prompt", lambda: chain_hashes(arr, block_size, seed_hash, None, HashAlgo.XXH3_128)),
+    for name, fn in (("hash the prompt", lambda: chain(arr, block_size)),
                      (f"{instances} dict probes per block", probes),
                      ("lookup (validate + hash + match + score)",
                       lambda: chooser.answer(parse_query({"token_ids": tokens})))):
@@ -138,9 +166,10 @@ def _http(fleet: FleetView, tokens: list[int], n: int) -> dict[str, float]:
     """Lookups through the real HTTP service over the same index."""
     if n == 0:
         return {}
-    from kvstore.router.service import RouterConfig, RouterThread
+    from router.config import RouterConfig
+    from router.thread import RouterThread
 
-    server = RouterThread(RouterConfig(subscribe=("tcp://127.0.0.1:1",), stale_after_s=600))
+    server = RouterThread(RouterConfig())
     server.router.fleet = fleet
     server.router.chooser = Chooser(fleet, Scoring())
     body = json.dumps({"token_ids": tokens}).encode()

@@ -11,6 +11,12 @@ reported at a realistic block size (`--token-kib`, default 128 KiB/token: Llama-
 i.e. 64 MiB per 512-token block). Three configurations per pool size:
 (a) GPU-only LRU prefix cache (the vLLM baseline), (b) kvstrata with a CPU tier of
 `--cpu-x` pools and a disk tier of `--disk-x` pools, (c) an infinite cache (the ceiling).
+
+With `--policy lru,s3fifo,arc,lfu` (or `all`) it replays the eviction and admission policies
+instead, on both packaged traces unless `--trace` is given, at capacities from 1/64 to 1/2 of
+the unique blocks, with Belady's optimum and LRU in the same run (bench/trace_policy.py); with
+`--fleet N` the shared tier of a fleet under each policy, with `--quota` one tenant's flood
+against another's quota, with `--cost N` the CPU tier's cost per block under each policy.
 """
 
 from __future__ import annotations
@@ -27,30 +33,57 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, existing_file, invoke, nonneg, positive
+from bench.args import CONTEXT, Choices, existing_file, invoke, nonneg, positive
 from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
 from bench.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
+from kvstore.errors import ConfigError, KVStoreError
+from tiers.admission import parse_admission
 from tiers.base import TierKind
+from tiers.eviction import EvictionKind
 
 TRACE_BLOCK_TOKENS = 512
+DEFAULT_FRACTIONS = "1/64,1/32,1/16,1/8,1/4,1/2"  # of the policy replay
 # The Mooncake traces ship inside the package (gzip, Apache-2.0: bench/traces/NOTICE).
 TRACES_DIR = Path(__file__).resolve().parent / "traces"
 DEFAULT_TRACE = TRACES_DIR / "conversation_trace.jsonl.gz"
 _LAYOUT = KVLayout(1, 1, 1, torch.float16)  # 4 bytes per token: the tier logic runs, the bytes are tiny
 
 
+class TraceError(KVStoreError, ValueError):
+    """A trace file that is not a Mooncake trace (the one line names the file and line)."""
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """The `hash_ids` of each request, in arrival order."""
+    """The `hash_ids` of each request, in arrival order. Raises `TraceError` naming the file
+    and line of a record that is not JSON with a non-empty list of non-negative integer
+    `hash_ids`, and for a trace with no request."""
     out = []
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line in f:
-            if line.strip():
-                out.append(json.loads(line)["hash_ids"])
-                if limit is not None and len(out) >= limit:
-                    break
+    try:
+        with opener(path, "rt") as f:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    out.append(_hash_ids(line, f"{path} line {number}"))
+                    if limit is not None and len(out) >= limit:
+                        break
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
+        raise TraceError(f"{path} is not a readable Mooncake trace (.jsonl or .jsonl.gz): {exc}") from None
+    if not out:
+        raise TraceError(f"{path} holds no request")
     return out
+
+
+def _hash_ids(line: str, where: str) -> list[int]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where} is not JSON ({exc})") from None
+    ids = record.get("hash_ids") if isinstance(record, dict) else None
+    if not (isinstance(ids, list) and ids and all(type(i) is int and 0 <= i < 2**63 for i in ids)):
+        raise TraceError(f"{where}: a Mooncake record needs \"hash_ids\", a non-empty list of non-negative "
+                         f"integers; got {str(record)[:80]}")
+    return ids
 
 
 def tokens_for(hash_ids: list[int]) -> np.ndarray:
@@ -194,22 +227,72 @@ class Fractions(click.ParamType):
         return out
 
 
+POLICY_CHOICES = [k.value for k in EvictionKind]
+
+
+class AdmissionList(click.ParamType):
+    name = "list"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> list[str]:
+        if isinstance(value, list):
+            return value
+        items = [x.strip() for x in str(value).split(",") if x.strip()]
+        try:
+            specs = [str(parse_admission(x, "--admission")) for x in items]
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        if not specs or any(a == "tinylfu" for a in specs):
+            self.fail(f"{value!r}: a comma list of 'all' and 'seen:N' (N in 2..15)", param, ctx)
+        return specs
+
+
 @click.command("trace", help=__doc__, context_settings=CONTEXT)
-@click.option("--trace", "trace_path", type=existing_file(), default=str(DEFAULT_TRACE.resolve()), show_default=True,
-              help="a Mooncake trace (.jsonl or .jsonl.gz)")
-@click.option("--fractions", type=Fractions(), default="1/32,1/16,1/8,1/4", show_default=True,
-              help="pool sizes as fractions of unique blocks")
+@click.option("--trace", "trace_paths", type=existing_file(), multiple=True,
+              help="a Mooncake trace (.jsonl or .jsonl.gz); repeat for several (default: the packaged "
+                   "conversation trace; with --policy, both packaged traces)")
+@click.option("--fractions", type=Fractions(), default=None,
+              help="pool sizes (with --policy: tier sizes) as fractions of unique blocks "
+                   f"[default: 1/32,1/16,1/8,1/4; with --policy {DEFAULT_FRACTIONS}]")
 @click.option("--cpu-x", type=nonneg(), default=4, show_default=True, help="CPU tier size in pools")
 @click.option("--disk-x", type=nonneg(), default=16, show_default=True, help="disk tier size in pools")
 @click.option("--token-kib", type=positive(), default=128, show_default=True,
               help="KV KiB per token for byte accounting")
 @click.option("--limit", type=positive(), default=None, help="replay only the first N requests")
 @click.option("--fleet", type=positive(), default=None,
-              help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py)")
+              help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py; "
+                   "with --policy: simulated, the shared tier under each policy)")
 @click.option("--remote-url", default=None, help="with --fleet: the remote tier (default: a loopback redis-server)")
-def command(trace_path: str, fractions: list[Fraction], cpu_x: int, disk_x: int, token_kib: int, limit: int | None,
-            fleet: int | None, remote_url: str | None) -> None:
+@click.option("--policy", "policies", type=Choices([*POLICY_CHOICES, "all"]), default=None,
+              help="replay the eviction policies instead (comma list, or all), with Belady's optimum and LRU; "
+                   "simulated over the shipped policy classes (bench/trace_policy.py)")
+@click.option("--admission", "admissions", type=AdmissionList(), default="all,seen:2", show_default=True,
+              help="with --policy: demotion admissions to compare, the first the baseline")
+@click.option("--lower-x", type=positive(), default=4, show_default=True,
+              help="with --policy: the tier below (disk, or the fleet's shared tier) in tier capacities")
+@click.option("--parents/--no-parents", default=False, show_default=True,
+              help="with --policy: keys name their parent block (prefix links), as the store's keys will")
+@click.option("--quota", is_flag=True, help="with --policy: the two-tenant flood experiment (bench/trace_quota.py)")
+@click.option("--flood-x", type=positive(), default=2, show_default=True,
+              help="with --quota: one-off requests of the flooding tenant per request of the other")
+@click.option("--seed", type=nonneg(), default=0, show_default=True, help="with --quota: the flood's lengths")
+@click.option("--cost", "cost_rounds", type=positive(), default=None,
+              help="with --policy: time the CPU tier under each policy against LRU in N interleaved rounds of a "
+                   "real store (bench/trace_cost.py; --limit defaults to 2000 requests)")
+def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_x: int, disk_x: int, token_kib: int,
+            limit: int | None, fleet: int | None, remote_url: str | None, policies: list[str] | None,
+            admissions: list[str], lower_x: int, parents: bool, quota: bool, flood_x: int, seed: int,
+            cost_rounds: int | None) -> None:
+    if policies is not None:
+        run_policy_mode(list(trace_paths), fractions, policies, admissions, lower_x, token_kib, limit, parents,
+                        fleet, quota, flood_x, seed, cost_rounds)
+        return
+    trace_path = trace_paths[0] if trace_paths else str(DEFAULT_TRACE.resolve())
+    fractions = fractions or parse_fractions("1/32,1/16,1/8,1/4")
     name = Path(trace_path).name.removesuffix(".gz").removesuffix(".jsonl")
+    if remote_url is not None and fleet is None:
+        from tiers.remote import redacted
+
+        raise click.UsageError(f"--remote-url {redacted(remote_url)!r} needs --fleet N")
     if fleet is not None:
         from bench.fleet import run_fleet
 
@@ -219,6 +302,41 @@ def command(trace_path: str, fractions: list[Fraction], cpu_x: int, disk_x: int,
         write_results(f"fleet_{name}", run_fleet(requests, fleet, pool, cpu_x * pool, remote_url))
         return
     write_results(f"trace_{name}", run(trace_path, fractions, cpu_x, disk_x, token_kib, limit))
+
+
+def run_policy_mode(trace_paths: list[str], fractions: list[Fraction] | None, policies: list[str],
+                    admissions: list[str], lower_x: int, token_kib: int, limit: int | None, parents: bool,
+                    fleet: int | None, quota: bool, flood_x: int, seed: int, cost_rounds: int | None) -> None:
+    """`--policy`: the policy study, or with `--fleet` / `--quota` / `--cost` one of the others."""
+    from bench.trace_policy import Trace, run_policies
+
+    if "all" in policies:
+        policies = POLICY_CHOICES
+    policies = list(dict.fromkeys(policies))
+    paths = trace_paths or [str(TRACES_DIR / f"{n}_trace.jsonl.gz") for n in ("conversation", "synthetic")]
+    fractions = fractions or parse_fractions(DEFAULT_FRACTIONS)
+    block_gib = token_kib * TRACE_BLOCK_TOKENS / 2**20
+    if cost_rounds is not None:
+        from bench.trace_cost import run_cost
+
+        trace = Trace.load(paths[0], limit or 2000)
+        write_results(f"trace_cost_{trace.name}", run_cost(trace, policies, cost_rounds))
+        return
+    if fleet is not None or quota:
+        for path in paths:
+            trace = Trace.load(path, limit)
+            if fleet is not None:
+                from bench.trace_fleet import run_fleet_policies
+
+                write_results(f"trace_fleet_{trace.name}", run_fleet_policies(
+                    trace, fleet, fractions[0], lower_x, policies, admissions, parents, block_gib))
+            if quota:
+                from bench.trace_quota import run_quota
+
+                write_results(f"trace_quota_{trace.name}", run_quota(trace, fractions[0], policies[0], flood_x, seed))
+        return
+    write_results("trace_policy", run_policies(paths, fractions, policies, admissions, lower_x, token_kib, limit,
+                                               parents))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,16 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke, positive
+from bench.args import (
+    CONTEXT,
+    VLLM_INSTALL,
+    VLLM_PACKAGES,
+    ByteSize,
+    OutputFile,
+    invoke,
+    positive,
+    require_packages,
+)
 from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 BLOCK = 32
@@ -158,10 +167,12 @@ _PASSED = ("docs", "doc_tokens", "questions", "question_tokens", "max_tokens", "
 @click.option("--question-tokens", type=positive(), default=32, show_default=True)
 @click.option("--max-tokens", type=positive(), default=16, show_default=True)
 @click.option("--vllm-blocks", type=positive(), default=80, show_default=True, help="vLLM's own KV cache, in blocks")
-@click.option("--cpu-bytes", default="24MiB", show_default=True, help="kvstrata CPU tier (the rest spills to disk)")
+@click.option("--cpu-bytes", type=ByteSize(), default="24MiB", show_default=True,
+              help="kvstrata CPU tier (the rest spills to disk)")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--model", default=None, help="model dir (default: build the tiny model)")
-@click.option("--out", default="results/vllm_longdoc.json", show_default=True)
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="model dir (default: build the tiny model)")
+@click.option("--out", type=OutputFile(), default="results/vllm_longdoc.json", show_default=True)
 @click.option("--engine", type=click.Choice(["with", "without"]), default=None, hidden=True)
 @click.option("--workdir", default=None, hidden=True)
 def command(**options: Any) -> int:
@@ -171,6 +182,12 @@ def command(**options: Any) -> int:
         print("\n" + json.dumps(result), flush=True)
         os._exit(0)
 
+    longest = args.doc_tokens + args.question_tokens + args.max_tokens + BLOCK
+    if args.model is None and longest > MODEL.max_positions:
+        raise click.UsageError(f"--doc-tokens {args.doc_tokens} + --question-tokens {args.question_tokens} + "
+                               f"--max-tokens {args.max_tokens} is beyond the tiny model's "
+                               f"{MODEL.max_positions - BLOCK} positions")
+    require_packages(VLLM_PACKAGES, "it runs real vLLM and", VLLM_INSTALL)
     workdir = tempfile.mkdtemp(prefix="kvstrata-longdoc-")
     try:
         args.model = args.model or build_tiny_llama(os.path.join(workdir, "model"), MODEL)

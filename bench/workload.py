@@ -19,6 +19,7 @@ the load stops at the first block not found where planned).
 
 Workloads and where their parameters come from (full size: `--size full`):
 
+\b
 * chatbot: one shared system prompt + a distinct user turn per request. vLLM
   `benchmarks/benchmark_prefix_caching.py` defaults: input 128:256 tokens
   (`--input-length-range`), `--output-len` 10 (its `--repeat-count` 100 of one prompt is a

@@ -13,12 +13,14 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
 from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
+from tiers.codecs import CodecKind
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockHash",
     "CloseResult",
+    "CodecKind",
     "ConfigError",
     "CorruptRecordError",
     "DiskFullError",

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.codecs import CodecKind
+from tiers.eviction import EvictionKind, parse_eviction
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
 _DTYPES: dict[str, torch.dtype] = {
@@ -164,22 +167,63 @@ class StoreConfig:
         load_policy: "auto" (load a cached prefix from a tier only where the measured load
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
-        disk_read_bps: cap the disk tier's reads at this many bytes per second (None: no
-            cap); to share a device with other work, or to emulate a slower one.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
+            stored (encoded, with `disk_codec`; None: no cap); to share a device with other
+            work, or to emulate a slower one.
         result_buffer_bytes: idle host memory kept to recycle the tensors `retrieve()`
             returns (pre-faulted, huge pages where the kernel allows): a result dropped by
             the caller is reused instead of faulted in anew. 0: a fresh allocation each time.
         io_threads: threads that run `prefetch` and the asyncio API (`astore`, `aretrieve`,
             `alookup`): at most this many such calls run at once.
-        events_endpoint: publish KV events (blocks entering and leaving each tier) on this
-            ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for `kvstrata router`; the
-            next port answers snapshot requests (docs/routing.md). None: no events.
+        events_endpoint: publish KV events (blocks entering and leaving each tier) in vLLM's
+            format on this ZeroMQ endpoint, `tcp://HOST:PORT` or `ipc://PATH`, for
+            `kvstrata router`, Dynamo or llm-d (docs/routing.md), e.g.
+            `tcp://127.0.0.1:5590`. An address other hosts can reach needs CURVE keys or
+            `events_insecure` (docs/security.md). None: no events.
+        events_replay_endpoint: where the publisher answers vLLM's replay requests (default:
+            the port after `events_endpoint`, or `<path>.replay`).
+        events_topic: the ZeroMQ topic of every message (default ""; llm-d's indexer wants
+            `kv@<pod>@<model>`).
+        events_curve_cert: the publisher's secret ZeroMQ certificate file; with
+            `events_curve_clients` (a directory of the readers' public certificates) every
+            reader is authenticated and the events are encrypted (docs/security.md).
+        events_curve_clients: see `events_curve_cert`.
+        events_insecure: allow `events_endpoint` on an address other hosts can reach without
+            CURVE (for readers that cannot speak it, as Dynamo and llm-d): anyone who
+            connects then reads every block's token ids. Off: such an endpoint is refused.
+        events_connect: connect to `events_endpoint` instead of binding it, for a reader that
+            binds (llm-d's indexer); no replay endpoint unless `events_replay_endpoint` names
+            one.
         instance_id: this engine instance's name in the events (default `HOST:PID`).
         model_name: a short model label for routers to filter on (default: `namespace`,
             cut to 128 characters).
         cpu_checksums: keep an xxh3-64 of every CPU-tier block, checked before the block is
             read or demoted; a block damaged in memory is then a miss (costs one hash per
             block written and per block read).
+        cpu_eviction: the CPU tier's eviction policy, `EvictionKind` or its name: "lru"
+            (default), "s3fifo", "arc" or "lfu" (`tiers/eviction.py`; measured against LRU and
+            Belady's optimum in docs/performance.md). Whatever the policy, a block whose
+            children are held is evicted after them where the keys name their parents.
+        demote_admission: which blocks the CPU tier, evicting them, writes to the tier below:
+            "all" (default), or "seen:N" (N in 2..15): only blocks used at least N times while
+            counted by a frequency sketch; the others are dropped, a write (and SSD wear)
+            saved. `CPUTier.num_demotions_refused` counts them. Spills on close ignore it.
+        cpu_tenant_quota_bytes: a budget per tenant (namespace and cache salt, as the keys
+            carry them) in the CPU tier: a tenant over it evicts its own blocks first, and a
+            tenant within it keeps its blocks under another tenant's burst (None: no quotas,
+            one eviction order for all).
+        disk_codec: how the disk tier encodes blocks, `CodecKind` or its name: "none"
+            (default), "zstd" (lossless, needs the `codec` extra), or the lossy "int8", "fp8"
+            and "k8v4" (8-bit keys and values, or 8-bit keys and 4-bit values; bounds and
+            fidelity in docs/performance.md). The pool and CPU tiers hold raw KV. A lossy codec
+            enters `identity()`: such a store shares no block with an exact one, in any tier.
+        remote_codec: the same for the remote tier.
+        codec_dtype: the KV's element dtype when `layout` is opaque uint8 bytes (an engine's
+            pages, as the vLLM connector stores them): a lossy codec quantizes the bytes as
+            this dtype, and "zstd" splits their byte planes by its size. None: the layout's.
+        codec_group: elements per scale of a lossy codec on an opaque layout (default 64; the
+            head size keeps a scale to one head vector). Structured layouts scale keys per
+            channel and values per head vector instead.
     """
 
     layout: KVLayout
@@ -197,7 +241,10 @@ class StoreConfig:
     pool_device: str | None = None
     pool_demotion: str = "on_evict"
     cpu_checksums: bool = False
-    remote_url: str | None = None
+    cpu_eviction: EvictionKind = EvictionKind.LRU
+    demote_admission: AdmissionSpec = ADMIT_ALL
+    cpu_tenant_quota_bytes: int | None = None
+    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
     remote_ttl_s: int | None = None
     remote_timeout_s: float = 0.5
     io_threads: int = 4
@@ -205,8 +252,18 @@ class StoreConfig:
     load_policy: str = "auto"
     disk_read_bps: int | None = None
     events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = ""
+    events_curve_cert: str | None = None
+    events_curve_clients: str | None = None
+    events_insecure: bool = False
+    events_connect: bool = False
     instance_id: str | None = None
     model_name: str | None = None
+    disk_codec: CodecKind = CodecKind.NONE
+    remote_codec: CodecKind = CodecKind.NONE
+    codec_dtype: torch.dtype | None = None
+    codec_group: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -263,6 +320,17 @@ class StoreConfig:
         if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
+        object.__setattr__(self, "cpu_eviction", parse_eviction(self.cpu_eviction, "StoreConfig.cpu_eviction"))
+        admission = parse_admission(self.demote_admission, "StoreConfig.demote_admission")
+        if admission.kind is AdmissionKind.TINYLFU:
+            raise ConfigError("StoreConfig.demote_admission must be 'all' or 'seen:N'; 'tinylfu' compares with "
+                              "the lower tier's victim, which the CPU tier does not know")
+        object.__setattr__(self, "demote_admission", admission)
+        if self.cpu_tenant_quota_bytes is not None:
+            quota = require_int("StoreConfig.cpu_tenant_quota_bytes", self.cpu_tenant_quota_bytes, 1)
+            if quota < self.block_bytes:
+                raise ConfigError(f"StoreConfig.cpu_tenant_quota_bytes={quota} holds no block of "
+                                  f"{self.block_bytes} bytes")
         require_int("StoreConfig.io_threads", self.io_threads, 1)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         from kvstore.load_policy import check_mode
@@ -271,16 +339,28 @@ class StoreConfig:
         if self.disk_read_bps is not None:
             require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
         if self.events_endpoint is not None:
-            from kvstore.events import check_endpoint
+            from kvstore.events_wire import check_events
 
-            check_endpoint(self.events_endpoint, "StoreConfig.events_endpoint")
+            check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
+                         self.events_curve_cert, self.events_curve_clients, self.events_insecure, "StoreConfig.",
+                         self.events_connect)
         for name in ("instance_id", "model_name"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
                 raise ConfigError(f"StoreConfig.{name} must be a non-empty str of at most 256 characters, "
                                   f"got {value!r}")
+        from kvstore.codec_config import check_codecs
+
+        check_codecs(self)
         if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
+
+    @property
+    def lossy_codecs(self) -> list[str]:
+        """The lossy codecs of the enabled tiers, sorted by name (empty: every tier is exact)."""
+        from kvstore.codec_config import lossy_codecs
+
+        return lossy_codecs(self)
 
     @cached_property
     def block_bytes(self) -> int:
@@ -295,5 +375,9 @@ class StoreConfig:
         return self.cpu_bytes // self.block_bytes
 
     def identity(self) -> list[object]:
-        """What makes two stores' keys comparable: namespace, layout, block size, algorithm."""
-        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value]
+        """What makes two stores' keys comparable: namespace, layout, block size, algorithm,
+        and the lossy codecs a store reads blocks through (with the element dtype and group
+        they quantize with). Exact stores keep the identity they had before codecs existed."""
+        from kvstore.codec_config import codec_identity
+
+        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codec_identity(self)]

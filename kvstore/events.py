@@ -1,28 +1,19 @@
-"""KV events: a store announces which blocks enter and leave each of its tiers.
+"""KV events: a store announces which blocks enter and leave each of its tiers, in vLLM's
+wire format (`kvstore/events_wire.py`), so `kvstrata router`, Dynamo and llm-d can index it.
 
-Transport: ZeroMQ PUB/SUB with msgpack (the family of vLLM's `--kv-events-config`). The
-publisher binds `events_endpoint`; subscribers (`kvstrata router`) connect. Every message is
-three frames, `[b"kvstrata", seq (8 bytes big-endian), payload]`; `seq` counts batches from 1
-per publisher *epoch* (a random id drawn when the store opens), so a subscriber sees a gap,
-or a restarted instance, and asks for a snapshot. The payload is a map:
+The publisher binds an XPUB socket on `events_endpoint` and a ROUTER socket on the replay
+endpoint. The tiers report changes (`on_change`, from any thread): the publisher updates its
+mirror (`kvstore/events_mirror.py`) and queues the change under its own lock (never the
+store's); its thread sends the queue as a batch every 20 ms, and an empty batch as a
+heartbeat every second.
 
-    {"v": 1, "src": {...}, "ev": [[op, tier, hashes], ...]}
-
-`src` (`EventSource.to_wire`) names the instance and everything a router needs to hash a
-query as this store does (namespace seed, hash algorithm, block size), plus the remote tier
-it shares with other instances. `op` is "stored", "removed" or "cleared", `tier` one of
-"pool", "cpu", "disk", "remote", and `hashes` the block digests concatenated. A batch with no
-events is a heartbeat (one a second).
-
-Snapshots: a ROUTER socket on `snapshot_endpoint(events_endpoint)` (the port after the events
-port; `<path>.snapshot` for ipc) answers the request `[b"snapshot"]` with
-`[b"snapshot", seq, {"v", "src", "tiers": {tier: hashes}}]`: every block each tier holds
-(disk included, so a restarted instance announces its warm disk), consistent with the event
-stream up to and including batch `seq`.
-
-Publishing runs on its own thread: the tiers only append to a list under a lock. It never
-blocks or fails a store call; if the list outgrows its bound, the events are dropped and the
-sequence skips a number, so subscribers resynchronise from a snapshot.
+Whole state, never under the store's lock: when a reader subscribes (XPUB tells the
+publisher) and when the store opens, the publisher broadcasts "welcome" batches:
+`AllBlocksCleared` for its own media, then every mirrored block, parents first, with token
+ids (so a store reopened over a warm disk announces it again). Welcomes are rate-limited and
+coalesced. A replay request for batches still in the replay buffer gets them; an older one
+gets the same whole state, rate-limited per peer and overall (a refused one gets only the
+end marker). If the queue outgrows its bound, it is dropped for a welcome.
 """
 
 from __future__ import annotations
@@ -32,228 +23,314 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
-
-import msgpack
 
 from kvstore.errors import ConfigError
-from tiers.base import BlockHash, TierKind
+from kvstore.events_auth import CurveServer
+from kvstore.events_mirror import Mirror, root_first
+from kvstore.events_wire import (
+    END_SEQ,
+    MEDIA,
+    SHARED,
+    cleared_event,
+    cut,
+    default_replay_endpoint,
+    encode_batch,
+    is_local,
+    removed_event,
+    stored_events,
+)
+from kvstore.events_wire import check_endpoint as check_endpoint
+from kvstore.ratelimit import TokenBuckets
+from tiers.base import BlockKey, TierKind
 
 logger = logging.getLogger(__name__)
-
-TOPIC = b"kvstrata"
-SNAPSHOT_REQUEST = b"snapshot"
-WIRE_VERSION = 1
-STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
 HEARTBEAT_S = 1.0
+WELCOME_INTERVAL_S = 1.0
 _FLUSH_S = 0.02
-_MAX_PENDING = 1_000_000  # block hashes waiting to be sent
-
-
-def check_endpoint(endpoint: object, name: str = "events_endpoint") -> str:
-    """`endpoint` if it is `tcp://HOST:PORT` (PORT below 65535) or `ipc://PATH`, else a
-    `ConfigError` naming it."""
-    if isinstance(endpoint, str):
-        if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
-            return endpoint
-        if endpoint.startswith("tcp://"):
-            try:
-                parts = urlsplit(endpoint)
-                port = parts.port
-            except ValueError:
-                port = None
-            if parts.hostname and port is not None and 0 < port < 65535:
-                return endpoint
-    raise ConfigError(f"{name} must be 'tcp://HOST:PORT' or 'ipc://PATH', got {endpoint!r}")
-
-
-def snapshot_endpoint(endpoint: str) -> str:
-    """Where the publisher of `endpoint` answers snapshot requests: the next TCP port, or
-    `<path>.snapshot` for an ipc endpoint."""
-    if endpoint.startswith("ipc://"):
-        return endpoint + ".snapshot"
-    parts = urlsplit(endpoint)
-    assert parts.port is not None
-    host = parts.netloc.rsplit(":", 1)[0]
-    return f"tcp://{host}:{parts.port + 1}"
-
-
-def split_hashes(blob: bytes, digest_bytes: int) -> list[bytes]:
-    """The digests of a concatenated `hashes` field."""
-    if digest_bytes <= 0 or len(blob) % digest_bytes:
-        raise ValueError(f"{len(blob)} bytes of hashes are not a multiple of {digest_bytes}")
-    return [blob[i : i + digest_bytes] for i in range(0, len(blob), digest_bytes)]
+_MAX_PENDING = 1_000_000  # blocks waiting to be sent
+_REPLAY_BATCHES, _REPLAY_BYTES = 4096, 64 << 20
+_BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
+_LOCAL_MEDIA = [m for m in MEDIA if m != SHARED]
 
 
 @dataclass(frozen=True)
 class EventSource:
-    """Who publishes, and how to hash a query the way it does.
-
-    Attributes:
-        instance_id: the engine instance (unique in a fleet).
-        model: a short model label for `/lookup`'s `model` filter.
-        seed: the store's namespace seed (root of its hash chains).
-        algo: hash algorithm name ("xxh3_128" or "sha256").
-        block_size: tokens per block.
-        remote: the shared remote tier, credentials removed (None without one): instances
-            naming the same one can all serve its blocks.
-        epoch: random id of this publisher's lifetime.
-    """
+    """Who publishes: what goes into every event's "kvstrata" map, and the chain root."""
 
     instance_id: str
     model: str
     seed: bytes
-    algo: str
     block_size: int
     remote: str | None
+    namespace_id: str  # a fingerprint of the namespace seed (never the seed itself)
     epoch: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"id": self.instance_id, "model": self.model, "seed": self.seed, "algo": self.algo,
-                "bs": self.block_size, "remote": self.remote, "epoch": self.epoch}
-
-    @classmethod
-    def from_wire(cls, value: object) -> EventSource:
-        """Parse `to_wire`'s map; `ValueError` if malformed."""
-        if not isinstance(value, dict):
-            raise ValueError("src is not a map")
-        try:
-            src = cls(str(value["id"]), str(value["model"]), bytes(value["seed"]), str(value["algo"]),
-                      int(value["bs"]), None if value["remote"] is None else str(value["remote"]), int(value["epoch"]))
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed src: {exc}") from None
-        if src.block_size <= 0 or src.algo not in ("xxh3_128", "sha256"):
-            raise ValueError(f"malformed src: block size {src.block_size}, algorithm {src.algo!r}")
-        return src
+    def meta(self) -> dict[str, Any]:
+        return {"instance": self.instance_id, "model": self.model, "epoch": self.epoch, "remote": self.remote,
+                "ns": self.namespace_id, "block_size": self.block_size}
 
 
-Snapshot = Callable[[], tuple[dict[TierKind, list[BlockHash]], list[list[Any]]]]
+@dataclass(frozen=True)
+class PublisherConfig:
+    """Where and how a store publishes (from `StoreConfig.events_*`)."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes = b""
+    curve: CurveServer | None = None
+    max_mirror_blocks: int = 1 << 20
+    connect: bool = False  # connect to `endpoint` (a reader that binds, as llm-d's indexer) instead of binding
 
 
 class EventPublisher:
-    """Publishes one store's KV events on `endpoint` and answers snapshot requests.
+    """Publishes one store's KV events and answers replay requests; see the module
+    docstring. Bind failures raise `ConfigError` at construction."""
 
-    `on_change` is the tiers' listener; `snapshot()` returns every tier's held blocks and the
-    events not yet sent (taken atomically with them, under the store's lock), so a snapshot
-    is exact as of the batch it names. Bind failures raise `ConfigError` at construction.
-    """
-
-    def __init__(self, endpoint: str, source: EventSource, snapshot: Snapshot) -> None:
+    def __init__(self, config: PublisherConfig, source: EventSource, media: Mapping[TierKind, str],
+                 warm: Iterable[tuple[BlockKey, str]] = ()) -> None:
         import zmq
 
-        self.endpoint = check_endpoint(endpoint)
-        self.source = source
-        self._snapshot = snapshot
+        self.config, self.source = config, source
+        self._media = dict(media)  # each tier's medium (`events_wire.medium_of` its traits)
         self._lock = threading.Lock()
-        self._pending: list[list[Any]] = []
-        self._pending_hashes = 0
-        self._seq = 0
+        self._mirror = Mirror(config.max_mirror_blocks)
+        for key, medium in warm:  # a warm persistent tier, announced by the first welcome
+            self._mirror.stored(_BIT[medium], key)
+        self._pending: list[tuple[str, bool | None, list[Any]]] = []
+        self._num_pending = 0
+        self._welcome_due = True
+        self._seq = -1
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_bytes = 0
+        self._drop_buffer = threading.Event()  # drop_replay_buffer(): the publisher thread empties it
         self._closed = threading.Event()
-        self.num_batches = self.num_dropped = self.num_snapshots = 0
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
-        self._rep = ctx.socket(zmq.ROUTER)
+        self.num_batches = self.num_dropped = self.num_welcomes = 0
+        self.num_replays = self.num_snapshots = self.num_refused = self.num_bad_requests = 0
+        self._peers = TokenBuckets(rate=0.2, burst=2, max_peers=1024)  # snapshots per peer
+        self._overall = TokenBuckets(rate=1.0, burst=4, max_peers=1)  # snapshots in all
+        self._replay_peers = TokenBuckets(rate=20.0, burst=50, max_peers=1024)  # buffered replays per peer
+        self._ctx: zmq.Context[Any] = zmq.Context() if config.curve else zmq.Context.instance()
+        self._auth = config.curve.start_authenticator(self._ctx) if config.curve else None
+        self._pub, self._rep = self._ctx.socket(zmq.XPUB), self._ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._rep):
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, 1024)  # inbound: subscriptions and replay requests
+            if config.curve:
+                config.curve.secure(sock)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, so every reader is welcomed
         self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._rep.setsockopt(zmq.ROUTER_MANDATORY, 0)
         try:
-            self._pub.bind(self.endpoint)
-            self._rep.bind(snapshot_endpoint(self.endpoint))
+            if config.connect:
+                self._pub.connect(config.endpoint)
+            else:
+                self._pub.bind(config.endpoint)
+            if config.replay_endpoint is not None:
+                self._rep.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
-            self._pub.close()
-            self._rep.close()
-            raise ConfigError(f"events_endpoint {endpoint!r} (and {snapshot_endpoint(endpoint)!r} for snapshots) "
+            self._shutdown_sockets()
+            raise ConfigError(f"events_endpoint {config.endpoint!r} (and {config.replay_endpoint!r} for replay) "
                               f"cannot be bound: {exc}") from None
+        listening = [e for e in (None if config.connect else config.endpoint, config.replay_endpoint) if e]
+        if not config.curve and not all(is_local(e) for e in listening):
+            logger.warning("kvstrata: KV events on %s are unauthenticated and reachable from other hosts: anyone "
+                           "who connects reads every block's token ids (docs/security.md)", config.endpoint)
         self._pid = os.getpid()
         # The sockets move to the thread: from here on only it touches them.
         self._thread = threading.Thread(target=self._run, name="kvstrata-events", daemon=True)
         self._thread.start()
 
-    # -- called by the tiers (any thread) -------------------------------------------------
-    def on_change(self, kind: TierKind, stored: bool, block_hashes: Sequence[BlockHash]) -> None:
-        """Queue an event; never blocks on the network, never raises."""
+    # -- called by the store and the tiers (any thread); never block, never raise -----------
+    def on_change(self, kind: TierKind, stored: bool, keys: Sequence[BlockKey]) -> None:
+        """Mirror and queue "`keys` entered (left) tier `kind`"."""
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             return
-        blob = b"".join(block_hashes)
+        medium = self._media[kind]
+        bit = _BIT[medium]
         with self._lock:
-            if self._pending_hashes + len(block_hashes) > _MAX_PENDING:
-                self._drop_pending()
-                return
-            self._pending.append([STORED if stored else REMOVED, kind.value, blob])
-            self._pending_hashes += len(block_hashes)
+            if stored:
+                full = [f for f in (self._mirror.stored(bit, k) for k in keys) if f is not None]
+                if full:
+                    self._queue(medium, True, full)
+            else:
+                for key in keys:
+                    self._mirror.removed(bit, key.block_hash)
+                self._queue(medium, False, [k.block_hash for k in keys])
 
     def on_clear(self, kind: TierKind) -> None:
-        """Queue "tier `kind` was emptied"."""
+        """Mirror and queue "tier `kind` was emptied"."""
+        medium = self._media[kind]
         with self._lock:
-            self._pending.append([CLEARED, kind.value, b""])
+            self._mirror.cleared(_BIT[medium])
+            self._queue(medium, None, [])
 
-    def _drop_pending(self) -> None:
-        """Lose the queued events and skip a sequence number (caller holds `_lock`)."""
-        self.num_dropped += self._pending_hashes
-        self._pending, self._pending_hashes = [], 0
-        self._seq += 1  # subscribers see a gap and resynchronise
-        logger.warning("kvstrata: KV events queue overflowed; subscribers will resynchronise from a snapshot")
-
-    def take_pending(self) -> list[list[Any]]:
-        """Remove and return the queued events (the store's snapshot calls this under its lock)."""
+    def describe(self, keys: Iterable[BlockKey]) -> None:
+        """Remember the full descriptions of keys the store just built (for tiers that later
+        report the block by its hash alone)."""
         with self._lock:
-            pending, self._pending, self._pending_hashes = self._pending, [], 0
-        return pending
+            self._mirror.describe(keys)
+
+    def complete(self, key: BlockKey) -> BlockKey:
+        """`key` with its parent and extras where known (`Tier.describe`)."""
+        with self._lock:
+            return self._mirror.resolve(key) or key
+
+    def _queue(self, medium: str, stored: bool | None, items: list[Any]) -> None:
+        """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
+        if self._num_pending + len(items) > _MAX_PENDING:
+            self.num_dropped += self._num_pending + len(items)
+            # clears are kept: a welcome does not clear the shared tier, which they may name
+            self._pending = [p for p in self._pending if p[1] is None]
+            self._num_pending, self._welcome_due = 0, True
+            logger.warning("kvstrata: KV events queue overflowed; the whole state will be published instead")
+            return
+        self._pending.append((medium, stored, items))
+        self._num_pending += len(items)
+
+    @property
+    def num_unmirrored(self) -> int:
+        return self._mirror.num_unmirrored
+
+    def drop_replay_buffer(self) -> None:
+        """Forget the batches kept for replay, before the next replay request is answered: a
+        reader asking for any of them then gets the whole state instead."""
+        self._drop_buffer.set()
 
     # -- the publisher thread -------------------------------------------------------------
-    def _send(self, events: list[list[Any]]) -> None:
-        self._seq += 1
-        payload = msgpack.packb({"v": WIRE_VERSION, "src": self.source.to_wire(), "ev": events}, use_bin_type=True)
-        self._pub.send_multipart([TOPIC, self._seq.to_bytes(8, "big"), payload], copy=False)
-        self.num_batches += 1
+    def _events(self, pending: list[tuple[str, bool | None, list[Any]]]) -> list[dict[str, Any]]:
+        """Events of queued changes, in order; each run of consecutive stores is ordered
+        parents first (tiers report a sequence tail first, and a block's parent may enter
+        another tier in the same run)."""
+        meta, src = self.source.meta(), self.source
+        out: list[dict[str, Any]] = []
+        run: list[tuple[BlockKey, str]] = []
+        end: list[Any] = []  # marks the end of the queue
+        for medium, stored, items in [*pending, ("", None, end)]:
+            if stored:
+                run.extend((k, medium) for k in items)
+                continue
+            if run:
+                out.extend(stored_events(parents_first(run), src.seed, src.block_size, meta))
+                run = []
+            if items is end:
+                break
+            out.append(cleared_event([medium], meta) if stored is None else removed_event(items, medium, meta))
+        return out
 
-    def _answer_snapshot(self) -> None:
+    def _whole_state(self) -> list[dict[str, Any]]:
+        """`AllBlocksCleared` of this store's own media, then every mirrored block, parents
+        first (the caller sends the queued events before it)."""
+        with self._lock:
+            blocks = self._mirror.copy()
+        items = ((key, medium) for key, bits in root_first(blocks, self.source.seed)
+                 for medium in MEDIA if bits & _BIT[medium])
+        meta = self.source.meta()
+        stored = stored_events(items, self.source.seed, self.source.block_size, meta)
+        return [cleared_event(_LOCAL_MEDIA, meta), *stored]
+
+    def _send(self, events: list[dict[str, Any]]) -> None:
+        for group in cut(events) or [[]]:
+            self._seq += 1
+            payload = encode_batch(group)
+            self._pub.send_multipart([self.config.topic, self._seq.to_bytes(8, "big"), payload], copy=False)
+            self._buffer.append((self._seq, payload))
+            self._buffer_bytes += len(payload)
+            while len(self._buffer) > _REPLAY_BATCHES or self._buffer_bytes > _REPLAY_BYTES:
+                self._buffer_bytes -= len(self._buffer.popleft()[1])
+            self.num_batches += 1
+
+    def _answer_replay(self) -> None:
+        if self._drop_buffer.is_set():
+            self._drop_buffer.clear()
+            self._buffer.clear()
+            self._buffer_bytes = 0
+        frames = self._rep.recv_multipart(copy=False)
+        if len(frames) != 3 or len(frames[2].bytes) != 8:
+            self.num_bad_requests += 1
+            return
+        peer = _peer(frames[-1])
+        ident = frames[0].bytes
+        start = int.from_bytes(frames[2].bytes, "big")
+        reply: list[tuple[int, bytes]] = []
+        if self._buffer and start >= self._buffer[0][0]:
+            if self._replay_peers.take(peer):
+                reply = [(s, p) for s, p in self._buffer if s >= start]
+                self.num_replays += 1
+            else:
+                self.num_refused += 1
+        elif start <= self._seq:  # older than the buffer: the whole state, tagged as of now
+            if self._peers.take(peer) and self._overall.take(""):
+                pending = self._take_pending()  # sent first: their numbers come before the reply's
+                if pending:
+                    self._send(self._events(pending))
+                reply = [(self._seq, encode_batch(g)) for g in cut(self._whole_state())]
+                self.num_snapshots += 1
+            else:
+                self.num_refused += 1
+        self._reply(ident, reply)
+
+    def _reply(self, ident: bytes, batches: list[tuple[int, bytes]]) -> None:
         import zmq
 
-        frames = self._rep.recv_multipart()
-        if frames[-1] != SNAPSHOT_REQUEST:
-            return
-        held, pending = self._snapshot()
-        if pending:
-            self._send(pending)  # events before the snapshot: already in it, numbered before it
-        tiers = {kind.value: b"".join(hashes) for kind, hashes in held.items()}
-        payload = msgpack.packb({"v": WIRE_VERSION, "src": self.source.to_wire(), "tiers": tiers},
-                                use_bin_type=True)
         try:
-            self._rep.send_multipart([*frames[:-1], SNAPSHOT_REQUEST, self._seq.to_bytes(8, "big"), payload],
-                                     flags=zmq.NOBLOCK)
-            self.num_snapshots += 1
+            for seq, payload in batches:
+                self._rep.send_multipart([ident, b"", self.config.topic, seq.to_bytes(8, "big"), payload],
+                                         flags=zmq.NOBLOCK)
+            self._rep.send_multipart([ident, b"", b"", END_SEQ, b""], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            pass  # the requester went away
+            pass  # the requester went away, or is not reading: it asks again
+
+    def _take_pending(self) -> list[tuple[str, bool | None, list[Any]]]:
+        with self._lock:
+            pending, self._pending, self._num_pending = self._pending, [], 0
+        return pending
 
     def _run(self) -> None:
         import zmq
 
         poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
         poller.register(self._rep, zmq.POLLIN)
-        last = 0.0
+        last = last_welcome = 0.0
         try:
             while not self._closed.is_set():
                 try:
-                    if dict(poller.poll(int(_FLUSH_S * 1000))).get(self._rep):
-                        self._answer_snapshot()
-                    events = self.take_pending()
+                    ready = dict(poller.poll(int(_FLUSH_S * 1000)))
+                    if ready.get(self._pub) and self._pub.recv()[:1] == b"\x01":  # a reader subscribed
+                        self._welcome_due = True
+                    if ready.get(self._rep):
+                        self._answer_replay()
                     now = time.monotonic()
-                    if events or now - last >= HEARTBEAT_S:
-                        self._send(events)
+                    if self._welcome_due and now - last_welcome >= WELCOME_INTERVAL_S:
+                        self._welcome_due, last_welcome, last = False, now, now
+                        pending = self._take_pending()  # first: a clear of the shared tier among them
+                        self._send(self._events(pending) + self._whole_state())
+                        self.num_welcomes += 1
+                        continue
+                    pending = self._take_pending()
+                    if pending or now - last >= HEARTBEAT_S:
+                        self._send(self._events(pending))
                         last = now
                 except Exception as exc:  # a publisher fault never reaches the store
                     logger.warning("kvstrata: KV events: %s: %s", type(exc).__name__, exc)
                     time.sleep(_FLUSH_S)
-            events = self.take_pending()
-            if events:
-                self._send(events)
+            pending = self._take_pending()
+            if pending:
+                self._send(self._events(pending))
         finally:
-            self._pub.close(linger=200)
-            self._rep.close(linger=0)
+            self._shutdown_sockets(linger=200)
+
+    def _shutdown_sockets(self, linger: int = 0) -> None:
+        self._pub.close(linger=linger)
+        self._rep.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self.config.curve:
+            self._ctx.term()
 
     def close(self) -> None:
         """Send what is queued, stop the thread and unbind. Idempotent."""
@@ -264,5 +341,49 @@ class EventPublisher:
             self._thread.join(timeout=5)
 
 
+def parents_first(items: list[tuple[BlockKey, str]]) -> list[tuple[BlockKey, str]]:
+    """`items` reordered so that a block whose parent is among them comes after it (a stable
+    topological order; blocks of unrelated chains keep their relative order)."""
+    by_hash: dict[bytes, list[int]] = {}
+    for i, (key, _) in enumerate(items):
+        by_hash.setdefault(bytes(key.block_hash), []).append(i)
+    done = [False] * len(items)
+    out: list[tuple[BlockKey, str]] = []
+    for i in range(len(items)):
+        chain = []
+        j: int | None = i
+        while j is not None and not done[j]:
+            done[j] = True
+            chain.append(j)
+            parent = items[j][0].parent
+            j = next((p for p in by_hash.get(bytes(parent or b""), ()) if not done[p]), None)
+        out.extend(items[k] for k in reversed(chain))
+    return out
+
+
+def _peer(frame: Any) -> str:
+    """Who sent a message: its CURVE public key where authenticated, else its address."""
+    import zmq
+
+    for prop in ("User-Id", "Peer-Address"):
+        try:
+            value = frame.get(prop)
+        except zmq.ZMQError:
+            continue
+        if value:
+            return str(value)
+    return "?"
+
+
 def new_epoch() -> int:
     return secrets.randbits(62)
+
+
+def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
+                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
+    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
+    answers replays only where `replay` names an endpoint to bind."""
+    curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
+    if replay is None and not connect:
+        replay = default_replay_endpoint(endpoint)
+    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

@@ -122,6 +122,23 @@ class ExtraKeys:
         return msgpack.packb(items, use_bin_type=True) if items else b""
 
 
+def check_extra_keys(extra_keys: object) -> ExtraKeys | None:
+    """`extra_keys` if it is an `ExtraKeys` or None; `InvalidInputError` naming its type otherwise."""
+    if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
+        raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
+    return extra_keys
+
+
+def tenant_of(seed: BlockHash, extra_keys: ExtraKeys | None) -> bytes:
+    """The tenant a request's blocks belong to, for quotas: b"" without a cache salt, else 8
+    bytes of a digest of the namespace seed and the salt (the salt itself is never kept)."""
+    salt = None if extra_keys is None else extra_keys.cache_salt
+    if salt is None:
+        return b""
+    raw = salt.encode() if isinstance(salt, str) else salt
+    return xxhash.xxh3_64_digest(bytes(seed) + b"\x00salt\x00" + raw)
+
+
 def as_token_array(tokens: object) -> np.ndarray:
     """Validate `tokens` and return them as a contiguous little-endian uint32 array.
 
@@ -219,8 +236,7 @@ def block_hashes(
         InvalidInputError: block_size is not a positive int or extra_keys is malformed.
     """
     require_int("block_size", block_size, 1, InvalidInputError)
-    if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
-        raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
+    check_extra_keys(extra_keys)
     arr = as_token_array(tokens)
     return chain_hashes(arr, block_size, namespace_seed(namespace, algo), extra_keys, parse_hash_algo(algo))
 
@@ -270,6 +286,19 @@ class BlockChain:
         self.seed, self.block_size, self.algo, self.extra_keys = seed, block_size, algo, extra_keys
         self.hashes: list[BlockHash] = []
         self._hashed = b""  # the token bytes of the hashed blocks
+
+    def extend(self, block_tokens: np.ndarray) -> list[BlockHash]:
+        """Hash the full blocks that follow the blocks hashed so far: `block_tokens` are
+        their token ids (validated uint32, a whole number of blocks). Returns every key so far
+        (`hashes`); the new ones are appended to it."""
+        if len(block_tokens) % self.block_size:
+            raise InvalidInputError(f"extend takes whole blocks of {self.block_size} tokens, got {len(block_tokens)}")
+        if len(block_tokens):
+            parent = self.hashes[-1] if self.hashes else self.seed
+            self.hashes.extend(chain_hashes(block_tokens, self.block_size, parent, self.extra_keys, self.algo,
+                                            first_block=len(self.hashes)))
+            self._hashed += block_tokens.tobytes()
+        return self.hashes
 
     def hashes_of(self, arr: np.ndarray) -> list[BlockHash]:
         """Keys of every full block of `arr` (validated uint32 tokens), hashing only new blocks."""

@@ -19,7 +19,8 @@ from typing import Any
 
 from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import ConfigError
-from kvstore.events import check_endpoint
+from kvstore.events_wire import check_events
+from tiers.codecs import CodecKind, parse_codec
 
 ENV_PREFIX = "KVSTRATA_"
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
@@ -79,7 +80,24 @@ class Settings:
         verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
         stats_path: if set, the worker keeps a JSON file of its load/save counters here.
         remote_url: a Valkey/Redis server or cluster shared by engines on many hosts.
-        events_endpoint: publish the worker's KV events here for `kvstrata router`.
+        disk_codec: how the disk tier encodes blocks: "none", "zstd" (lossless, needs the
+            `codec` extra), or the lossy "int8", "fp8", "k8v4" (quantized as the attention's
+            KV dtype in runs of one head vector; docs/performance.md). A lossy codec gives
+            the engine's KV a namespace of its own: exact engines never read its blocks.
+        remote_codec: the same for the remote tier.
+        events_endpoint: publish the worker's KV events (vLLM's format) here for `kvstrata
+            router`, Dynamo or llm-d, e.g. `tcp://127.0.0.1:5590` (docs/routing.md).
+        events_replay_endpoint: where replay requests are answered (default: the next port).
+        events_topic: the ZeroMQ topic of the events (default ""; llm-d wants
+            `kv@<pod>@<model>`).
+        events_curve_cert: the events publisher's secret ZeroMQ certificate; with
+            `events_curve_clients` (a directory of readers' public certificates) readers are
+            authenticated and the events encrypted (docs/security.md).
+        events_curve_clients: see `events_curve_cert`.
+        events_insecure: allow an events endpoint other hosts can reach without CURVE (for
+            Dynamo and llm-d, which cannot speak it); refused otherwise.
+        events_connect: connect to `events_endpoint` instead of binding it (for a reader that
+            binds, as llm-d's indexer).
         instance_id: this engine's name in its KV events (default `HOST:PID`).
         async_saves: write saved blocks to the tiers on a background thread (the step only
             copies them out of vLLM into buffers of their own).
@@ -90,12 +108,15 @@ class Settings:
             rates; the worker reports vLLM's prefill rate), "always" or "never".
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
+        metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
+            other hosts scrape it: the metrics carry no token ids and no authentication).
 
     Attributes (environment only):
         remote_password: the remote tier's password when the URL has none (never logged).
         results: where benchmarks write their JSON and plots.
         require_redis: tests: a missing `redis-server` fails the remote-tier tests (CI).
         require_vllm: tests: a missing vLLM fails the connector's tests (CI).
+        require_dynamo: tests: a missing Dynamo indexer (`.venv-dynamo`) fails its tests (CI).
         test_pool_device: tests: the block pool's device ("cuda" on a GPU machine).
         rel_scale: tests: multiplies every count of the reliability suite.
         rel_seed: tests: the reliability suite's random seed.
@@ -110,17 +131,27 @@ class Settings:
     disk_sync: bool = False
     verify_tokens: bool = True
     stats_path: str | None = None
-    remote_url: str | None = None
+    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
+    disk_codec: CodecKind = CodecKind.NONE
+    remote_codec: CodecKind = CodecKind.NONE
     events_endpoint: str | None = None
+    events_replay_endpoint: str | None = None
+    events_topic: str = ""
+    events_curve_cert: str | None = None
+    events_curve_clients: str | None = None
+    events_insecure: bool = False
+    events_connect: bool = False
     instance_id: str | None = None
     async_saves: bool = True
     async_loads: bool = True
     load_policy: str = "auto"
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
     remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
     results: str = field(default="results", metadata=_ENV)
     require_redis: bool = field(default=False, metadata=_ENV)
     require_vllm: bool = field(default=False, metadata=_ENV)
+    require_dynamo: bool = field(default=False, metadata=_ENV)
     test_pool_device: str = field(default="cpu", metadata=_ENV)
     rel_scale: float = field(default=1.0, metadata=_ENV)
     rel_seed: int = field(default=7, metadata=_ENV)
@@ -130,8 +161,10 @@ class Settings:
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
+        for name in ("disk_codec", "remote_codec"):
+            set_(self, name, parse_codec(getattr(self, name), name))
         for name in ("write_through", "disk_sync", "verify_tokens", "async_saves", "async_loads", "require_redis",
-                     "require_vllm"):
+                     "require_vllm", "require_dynamo", "events_insecure", "events_connect"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         for name in ("disk_path", "stats_path"):
             value = getattr(self, name)
@@ -145,10 +178,15 @@ class Settings:
         if self.remote_url is not None and not isinstance(self.remote_url, str):
             raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
         if self.events_endpoint is not None:
-            check_endpoint(self.events_endpoint)
+            check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
+                         self.events_curve_cert, self.events_curve_clients, self.events_insecure,
+                         connect=self.events_connect)
         if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
             raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
         set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))
+        host = self.metrics_host
+        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
+            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
         from kvstore.load_policy import check_mode
 
         check_mode(self.load_policy)
@@ -208,6 +246,7 @@ class Settings:
         for f in fields(cls):
             key = "-" if f.metadata.get("env_only") else f"`{f.name}`"
             default = f.default.value if isinstance(f.default, HashAlgo) else f.default
+            default = default.label if isinstance(default, CodecKind) else default
             rows.append(f"| {f.name} | {key} | `{ENV_PREFIX}{f.name.upper()}` | `{default!r}` | "
                         f"{described.get(f.name, '')} |")
         return "\n".join(rows) + "\n"

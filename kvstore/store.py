@@ -1,117 +1,48 @@
-"""`KVCacheStore`: prefix-matching store/retrieve of KV tensors over a stack of tiers."""
+"""`KVCacheStore`: prefix-matching store/retrieve of KV tensors over a stack of tiers.
+
+A facade: each call validates its input, hashes tokens into block keys (`keying.py`), takes
+the store's lock, delegates to the tier stack (`tier_stack.py`, the one place that moves
+bytes) and counts. Background work and the order in which `close()` ends it are
+`lifecycle.py`'s; KV events are wired by `events_setup.py`.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import logging
-import os
-import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
+from kvstore.block_api import BlockAPI
 from kvstore.buffers import BufferPool
 from kvstore.config import StoreConfig
-from kvstore.errors import (
-    ConfigError,
-    DiskFullError,
-    InvalidInputError,
-    LayoutMismatchError,
-    StoreClosedError,
-)
-from kvstore.events import EventPublisher, EventSource, new_epoch
-from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array, chain_hashes, namespace_seed
+from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError, StoreClosedError
+from kvstore.events import EventPublisher
+from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
+from kvstore.keying import Keyer
+from kvstore.lifecycle import Lifecycle
 from kvstore.load_policy import LoadPolicy
-from kvstore.tier_factory import build_tiers
+from kvstore.results import CloseResult, LoadResult, RetrieveResult, StoreCounters, StoreStats
+from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
-from kvstore.validate import check_blocks, check_device, check_disjoint, check_kv, check_writable
-from tiers.base import BlockKey, Tier, TierKind, TierStats
+from kvstore.timing import timed
+from kvstore.validate import check_device, check_disjoint, check_kv, check_writable
+from tiers.base import BlockKey, ScrubResult, Tier, TierKind
 from tiers.blockbatch import BlockBatch, block_rows
 from tiers.gpu_pool import BlockPool
-from tiers.lmdb import LMDBTier, ScrubResult
-from tiers.remote import RemoteTier
+
+__all__ = ["CloseResult", "KVCacheStore", "LoadResult", "RetrieveResult", "StoreStats"]
 
 logger = logging.getLogger(__name__)
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-def _timed(op: str) -> Callable[[Callable[Concatenate[KVCacheStore, P], R]], Callable[Concatenate[KVCacheStore, P], R]]:
-    """Report the wall time of a store call to `store.observe_latency` when one is set."""
-
-    def wrap(fn: Callable[Concatenate[KVCacheStore, P], R]) -> Callable[Concatenate[KVCacheStore, P], R]:
-        def timed(self: KVCacheStore, /, *args: P.args, **kwargs: P.kwargs) -> R:
-            hook = self.observe_latency
-            if hook is None:
-                return fn(self, *args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return fn(self, *args, **kwargs)
-            finally:
-                hook(op, time.perf_counter() - t0)
-
-        functools.update_wrapper(timed, fn)  # name and docstring of the wrapped call
-        return timed
-
-    return wrap
-
-
-class RetrieveResult(NamedTuple):
-    """What `retrieve` found.
-
-    Attributes:
-        num_tokens: length of the longest cached prefix, a multiple of `block_size`.
-        kv: `[num_layers, 2, num_tokens, num_kv_heads, head_dim]`, or None when num_tokens == 0.
-        blocks_per_tier: how many of the returned blocks each tier served.
-    """
-
-    num_tokens: int
-    kv: torch.Tensor | None
-    blocks_per_tier: dict[TierKind, int]
-
-
-class CloseResult(NamedTuple):
-    """What `close()` persisted: blocks copied down a tier, and blocks a full tier refused."""
-
-    num_spilled: int
-    num_refused: int
-
-
-class LoadResult(NamedTuple):
-    """What `retrieve_into` copied: `num_blocks` leading blocks, and how many each tier served."""
-
-    num_blocks: int
-    blocks_per_tier: dict[TierKind, int]
-
-
-@dataclass(frozen=True)
-class StoreStats:
-    """Counters since the store was opened, and a snapshot of every tier."""
-
-    num_store_calls: int
-    num_retrieve_calls: int
-    num_lookup_calls: int
-    num_blocks_stored: int
-    num_tokens_requested: int
-    num_tokens_hit: int
-    num_promotion_failures: int
-    tiers: tuple[TierStats, ...]
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.num_tokens_hit / self.num_tokens_requested if self.num_tokens_requested else 0.0
 
 
 class KVCacheStore:
-    """A prefix-matching KV cache over the block pool, CPU and LMDB disk tiers, fastest first.
+    """A prefix-matching KV cache over a stack of tiers (block pool, CPU, disk, remote),
+    fastest first.
 
     `store` writes new full blocks into the top tier; tiers demote their least recently used
     blocks downwards. `retrieve` walks the chained block hashes through the tiers in order,
@@ -124,62 +55,34 @@ class KVCacheStore:
             raise ConfigError(f"KVCacheStore needs a StoreConfig, got {type(config).__name__}")
         self.config = config
         self._seed = namespace_seed(config.identity(), config.hash_algo)
+        self._keyer = Keyer(config, self._seed)
         tiers = build_tiers(config, self._seed)
-        self.pool: BlockPool | None = tiers[0] if isinstance(tiers[0], BlockPool) else None
+        self.pool: BlockPool | None = engine_pool(tiers)  # the paged KV an engine attends over
         self._stack = TierStack(tiers, write_through=config.write_through)
-        self.load_policy = LoadPolicy(config.load_policy, config.block_size, config.block_bytes)
+        self.load_policy = LoadPolicy(config.load_policy, config.block_size, config.block_bytes,
+                                      free=frozenset(t.kind for t in tiers if t.traits.engine_memory))
         self._stack.on_load = lambda kind, blocks, seconds: self.load_policy.observe_load(
             kind, blocks * config.block_bytes, seconds)
         self._lock = threading.RLock()
-        self.events: EventPublisher | None = None
-        if config.events_endpoint is not None:
-            try:
-                self.events = self._publish(config.events_endpoint)
-            except BaseException:
-                self._stack.close()
-                raise
         self._closed = False
-        self._num_store_calls = self._num_retrieve_calls = self._num_lookup_calls = 0
-        self._num_blocks_stored = self._num_tokens_requested = self._num_tokens_hit = 0
+        self._generation = 0  # clear() calls so far (see `generation`)
+        self._counters = StoreCounters()
+        self._work = Lifecycle(config.io_threads)
+        self._buffers = BufferPool(config.result_buffer_bytes)  # recycled results of retrieve()
         # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
         # (kvstore.metrics.register_metrics sets it).
         self.observe_latency: Callable[[str, float], None] | None = None
-        self._buffers = BufferPool(config.result_buffer_bytes)  # recycled results of retrieve()
-        self._workers: ThreadPoolExecutor | None = None  # prefetch and the asyncio API, started on first use
-        self._workers_lock = threading.Lock()
-        self.num_prefetched_blocks = 0
-        self.prefetched_blocks: dict[TierKind, int] = {}  # by the tier they came from
+        self.events: EventPublisher | None = None
+        if config.events_endpoint is not None:
+            from kvstore.events_setup import open_publisher
 
-    def _publish(self, endpoint: str) -> EventPublisher:
-        """Start publishing KV events: every tier reports to the publisher from now on."""
-        cfg = self.config
-        remote = next((t for t in self._stack.tiers if isinstance(t, RemoteTier)), None)
-        source = EventSource(
-            instance_id=cfg.instance_id or f"{socket.gethostname()}:{os.getpid()}",
-            model=cfg.model_name or cfg.namespace[:128], seed=bytes(self._seed), algo=cfg.hash_algo.value,
-            block_size=cfg.block_size, remote=remote.identity if remote is not None else None, epoch=new_epoch())
-        publisher = EventPublisher(endpoint, source, self._event_snapshot)
-        for tier in self._stack.tiers:
-            tier.listener = publisher.on_change
-        return publisher
+            try:
+                self.events = open_publisher(config, self._seed, self._stack.tiers, self._keyer)
+            except BaseException:
+                self._stack.close()
+                raise
 
-    def _event_snapshot(self) -> tuple[dict[TierKind, list[BlockHash]], list[list[Any]]]:
-        """Every tier's blocks, and the events not yet published, taken together (the remote
-        tier, slow to list and shared, outside the lock: its events are idempotent)."""
-        held: dict[TierKind, list[BlockHash]] = {}
-        for tier in self._stack.tiers:
-            if tier.kind is TierKind.REMOTE and not self._closed:
-                held[tier.kind] = list(tier.held_hashes())
-        with self._lock:
-            if self._closed:
-                return {}, []
-            for tier in self._stack.tiers:
-                if tier.kind is not TierKind.REMOTE:
-                    held[tier.kind] = list(tier.held_hashes())
-            assert self.events is not None
-            return held, self.events.take_pending()
-
-    # -- context manager -------------------------------------------------------------------
+    # -- views -------------------------------------------------------------------------------
     def __enter__(self) -> KVCacheStore:
         return self
 
@@ -192,8 +95,7 @@ class KVCacheStore:
 
     @property
     def stack(self) -> TierStack:
-        """The tier stack: the block-level API (locate / load / put / pin / unpin) for engines
-        that page KV in their own blocks. Hold `lock` while using it."""
+        """The tier stack (hold `lock` while using it); engines use `kvstore.block_api`."""
         return self._stack
 
     @property
@@ -206,71 +108,81 @@ class KVCacheStore:
         """The lock every store call holds; hold it to mutate tiers from outside."""
         return self._lock
 
-    # -- hashing ---------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def generation(self) -> int:
+        """How many times `clear()` has run. Read it when KV is produced and pass it as
+        `generation=` to a later `store` / `store_blocks`: KV produced before a `clear()` is
+        then never cached after it."""
+        return self._generation
+
+    @property
+    def prefetched_blocks(self) -> dict[TierKind, int]:
+        """Blocks `prefetch` brought into memory, by the tier they came from."""
+        return self._stack.num_prefetched
+
+    def check_open(self) -> None:
+        """Raise `StoreClosedError` if the store was closed."""
+        if self._closed:
+            raise StoreClosedError("KVCacheStore is closed")
+
+    def _current(self, generation: int | None) -> bool:
+        """Whether KV produced at `generation` may be stored now (call with the lock held)."""
+        if generation is None:
+            return True
+        if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation <= self._generation:
+            raise InvalidInputError(f"generation must be a value of KVCacheStore.generation (now {self._generation}) "
+                                    f"or None, got {generation!r}")
+        return generation == self._generation
+
+    # -- hashing -----------------------------------------------------------------------------
     def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None) -> list[BlockHash]:
         """The chained keys of `tokens`' full blocks in this store's namespace."""
-        return self._hash(tokens, extra_keys)[1]
+        return self._keyer.hashes(tokens, extra_keys)[1]
 
     def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
         """A `BlockChain` in this store's namespace: pass it as `chain=` to `store_blocks` /
         `retrieve_into` calls on one growing sequence, so each block is hashed once."""
-        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
-            raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
-        return BlockChain(self._seed, self.config.block_size, self.config.hash_algo, extra_keys)
+        return self._keyer.chain(extra_keys)
 
-    def _hash(self, tokens: object, extra_keys: ExtraKeys | None,
-              chain: BlockChain | None = None) -> tuple[np.ndarray, list[BlockHash]]:
-        if extra_keys is not None and not isinstance(extra_keys, ExtraKeys):
-            raise InvalidInputError(f"extra_keys must be ExtraKeys or None, got {type(extra_keys).__name__}")
-        arr = as_token_array(tokens)
-        cfg = self.config
-        if chain is None:
-            return arr, chain_hashes(arr, cfg.block_size, self._seed, extra_keys, cfg.hash_algo)
-        if not isinstance(chain, BlockChain) or (chain.seed, chain.block_size, chain.algo, chain.extra_keys) != (
-                self._seed, cfg.block_size, cfg.hash_algo, extra_keys):
-            raise InvalidInputError("chain must come from this store's chain() with the same extra_keys")
-        return arr, chain.hashes_of(arr)
+    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash], extra_keys: ExtraKeys | None = None, *,
+                   first_block: int = 0, parent: BlockHash | None = None) -> list[BlockKey]:
+        """The `BlockKey`s the tiers take for `hashes` (see `Keyer.keys`)."""
+        return self._keyer.keys(arr, hashes, extra_keys, first_block=first_block, parent=parent)
 
-    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash]) -> list[BlockKey]:
-        """`BlockKey`s of `hashes` with the token bytes of `arr` when tokens are verified."""
-        if not self.config.verify_tokens:
-            return [BlockKey(h) for h in hashes]
-        b = self.config.block_size
-        buf = arr.tobytes()
-        return [BlockKey(h, buf[i * b * 4 : (i + 1) * b * 4]) for i, h in enumerate(hashes)]
-
-    # -- the API ---------------------------------------------------------------------------
-    @_timed("store")
-    def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
+    # -- the API -----------------------------------------------------------------------------
+    @timed("store")
+    def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None,
+              generation: int | None = None) -> int:
         """Store every full block of `tokens` not yet cached; return the leading tokens now cached.
 
         `kv` is `[num_layers, 2, len(tokens), num_kv_heads, head_dim]` of the layout's dtype on
         any device. Invalid input raises an `InvalidInputError` subclass and stores nothing;
-        `DiskFullError` means the tiers could not make room (reads keep working).
+        `DiskFullError` means the tiers could not make room (reads keep working). With
+        `generation` (see the property) older than the store's, stores nothing and returns 0.
         """
         self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys)
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
         kv = check_kv(self.config, kv, len(arr))
         b = self.config.block_size
-        keys = self.block_keys(arr, hashes)
-        srcs = BlockBatch(block_rows(kv, b))
+        keys = self._keyer.keys(arr, hashes, extra_keys)
         with self._lock:
             self.check_open()
-            self._num_store_calls += 1
-            self._num_blocks_stored += self._stack.put(keys, srcs)
+            current = self._current(generation)  # raises for a bad value before anything counts
+            self._counters.num_store_calls += 1
+            if not current:
+                return 0
+            self._counters.num_blocks_stored += self._stack.put(keys, BlockBatch(block_rows(kv, b)))
             if len(keys) <= self._stack.top.capacity_blocks:
                 return len(keys) * b  # the top tier took every block (no second lookup)
             return len(self._stack.locate(hashes)) * b  # more than the top tier holds: some may be gone
 
-    @_timed("retrieve")
-    def retrieve(
-        self,
-        tokens: object,
-        *,
-        extra_keys: ExtraKeys | None = None,
-        device: torch.device | str | None = None,
-        out: torch.Tensor | None = None,
-    ) -> RetrieveResult:
+    @timed("retrieve")
+    def retrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
+                 device: torch.device | str | None = None, out: torch.Tensor | None = None) -> RetrieveResult:
         """Return the KV of the longest cached prefix of `tokens` (on `device`, default CPU).
 
         Blocks come from the fastest tier holding them; lower-tier hits are promoted to the
@@ -285,16 +197,15 @@ class KVCacheStore:
             check_kv(self.config, out, out.shape[2] if isinstance(out, torch.Tensor) and out.dim() == 5 else -1)
             check_writable(out, "out")
             check_disjoint([out], "out's elements")
-        arr, hashes = self._hash(tokens, extra_keys)
-        if out is not None and out.shape[2] < len(arr) // self.config.block_size * self.config.block_size:
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        cfg, b = self.config, self.config.block_size
+        if out is not None and out.shape[2] < len(arr) // b * b:
             raise LayoutMismatchError(f"out holds {out.shape[2]} tokens, fewer than the {len(arr)} given")
-        keys = self.block_keys(arr, hashes)
-        cfg = self.config
-        b = cfg.block_size
+        keys = self._keyer.keys(arr, hashes, extra_keys)
         with self._lock:
             self.check_open()
-            self._num_retrieve_calls += 1
-            self._num_tokens_requested += len(arr)
+            self._counters.num_retrieve_calls += 1
+            self._counters.num_tokens_requested += len(arr)
             given = out is not None
             # With the caller's buffer, the slowest tier is read without a lookup first (one
             # round trip to a remote server, one transaction on disk); else the hit's length
@@ -309,12 +220,12 @@ class KVCacheStore:
             dsts = BlockBatch(block_rows(out[:, :, : len(plan) * b], b))
             num_ok, counts = self._stack.load(keys, dsts, plan)
             self._stack.promote(keys, dsts, plan, num_ok)
-            self._num_tokens_hit += num_ok * b
-            if num_ok == 0:
-                return RetrieveResult(0, None, {})
-            if given or num_ok == len(plan):
-                return RetrieveResult(num_ok * b, out[:, :, : num_ok * b], counts)
-            return RetrieveResult(num_ok * b, out[:, :, : num_ok * b].clone(), counts)
+            self._counters.num_tokens_hit += num_ok * b
+        if num_ok == 0:
+            return RetrieveResult(0, None, {})
+        if given or num_ok == len(plan):
+            return RetrieveResult(num_ok * b, out[:, :, : num_ok * b], counts)
+        return RetrieveResult(num_ok * b, out[:, :, : num_ok * b].clone(), counts)
 
     def lookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """The `num_tokens` that `retrieve` would return now; moves no KV data, changes nothing.
@@ -327,170 +238,95 @@ class KVCacheStore:
         """The tier that would serve each block of the longest cached prefix (what `lookup`
         measures, with where from); changes nothing."""
         self.check_open()
-        _, hashes = self._hash(tokens, extra_keys)
+        _, hashes = self._keyer.hashes(tokens, extra_keys)
         with self._lock:
             self.check_open()
-            self._num_lookup_calls += 1
+            self._counters.num_lookup_calls += 1
             tiers = self._stack.tiers
             return [tiers[i].kind for i in self._stack.locate(hashes)]
 
-    # -- housekeeping ----------------------------------------------------------------------
-    def stats(self) -> StoreStats:
-        """Counters and per-tier snapshots; changes nothing."""
-        with self._lock:
-            self.check_open()
-            return StoreStats(
-                num_store_calls=self._num_store_calls,
-                num_retrieve_calls=self._num_retrieve_calls,
-                num_lookup_calls=self._num_lookup_calls,
-                num_blocks_stored=self._num_blocks_stored,
-                num_tokens_requested=self._num_tokens_requested,
-                num_tokens_hit=self._num_tokens_hit,
-                num_promotion_failures=self._stack.num_promotion_failures,
-                tiers=tuple(t.stats() for t in self._stack.tiers),
-            )
+    # -- the block-level API, for engines that page KV in blocks of their own ----------------
+    @functools.cached_property
+    def blocks(self) -> BlockAPI:
+        """Whole-block saves and loads, and the block pool's calls (`kvstore.block_api`)."""
+        return BlockAPI(self)
 
-    # -- block-level API, for engines that page KV in their own blocks ---------------------
-    @_timed("store")
-    def store_blocks(
-        self,
-        tokens: object,
-        srcs: Sequence[torch.Tensor],
-        *,
-        first_block: int = 0,
-        extra_keys: ExtraKeys | None = None,
-        chain: BlockChain | None = None,
-    ) -> int:
-        """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
+    def store_blocks(self, tokens: object, srcs: Sequence[torch.Tensor], *, first_block: int = 0,
+                     extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None,
+                     generation: int | None = None) -> int:
+        """`blocks.save` (see there)."""
+        return self.blocks.save(tokens, srcs, first_block=first_block, extra_keys=extra_keys, chain=chain,
+                                generation=generation)
 
-        Each src is one block-shaped tensor (`StoreConfig.block_shape`, the layout's dtype, any
-        device). `tokens` must cover every given block; the blocks before `first_block` need not
-        be cached or given (their hashes chain into the keys). Writes like `store`: into the top
-        tier (and the disk tier with `write_through`); blocks already held are only touched.
-        Invalid input raises an `InvalidInputError` subclass and stores nothing.
-        """
-        self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys, chain)
-        check_blocks(self.config, srcs, len(arr), first_block)
-        keys = self.block_keys(arr, hashes)[first_block : first_block + len(srcs)]
-        with self._lock:
-            self.check_open()
-            self._num_store_calls += 1
-            written = self._stack.put(keys, list(srcs))
-            self._num_blocks_stored += written
-            return written
+    def retrieve_into(self, tokens: object, dsts: Sequence[torch.Tensor], *, first_block: int = 0,
+                      extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None) -> LoadResult:
+        """`blocks.load` (see there)."""
+        return self.blocks.load(tokens, dsts, first_block=first_block, extra_keys=extra_keys, chain=chain)
 
-    @_timed("load")
-    def retrieve_into(
-        self,
-        tokens: object,
-        dsts: Sequence[torch.Tensor],
-        *,
-        first_block: int = 0,
-        extra_keys: ExtraKeys | None = None,
-        chain: BlockChain | None = None,
-    ) -> LoadResult:
-        """Copy cached blocks `first_block, first_block + 1, ...` of `tokens` into `dsts`.
-
-        Stops at the first block no tier holds (or that fails validation); `dsts[i]` past that
-        are left untouched. Lower-tier hits are promoted as in `retrieve`. The blocks before
-        `first_block` are neither read nor required.
-        """
-        self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys, chain)
-        check_blocks(self.config, dsts, len(arr), first_block, destination=True)
-        keys = self.block_keys(arr, hashes)[first_block : first_block + len(dsts)]
-        b = self.config.block_size
-        with self._lock:
-            self.check_open()
-            self._num_retrieve_calls += 1
-            self._num_tokens_requested += len(keys) * b
-            plan = self._stack.plan_load([k.block_hash for k in keys])
-            num_ok, counts = self._stack.load(keys, dsts, plan)
-            self._stack.promote(keys, list(dsts), plan, num_ok)
-            self._num_tokens_hit += num_ok * b
-            return LoadResult(num_ok, counts)
-
-    # -- background work: prefetch and the asyncio API -------------------------------------
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._workers_lock:
-            self.check_open()
-            if self._workers is None:
-                self._workers = ThreadPoolExecutor(self.config.io_threads, thread_name_prefix="kvstrata-io")
-            return self._workers
-
+    # -- background work: prefetch and the asyncio API ---------------------------------------
     def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> Future[int]:
-        """Bring the longest cached prefix of `tokens` from the slow tiers (disk, remote) into
-        the fastest memory tier below the pool (the CPU tier; the pool without one), in the
-        background. The future resolves to the leading tokens then held in memory tiers.
+        """Bring the longest cached prefix of `tokens` from tiers outside memory (disk, remote)
+        into the slowest memory tier (the CPU tier; the pool without one), in the background.
+        The future resolves to the leading tokens then held in memory tiers.
 
-        Bad input raises here, at once. The slow reads run without the store's lock (other
-        calls proceed meanwhile); only the final insert takes it. After `close()` the future
-        resolves to 0.
+        Bad input raises here, at once, as does `StoreClosedError` once `close()` has begun.
+        The slow reads run without the store's lock (other calls proceed meanwhile); only the
+        final insert takes it, and inserts nothing if `clear()` ran since the reads began. A
+        prefetch that `close()` finds queued or running resolves to 0 (never cancelled).
         """
         self.check_open()
-        arr, hashes = self._hash(tokens, extra_keys)
-        keys = self.block_keys(arr, hashes)
-        return self._executor().submit(self._prefetch, keys)
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        keys = self._keyer.keys(arr, hashes, extra_keys)
+        return self._work.submit(self._prefetch, keys)
 
     def _prefetch(self, keys: list[BlockKey]) -> int:
-        tiers = self._stack.tiers
-        memory = [i for i, t in enumerate(tiers) if t.kind in (TierKind.POOL, TierKind.CPU)]
-        slow = {i for i, t in enumerate(tiers) if t.kind in (TierKind.DISK, TierKind.REMOTE)}
         hashes = [k.block_hash for k in keys]
-        with self._lock:
-            if self._closed:
-                return 0
-            plan = self._stack.locate(hashes)
-        target = memory[-1] if memory else None
-        fetch = [i for i, t in enumerate(plan) if t in slow]
-        if target is not None and fetch:
-            buffer = BlockBatch(torch.empty((len(fetch), *self.config.block_shape), dtype=self.config.layout.dtype))
-            got = 0
-            sources: list[tuple[TierKind, int]] = []
-            while got < len(fetch):  # one read per run of one tier, in prefix order
-                end, tier = got, plan[fetch[got]]
-                while end < len(fetch) and plan[fetch[end]] == tier and fetch[end] - fetch[got] == end - got:
-                    end += 1
-                n = tiers[tier].get_into([keys[i] for i in fetch[got:end]], buffer[got:end])
-                sources.append((tiers[tier].kind, n))
-                got += n
-                if got < end:
-                    break
-            with self._lock:
-                if self._closed:
-                    return 0
-                if got:
-                    # DiskFullError: a tier below refused what the insert would evict; nothing moved
-                    with contextlib.suppress(DiskFullError):
-                        tiers[target].put([keys[i] for i in reversed(fetch[:got])], buffer[got - 1 :: -1])
-                        self.num_prefetched_blocks += got
-                        for kind, n in sources:
-                            self.prefetched_blocks[kind] = self.prefetched_blocks.get(kind, 0) + n
-        with self._lock:
-            if self._closed:
-                return 0
-            plan = self._stack.locate(hashes)
-        leading = next((i for i, t in enumerate(plan) if t not in memory), len(plan))
-        return leading * self.config.block_size
-
-    async def _in_thread(self, fn: Callable[..., R], *args: object, **kwargs: object) -> R:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor(), functools.partial(fn, *args, **kwargs))
+        try:
+            with self._work.outside():
+                with self._lock:
+                    if self._work.closing:
+                        return 0
+                    generation = self._generation  # what the reads below see; a clear() later voids them
+                    plan = self._stack.plan_prefetch(hashes)
+                if plan is not None:
+                    buffer = BlockBatch(torch.empty((len(plan.positions), *self.config.block_shape),
+                                                    dtype=self.config.layout.dtype))
+                    got, counts = self._stack.read_prefetch(keys, plan, buffer, lambda: self._work.closing)
+                    with self._lock:
+                        if got and generation == self._generation and not self._work.closing:
+                            self._stack.insert_prefetched(keys, plan, buffer, got, counts)
+                with self._lock:
+                    return 0 if self._work.closing else self._stack.leading_in_memory(hashes) * self.config.block_size
+        except StoreClosedError:  # close() began: a queued or running prefetch resolves to 0
+            return 0
 
     async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event
-        loops: the loop never blocks on a copy or a disk write."""
-        return await self._in_thread(self.store, tokens, kv, extra_keys=extra_keys)
+        loops: the loop never blocks on a copy or a disk write. Stores nothing (returns 0) if
+        `clear()` runs between this call and its turn on a thread.
+
+        The asyncio calls raise `StoreClosedError` when `close()` has begun before they ran
+        (never `asyncio.CancelledError`); one already running completes."""
+        return await self._work.run_async(self.store, tokens, kv, extra_keys=extra_keys, generation=self._generation)
 
     async def aretrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
                         device: torch.device | str | None = None, out: torch.Tensor | None = None) -> RetrieveResult:
         """`retrieve` on the store's I/O threads (see `astore`)."""
-        return await self._in_thread(self.retrieve, tokens, extra_keys=extra_keys, device=device, out=out)
+        return await self._work.run_async(self.retrieve, tokens, extra_keys=extra_keys, device=device, out=out)
 
     async def alookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`lookup` on the store's I/O threads (see `astore`)."""
-        return await self._in_thread(self.lookup, tokens, extra_keys=extra_keys)
+        return await self._work.run_async(self.lookup, tokens, extra_keys=extra_keys)
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        """Counters and per-tier snapshots; changes nothing."""
+        with self._lock:
+            self.check_open()
+            c = self._counters
+            return StoreStats(c.num_store_calls, c.num_retrieve_calls, c.num_lookup_calls, c.num_blocks_stored,
+                              c.num_tokens_requested, c.num_tokens_hit, self._stack.num_promotion_failures,
+                              tuple(t.stats() for t in self._stack.tiers))
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""
@@ -502,63 +338,61 @@ class KVCacheStore:
         """Return once every block stored so far is visible to other hosts (the remote tier's
         background writes sent, or dropped for a fault and counted). False on a timeout."""
         self.check_open()
-        return self._stack.flush()
+        with self._work.outside():  # close() waits for it to end before closing the tiers
+            return self._stack.flush()
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this store's blocks from every tier. The disk tier may be shared: only this
         namespace's records go, unless `all_namespaces` (every record in `disk_path`, whoever
-        wrote it: a whole-directory wipe)."""
+        wrote it: a whole-directory wipe).
+
+        Work begun before the clear never brings its bytes back after it: a running `prefetch`
+        inserts nothing, a queued `astore` stores nothing, nor does a `store` / `store_blocks`
+        given an older `generation`."""
         with self._lock:
             self.check_open()
-            for tier in self._stack.tiers:
-                if isinstance(tier, (LMDBTier, RemoteTier)):
-                    tier.clear(all_namespaces=all_namespaces)
-                else:
-                    tier.clear()
-                if self.events is not None:
+            self._generation += 1
+            self._stack.clear(all_namespaces=all_namespaces)
+            if self.events is not None:
+                for tier in self._stack.tiers:
                     self.events.on_clear(tier.kind)
 
     def scrub(self) -> ScrubResult | None:
-        """Validate every disk record; delete damaged ones (of any namespace: they are garbage
-        to every reader). Sound records of other namespaces are left alone. None without a
-        disk tier."""
+        """Validate every record of the tiers that keep checks (the disk); delete damaged ones
+        (of any namespace: they are garbage to every reader). Sound records of other namespaces
+        are left alone. None without such a tier."""
         with self._lock:
             self.check_open()
-            disks = [t for t in self._stack.tiers if isinstance(t, LMDBTier)]
-            return disks[0].scrub() if disks else None
+            return self._stack.scrub()
 
     def close(self) -> CloseResult:
-        """Persist what fits (with `persist_on_close`) and release every tier. Idempotent;
-        other calls then raise `StoreClosedError`.
+        """Persist what fits (with `persist_on_close`) and release every tier. Idempotent and
+        safe from several threads at once (a second call waits for the first, then returns
+        `CloseResult(0, 0)`); other calls then raise `StoreClosedError`.
 
-        Never raises for a full disk: blocks a full lower tier refuses are counted in the
-        result and logged, most recently used blocks having gone first.
+        Background work ends first: a prefetch that is queued or running resolves to 0, a
+        queued asyncio call raises `StoreClosedError`, running ones and a running `flush()`
+        complete; when any close() returns, the I/O threads are gone. Never raises for a full
+        disk: blocks a full lower tier refuses are counted in the result and logged, most
+        recently used blocks having gone first.
         """
-        with self._workers_lock:
-            workers, self._workers = self._workers, None
-        if workers is not None:  # background calls finish first (they take the lock)
-            workers.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            if self._closed:
-                return CloseResult(0, 0)
-            self._closed = True
-            spilled = refused = 0
+        with self._work.close_lock:
+            self._work.begin_close()
             try:
-                if self.config.persist_on_close:
-                    spilled, refused = self._stack.spill()
-                if refused:
-                    logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d", spilled, refused)
+                with self._lock:
+                    if self._closed:
+                        return CloseResult(0, 0)
+                    self._closed = True
+                    spilled = refused = 0
+                    try:
+                        if self.config.persist_on_close:
+                            spilled, refused = self._stack.spill()
+                        if refused:
+                            logger.warning("kvstrata: close() persisted %d blocks; a full disk refused %d",
+                                           spilled, refused)
+                    finally:
+                        self._stack.close()
+                    return CloseResult(spilled, refused)
             finally:
-                self._stack.close()
-                if self.events is not None:
+                if self.events is not None:  # idempotent; outside the lock: its thread may wait for it
                     self.events.close()
-            return CloseResult(spilled, refused)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def check_open(self) -> None:
-        """Raise `StoreClosedError` if the store was closed."""
-        if self._closed:
-            raise StoreClosedError("KVCacheStore is closed")

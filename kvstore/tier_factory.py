@@ -11,6 +11,7 @@ from collections.abc import Callable
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from tiers.base import BlockHash, Tier
+from tiers.codecs import CodecKind, CodecSpec, parse_codec
 from tiers.cpu import CPUTier
 from tiers.gpu_pool import BlockPool, DemotionPolicy
 from tiers.lmdb import LMDBTier
@@ -33,8 +34,18 @@ def _pool(config: StoreConfig, seed: BlockHash) -> Tier | None:
 def _cpu(config: StoreConfig, seed: BlockHash) -> Tier | None:
     if not config.cpu_bytes:
         return None
+    quota = config.cpu_tenant_quota_bytes
     return CPUTier(config.cpu_blocks, config.block_shape, config.layout.dtype, verify_tokens=config.verify_tokens,
-                   checksum=config.cpu_checksums)
+                   checksum=config.cpu_checksums, eviction=config.cpu_eviction,
+                   demote_admission=config.demote_admission,
+                   tenant_quota_blocks=None if quota is None else quota // config.block_bytes)
+
+
+def _codec(config: StoreConfig, kind: CodecKind) -> CodecSpec:
+    """A tier's codecs: it writes with `kind` and reads every lossy codec the config's
+    identity admits (`StoreConfig.lossy_codecs`)."""
+    accepted = frozenset(parse_codec(name) for name in config.lossy_codecs)
+    return CodecSpec(kind, config.codec_dtype, config.codec_group, accepted)
 
 
 def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
@@ -42,18 +53,26 @@ def _disk(config: StoreConfig, seed: BlockHash) -> Tier | None:
         return None
     return LMDBTier(str(config.disk_path), config.disk_bytes, config.block_shape, config.layout.dtype,
                     verify_tokens=config.verify_tokens, sync=config.disk_sync, namespace=seed,
-                    identity=config.identity(), read_bps=config.disk_read_bps)
+                    identity=config.identity(), read_bps=config.disk_read_bps,
+                    codec=_codec(config, config.disk_codec))
 
 
 def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:
     if config.remote_url is None:
         return None
     return RemoteTier(config.remote_url, config.block_shape, config.layout.dtype, namespace=seed,
-                      verify_tokens=config.verify_tokens, ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s)
+                      verify_tokens=config.verify_tokens, ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
+                      codec=_codec(config, config.remote_codec))
 
 
 # Fastest first. The order is the tier stack's: demotion goes down it, promotion up.
 _BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk, _remote)
+
+
+def engine_pool(tiers: list[Tier]) -> BlockPool | None:
+    """The block pool among `tiers` (the paged KV an engine attends over), if any."""
+    top = tiers[0] if tiers else None
+    return top if isinstance(top, BlockPool) else None
 
 
 def build_tiers(config: StoreConfig, seed: BlockHash) -> list[Tier]:

@@ -2,9 +2,11 @@
 
 Tiers are independent (none holds another); the stack hands each the `Below` view of the tier
 under it, and decides everything between them: where a lookup is served from (`locate`),
-copying blocks out (`load`), writing new blocks (`put`: into the top tier, and with
-write-through into the bottom one too), promotion of lower-tier hits into the top tier,
-pinning, and spilling down on shutdown. Callers hold the store's lock.
+copying blocks out (`load`), writing new blocks (`put`: into the top tier, and at once into
+shared tiers, and persistent ones with write-through), promotion of lower-tier hits into the
+top tier, prefetching slow tiers into memory, pinning, clearing, scrubbing, and spilling down
+on shutdown. What a tier is comes from its traits, never its kind. Callers hold the store's
+lock, except for `read_prefetch`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Tier, TierKind
+from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
 from tiers.blockbatch import take
 from tiers.errors import DiskFullError
 
@@ -27,12 +30,29 @@ class _Below:
 
     def __init__(self, lower: Tier) -> None:
         self._lower = lower
+        # Blocks the running `TierStack.put` writes into `lower` itself: not demoted twice.
+        self.skip: frozenset[BlockHash] = frozenset()
 
     def demote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        if self.skip:
+            keep = [i for i, k in enumerate(keys) if k.block_hash not in self.skip]
+            if len(keep) < len(keys):
+                keys, srcs = [keys[i] for i in keep], take(srcs, keep)
+            if not keys:
+                return 0
         return self._lower.put(keys, srcs)
 
     def holds(self, block_hash: BlockHash) -> bool:
         return self._lower.match_prefix([block_hash]) == 1
+
+
+class Prefetch(NamedTuple):
+    """A prefetch's plan: the prefix positions to read, the index of the tier each comes
+    from, and the memory tier they go to."""
+
+    positions: list[int]
+    sources: list[int]
+    target: int
 
 
 class TierStack:
@@ -46,14 +66,20 @@ class TierStack:
         if not tiers:
             raise ValueError("a tier stack needs at least one tier")
         self.tiers = tuple(tiers)
+        self._index = {t.kind: i for i, t in enumerate(self.tiers)}
+        if len(self._index) != len(self.tiers):
+            raise ValueError(f"two tiers of one kind in a stack: {[t.kind.value for t in self.tiers]}")
         self.write_through = write_through
-        # Tiers below the top that every put reaches at once: the disk with `write_through`,
-        # a remote tier always (other hosts read it).
+        # Tiers below the top that every put reaches at once: a shared tier always (other
+        # hosts read it), a persistent one with `write_through`.
         self._through = [t for t in self.tiers[1:]
-                         if t.kind is TierKind.REMOTE or (write_through and t.kind is TierKind.DISK)]
+                         if t.traits.shared or (write_through and t.traits.persistent)]
+        self._belows: list[_Below] = []
         for upper, lower in zip(self.tiers, self.tiers[1:]):
             upper.below = _Below(lower)
+            self._belows.append(upper.below)
         self.num_promotion_failures = 0
+        self.num_prefetched: dict[TierKind, int] = {}  # blocks prefetched into memory, by source tier
         # Told (tier kind, blocks, seconds) after each load from a tier below the pool.
         self.on_load: Callable[[TierKind, int, float], None] | None = None
 
@@ -110,7 +136,7 @@ class TierStack:
             tier = self.tiers[plan[num_ok]]
             t0 = time.perf_counter()
             got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
-            if self.on_load is not None and tier.kind is not TierKind.POOL:
+            if self.on_load is not None and not tier.traits.engine_memory:
                 self.on_load(tier.kind, got, time.perf_counter() - t0)
             if got:
                 counts[tier.kind] = counts.get(tier.kind, 0) + got
@@ -123,13 +149,35 @@ class TierStack:
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Write blocks (prefix order) into the top tier, tail first (a sequence's tail is
         evicted before its prefix); with write-through into the disk tier too, and always into
-        a remote tier. Returns how
-        many the top tier newly wrote. Raises `DiskFullError` if the tiers cannot make room."""
+        a remote tier. Returns how many the top tier newly wrote. Raises `DiskFullError` if the
+        local tiers cannot make room; the remote tier is written all the same.
+
+        Each tier below the top gets these blocks once, from here: blocks of this call that
+        overflow a tier above are not demoted into a tier this call writes through anyway
+        (which would send a remote tier the same records twice, the overflow first). Every
+        tier gets them tail first; the remote tier sends them parents first.
+        """
         if not keys:
             return 0
-        written = self.top.put(keys[::-1], srcs[::-1])
-        for tier in self._through:
-            tier.put(keys[::-1], srcs[::-1])
+        order_keys, order_srcs = keys[::-1], srcs[::-1]
+        through = {id(t) for t in self._through}
+        written = 0
+        try:
+            hashes = frozenset(k.block_hash for k in keys)
+            for below, lower in zip(self._belows, self.tiers[1:]):
+                below.skip = hashes if id(lower) in through else frozenset()
+            try:
+                written = self.top.put(order_keys, order_srcs)
+            finally:
+                for below in self._belows:
+                    below.skip = frozenset()
+            for tier in self._through:
+                if not tier.traits.shared:
+                    tier.put(order_keys, order_srcs)
+        finally:  # other hosts read a shared tier: a full local disk does not keep it from them
+            for tier in self._through:
+                if tier.traits.shared:
+                    tier.put(order_keys, order_srcs)
         return written
 
     def flush(self) -> bool:
@@ -153,14 +201,84 @@ class TierStack:
             self.num_promotion_failures += 1
         top.touch([k.block_hash for k in reversed(keys[:num_ok])])
 
-    def pin(self, index: int, hashes: Sequence[BlockHash]) -> list[BlockHash]:
-        """Pin the given blocks in tier `index`; return exactly those pinned (a block gone
+    def pin(self, kind: TierKind, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Pin the given blocks in tier `kind`; return exactly those pinned (a block gone
         meanwhile is skipped, and those after it are still pinned)."""
-        tier = self.tiers[index]
+        tier = self.tier(kind)
         return [h for h in hashes if tier.pin([h])]
 
-    def unpin(self, index: int, hashes: Sequence[BlockHash]) -> None:
-        self.tiers[index].unpin(hashes)
+    def unpin(self, kind: TierKind, hashes: Sequence[BlockHash]) -> None:
+        self.tier(kind).unpin(hashes)
+
+    def tier(self, kind: TierKind) -> Tier:
+        """The tier of `kind`; `KeyError` if the stack has none."""
+        return self.tiers[self._index[kind]]
+
+    # -- prefetch: slow tiers into memory ----------------------------------------------------
+    def plan_prefetch(self, hashes: Sequence[BlockHash]) -> Prefetch | None:
+        """Which blocks of the cached prefix to read from tiers outside memory, and into which
+        memory tier (the slowest one); None if nothing needs reading or no tier is memory."""
+        memory = [i for i, t in enumerate(self.tiers) if t.traits.memory]
+        if not memory:
+            return None
+        plan = self.locate(hashes)
+        fetch = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
+        return Prefetch(fetch, [plan[p] for p in fetch], memory[-1]) if fetch else None
+
+    def read_prefetch(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],
+                      stop: Callable[[], bool]) -> tuple[int, dict[TierKind, int]]:
+        """Read the planned blocks into `buffer`, one read per run of one tier, in prefix order,
+        until a block is missing or `stop()`; runs without the store's lock. Returns the blocks
+        read and how many each tier gave."""
+        fetch, source = prefetch.positions, prefetch.sources
+        got = 0
+        counts: dict[TierKind, int] = {}
+        while got < len(fetch) and not stop():
+            end = got
+            while end < len(fetch) and source[end] == source[got] and fetch[end] - fetch[got] == end - got:
+                end += 1
+            tier = self.tiers[source[got]]
+            n = tier.get_into([keys[p] for p in fetch[got:end]], buffer[got:end])
+            if n:
+                counts[tier.kind] = counts.get(tier.kind, 0) + n
+            got += n
+            if got < end:
+                break
+        return got, counts
+
+    def insert_prefetched(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],
+                          num_read: int, counts: dict[TierKind, int]) -> bool:
+        """Put the first `num_read` prefetched blocks into the plan's memory tier and count
+        them (`num_prefetched`, by the tier `counts` says they came from); False if a full
+        tier below refused what the insert would evict (then nothing moved)."""
+        order = list(range(num_read - 1, -1, -1))  # eviction order: the tail first
+        try:
+            self.tiers[prefetch.target].put([keys[prefetch.positions[i]] for i in order], take(buffer, order))
+        except DiskFullError:
+            return False
+        for kind, n in counts.items():
+            self.num_prefetched[kind] = self.num_prefetched.get(kind, 0) + n
+        return True
+
+    def leading_in_memory(self, hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of the cached prefix memory tiers hold now."""
+        plan = self.locate(hashes)
+        return next((i for i, t in enumerate(plan) if not self.tiers[t].traits.memory), len(plan))
+
+    # -- housekeeping ------------------------------------------------------------------------
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete this namespace's blocks from every tier (with `all_namespaces`, every block
+        kvstrata wrote in the tiers several namespaces share)."""
+        for tier in self.tiers:
+            tier.clear(all_namespaces=all_namespaces)
+
+    def scrub(self) -> ScrubResult | None:
+        """Validate every block of the tiers that keep checks; delete the damaged ones. The
+        counts of all such tiers together; None if no tier scrubs."""
+        results = [r for r in (tier.scrub() for tier in self.tiers) if r is not None]
+        if not results:
+            return None
+        return ScrubResult(*(sum(field) for field in zip(*results)))
 
     # -- lifecycle -------------------------------------------------------------------------
     def spill(self) -> tuple[int, int]:

@@ -62,6 +62,10 @@ def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFix
     assert " pool " in lines["Q2"]
     assert " disk " in lines["Q5 (after restart)"]
     assert out.count(" yes") == 5 and " NO" not in out
+    for line in lines.values():  # TTFT is shown split: load + compute (each rounded to a ms)
+        load, compute, ttft = (int(x) for x in line.split()[-6:-3])
+        assert compute > 0 and load >= 0 and abs(load + compute - ttft) <= 1, line
+    assert "TTFT = load + compute" in out
 
 
 def test_bench_router_measures_memory_and_lookups(results_dir: Path) -> None:

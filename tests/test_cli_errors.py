@@ -1,19 +1,35 @@
-"""Correctness issue, item 14: every user mistake on the command line is one line naming the
-bad value and exit code 2 (tracebacks and exit 0 before), and each command's --help is its own."""
+"""Every user mistake on the command line is one line naming the bad value and exit code 2
+(never a traceback, never a run that reports failure without saying why), and each command's
+--help is its own."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import cli
+from bench.ports import free_port
+from tests.redis_fixtures import redis_server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _absent_cuda() -> str:
+    """A CUDA device this machine lacks."""
+    return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
 def _cases(tmp_path: Path) -> list[tuple[list[str], str]]:
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    return [
+    nobody = f"redis://127.0.0.1:{free_port()}"  # a port no server listens on
+    cases = [
         (["demo-store", "--cpu-mib", "-1"], "-1"),
         (["demo-store", "--layers", "0"], "0"),
         (["demo-store", "--tokens", "0"], "0"),
@@ -30,7 +46,33 @@ def _cases(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["bench", "scale", "--max-blocks", "-5"], "-5"),
         (["bench", "nosuch"], "nosuch"),
         (["nosuch"], "nosuch"),
+        (["offload", "--device", _absent_cuda()], _absent_cuda()),
+        (["offload", "--device", "foo"], "'foo'"),
+        (["demo-remote", "--url", nobody, "--disk-path", str(tmp_path / "d")], nobody),
+        (["demo-remote", "--url", "http://x", "--disk-path", str(tmp_path / "d")], "'http'"),
+        (["demo-remote", "--url", "redis://127.0.0.1:99999"], "99999"),
+        (["demo-remote", "--url", "redis://127.0.0.1:0"], "127.0.0.1:0"),
+        (["bench", "remote", "--url", nobody], nobody),
+        (["bench", "trace", "--fleet", "2", "--limit", "5", "--remote-url", nobody], nobody),
+        (["bench", "trace", "--remote-url", "redis://:secret@127.0.0.1:1"], "--fleet"),
     ]
+    traces = {"empty.jsonl": "", "not-json.jsonl": "{oops\n", "no-ids.jsonl": '{"x": 1}\n',
+              "text-ids.jsonl": '{"hash_ids": ["a"]}\n', "not-gzip.jsonl.gz": "plain text"}
+    for name, text in traces.items():
+        (tmp_path / name).write_text(text)
+        cases.append((["bench", "trace", "--trace", str(tmp_path / name)], name))
+    cases += [
+        (["demo-store", "--tokens", str(1 << 20), "--layers", "256", "--disk-path", str(tmp_path / "d")],
+         f"--tokens {1 << 20}"),  # 1 TiB of KV: refused, not an out-of-memory kill
+        (["demo-remote", "--tokens", str(1 << 20), "--disk-path", str(tmp_path / "d")], f"--tokens {1 << 20}"),
+        (["bench", "vllm", "--cpu-bytes", "lots"], "'lots'"),
+        (["bench", "vllm", "--out", str(tmp_path)], str(tmp_path)),
+        (["bench", "vllm", "--model", str(tmp_path / "no-model")], "no-model"),
+        (["bench", "vllm", "--doc-tokens", "9000"], "9000"),
+    ]
+    if importlib.util.find_spec("vllm") is None:
+        cases += [(["bench", "vllm"], "vllm"), (["bench", "vllm-overhead"], "vllm")]
+    return cases
 
 
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -41,6 +83,7 @@ def test_user_mistakes_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Ca
         assert rc == 2, (argv, rc, out, err)
         assert len(lines) == 1 and "error" in lines[0] and bad in lines[0], (argv, err)
         assert "Traceback" not in out + err
+        assert "secret" not in err  # a password in a URL is never printed
 
 
 def test_results_dir_that_is_a_file_is_refused_before_running(
@@ -90,3 +133,56 @@ def test_shell_completion_offers_commands_and_benchmarks() -> None:
     assert {"demo", "router", "bench", "inspect"} <= set(complete("kvstrata ", 1))
     assert complete("kvstrata bench tr", 2) == ["transfer", "trace"]
     assert "--doc-tokens" in complete("kvstrata demo --doc", 2)
+
+
+def test_demo_remote_without_redis_server_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "demo-remote", "--disk-path", str(tmp_path / "d")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("kvstrata demo-remote: error:") and "redis-server" in lines[0] and "--url" in lines[0]
+    assert not (tmp_path / "d").exists()  # refused before anything was made
+
+
+def test_demo_remote_names_a_bad_database_or_password(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with redis_server() as plain, redis_server("--requirepass", "s3cret") as locked:
+        for url, bad in ((f"{plain.url}/99", "/99"), (f"{plain.url}/x", "'x'"), (locked.url, "password")):
+            rc = cli.main(["demo-remote", "--url", url, "--tokens", "64", "--disk-path", str(tmp_path / "d")])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert rc == 2 and len(err) == 1 and bad in err[0] and url.split("/")[2] in err[0], (url, err)
+
+
+def test_each_no_in_the_demo_remote_table_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with redis_server("--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as full:  # every write fails
+        rc = cli.main(["demo-remote", "--url", full.url, "--tokens", "256", "--disk-path", str(tmp_path / "d")])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("host ")]
+    assert rc == 1 and len(rows) == 3, out
+    for row in rows:
+        assert " NO: " in row, row
+        reason = row.split(" NO: ", 1)[1]
+        assert "writes dropped on host A" in reason or "server errors on host A" in reason, row
+    assert "0 of 256 tokens found" in rows[1]
+
+
+def test_offload_help_names_one_default_device(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["offload", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cuda when present, else cpu" in text and "default: cpu]" not in text and "default: cuda]" not in text
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write to any directory")
+def test_a_disk_path_that_cannot_be_written_is_refused_before_running(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert cli.main(["demo-store", "--tokens", "64", "--disk-path", str(locked / "sub")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "locked" in err[0] and "writable" in err[0], err
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)

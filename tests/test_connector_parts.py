@@ -345,8 +345,9 @@ def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill
     assert scheduler._lookup(tokens, None) == 32  # no prefill rate yet: load all
     worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))
     worker.register_kv_caches({"l0": torch.zeros(8, 64, dtype=torch.uint8)})
+    worker.step_begins()  # vLLM bound the step's metadata
     worker.load(StepPlan())
-    time.sleep(0.01)
+    time.sleep(0.01)  # the forward pass
     worker.save(StepPlan(num_prefill_tokens=4000))  # 4000 tokens in >= 10 ms: measured
     rate = store.load_policy.prefill_rate
     assert rate is not None and rate < 4000 / 0.01

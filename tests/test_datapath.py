@@ -62,7 +62,7 @@ def test_prefetch_brings_a_disk_prefix_into_memory(tmp_path: Path) -> None:
     with KVCacheStore(_config(tmp_path / "d")) as store:  # reopened: everything on disk
         assert store.retrieve(tokens[:BLOCK]).blocks_per_tier == {TierKind.DISK: 1}  # block 0 now in memory too
         assert store.prefetch(tokens).result(timeout=30) == 10 * BLOCK
-        assert store.num_prefetched_blocks == 9
+        assert sum(store.prefetched_blocks.values()) == 9
         res = store.retrieve(tokens)
         assert res.blocks_per_tier == {TierKind.CPU: 10} and torch.equal(res.kv, kv)
         assert store.prefetch(list(range(5000, 5000 + 3 * BLOCK))).result(timeout=30) == 0  # nothing cached

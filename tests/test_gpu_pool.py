@@ -213,7 +213,7 @@ def test_random_operations_match_reference_model(seed: int) -> None:
             tokens = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
             mgr.add_request(rid, tokens)
             comp = mgr.get_computed_blocks(rid)
-            hashes = mgr._req(rid).hashes[: (len(tokens) - 1) // bs]
+            hashes = mgr.block_hashes(rid)[: (len(tokens) - 1) // bs]
             ref_hits = ref.lookup(hashes)
             assert [b.block_id for b in comp.pool_blocks] == ref_hits
             need = -(-len(tokens) // bs) - len(ref_hits)
@@ -236,7 +236,7 @@ def test_random_operations_match_reference_model(seed: int) -> None:
             mgr.commit(rid, len(tokens))
             table = mgr.block_table(rid)
             full = len(tokens) // bs
-            ref.cache(table[:full], mgr._req(rid).hashes[:full])
+            ref.cache(table[:full], mgr.block_hashes(rid)[:full])
             live.append(rid)
         elif op < 0.75:
             rid = rng.choice(live)
@@ -249,7 +249,7 @@ def test_random_operations_match_reference_model(seed: int) -> None:
             write_kv(rid, n, n + 1)
             mgr.commit(rid, n + 1)
             if (n + 1) % bs == 0:
-                ref.cache([mgr.block_table(rid)[n // bs]], [mgr._req(rid).hashes[n // bs]])
+                ref.cache([mgr.block_table(rid)[n // bs]], [mgr.block_hashes(rid)[n // bs]])
         else:
             rid = live.pop(rng.randrange(len(live)))
             ref.free_blocks(mgr.block_table(rid))
@@ -387,7 +387,7 @@ def test_allocation_does_not_push_out_the_cpu_blocks_it_is_about_to_load(tmp_pat
         mgr = KVCacheManager(store)
         mgr.add_request("q", [*doc, 1, 2, 3])
         comp = mgr.get_computed_blocks("q")
-        assert comp.lower_plan == [1] * 6
+        assert comp.lower_plan == [TierKind.CPU] * 6
         alloc = mgr.allocate_slots("q", 3, comp)  # evicts 7 `other` blocks from the pool into the CPU tier
         assert alloc.num_computed_tokens == 24 and alloc.blocks_per_tier == {TierKind.CPU: 6}
         got = torch.cat([pool.block_view(b) for b in mgr.block_table("q")[:6]], dim=2)

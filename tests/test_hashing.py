@@ -202,3 +202,22 @@ def test_as_token_array_is_uint32_little_endian() -> None:
     arr = as_token_array(np.array([1, 2**32 - 1], dtype=np.uint64))
     assert arr.dtype == np.dtype("<u4") and arr.flags.c_contiguous
     assert arr.tobytes() == b"\x01\x00\x00\x00\xff\xff\xff\xff"
+
+
+def test_block_chain_extend_hashes_each_new_block_once_and_matches_the_whole_chain() -> None:
+    """`BlockChain.extend` appends the keys of the blocks that follow, equal to hashing the
+    whole sequence at once; a partial block is refused, nothing is hashed twice."""
+    from kvstore.config import HashAlgo
+    from kvstore.hashing import BlockChain, as_token_array, namespace_seed
+
+    tokens = as_token_array(list(range(1000, 1040)))
+    extra = ExtraKeys(cache_salt="t", lora_id=3)
+    seed = namespace_seed("ns")
+    chain = BlockChain(seed, 8, HashAlgo.XXH3_128, extra)
+    chain.extend(tokens[:16])
+    got = chain.extend(tokens[16:40])
+    assert got == block_hashes(tokens, 8, namespace="ns", extra_keys=extra)
+    assert chain.hashes_of(tokens) == got  # the same sequence: nothing rehashed, same keys
+    with pytest.raises(InvalidInputError, match="whole blocks of 8"):
+        chain.extend(tokens[:5])
+    assert len(chain.hashes) == 5

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvstore import KVCacheStore, StoreConfig
+from kvstore import ConfigError, KVCacheStore, StoreConfig
 from kvstore.metrics import register_metrics
 from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
 
 prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -45,3 +47,84 @@ def test_metrics_follow_the_store_with_tier_labels(tmp_path: Path) -> None:
         assert _value(text, "kvstrata_blocks_stored_total", tier="disk") > 0
         assert _value(text, "kvstrata_latency_seconds_count", op="store") == 2
         assert _value(text, "kvstrata_latency_seconds_count", op="retrieve") == 1
+
+
+def _config(path: Path, namespace: str = "metrics", **kw: object) -> StoreConfig:
+    return StoreConfig(LAYOUT, block_size=BLOCK, namespace=namespace, cpu_bytes=8 * LAYOUT.block_bytes(BLOCK),
+                       disk_path=str(path), disk_bytes=16 << 20, disk_sync=False, **kw)  # type: ignore[arg-type]
+
+
+def test_two_stores_in_one_process_export_side_by_side(tmp_path: Path) -> None:
+    """Two stores of one model in one registry (two engines, or a scheduler's and a worker's
+    store) are told apart by the `store` label; each family appears once in the exposition."""
+    registry = prometheus_client.CollectorRegistry(auto_describe=True)  # as the default REGISTRY
+    with KVCacheStore(_config(tmp_path / "a")) as a, KVCacheStore(_config(tmp_path / "b")) as b:
+        names = register_metrics(a, registry), register_metrics(b, registry)
+        assert names == ("store", "store-2")
+        tokens = np.arange(3 * BLOCK, dtype=np.uint32)
+        a.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        a.lookup(tokens)
+        b.lookup(tokens)
+        b.lookup(tokens)
+        text = prometheus_client.generate_latest(registry).decode()
+        ns = bytes(a.seed).hex()[:8]
+        assert _value(text, "kvstrata_lookups_total", namespace=ns, store="store") == 1
+        assert _value(text, "kvstrata_lookups_total", namespace=ns, store="store-2") == 2
+        assert _value(text, "kvstrata_blocks", store="store", tier="cpu") == 3
+        assert _value(text, "kvstrata_blocks", store="store-2", tier="cpu") == 0
+        assert _value(text, "kvstrata_latency_seconds_count", store="store", op="store") == 1
+        families = [f.name for f in text_string_to_metric_families(text)]
+        assert len(families) == len(set(families)) and "kvstrata_lookups" in families
+
+
+def test_registering_a_store_twice_is_idempotent_and_names_are_checked(tmp_path: Path) -> None:
+    registry = prometheus_client.CollectorRegistry(auto_describe=True)
+    with KVCacheStore(_config(tmp_path / "a", instance_id="engine-0")) as a, \
+            KVCacheStore(_config(tmp_path / "b")) as b:
+        assert register_metrics(a, registry) == "engine-0"  # the configured instance_id
+        assert register_metrics(a, registry) == "engine-0"  # again: the same registration
+        with pytest.raises(ConfigError, match="'engine-0' is already registered"):
+            register_metrics(b, registry, name="engine-0")
+        with pytest.raises(ConfigError, match="already registered as 'engine-0'"):
+            register_metrics(a, registry, name="other")
+        assert register_metrics(b, registry, name="worker") == "worker"
+        tokens = np.arange(BLOCK, dtype=np.uint32)
+        a.store(tokens, make_kv(tokens, LAYOUT, BLOCK))
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _value(text, "kvstrata_latency_seconds_count", store="engine-0", op="store") == 1  # counted once
+        assert _value(text, "kvstrata_store_calls_total", store="worker") == 0
+    # closed stores leave the exposition, and a reopened engine takes its name again
+    with KVCacheStore(_config(tmp_path / "a", instance_id="engine-0")) as again:
+        assert register_metrics(again, registry) == "engine-0"
+        text = prometheus_client.generate_latest(registry).decode()
+        assert 'store="worker"' not in text
+        assert _value(text, "kvstrata_store_calls_total", store="engine-0") == 0
+    with pytest.raises(ConfigError, match="name"):
+        register_metrics(KVCacheStore(_config(tmp_path / "c")), registry, name="")
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """Local IPv4 addresses with a socket listening on `port` (Linux /proc/net/tcp)."""
+    found = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hexport = local.split(":")
+            if int(hexport, 16) == port and state == "0A":  # LISTEN
+                found.add(".".join(str(int(addr[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_the_connectors_metrics_port_binds_loopback_by_default(tmp_path: Path) -> None:
+    """`metrics_port` serves on 127.0.0.1 unless `metrics_host` says otherwise: a listening
+    socket is never open to other hosts by default."""
+    pytest.importorskip("prometheus_client")
+    from bench.ports import free_port
+    from engine_adapter.vllm.metrics_server import serve_metrics
+
+    port = free_port()
+    with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * LAYOUT.block_bytes(BLOCK))) as store:
+        assert serve_metrics(store, port)
+        assert _listening_addresses(port) == {"127.0.0.1"}
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            assert b"kvstrata_blocks" in reply.read()

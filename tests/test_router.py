@@ -1,4 +1,6 @@
-"""`kvstrata router` against real store processes over loopback ZeroMQ and real HTTP."""
+"""`kvstrata router` against real store processes over loopback ZeroMQ (vLLM's event format)
+and real HTTP: what it reports equals each store's own view, through restarts, evictions, a
+shared remote tier and hostile requests."""
 
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ class Instance:
     """A store process publishing KV events (tests/fleet_instance.py)."""
 
     def __init__(self, instance_id: str, port: int, disk: Path | None, cpu_blocks: int,
-                 remote: str | None = None) -> None:
+                 remote: str | None = None, namespace: str = "default") -> None:
         self.id, self.port, self.disk, self.cpu_blocks, self.remote = instance_id, port, disk, cpu_blocks, remote
+        self.namespace = namespace
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        args = [sys.executable, "-m", "tests.fleet_instance", str(port), instance_id, str(disk or ""), str(cpu_blocks)]
-        self.proc = subprocess.Popen([*args, *([remote] if remote else [])], cwd=ROOT, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.subscription = f"{instance_id}={self.endpoint},tcp://127.0.0.1:{port + 1}"
+        args = [sys.executable, "-m", "tests.fleet_instance", str(port), instance_id, str(disk or ""), str(cpu_blocks),
+                remote or "", namespace]
+        self.proc = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self._read() == {"ready": True}
 
     def _read(self) -> Any:
@@ -39,15 +43,15 @@ class Instance:
         assert line, f"instance {self.id} exited ({self.proc.poll()})"
         return json.loads(line)
 
-    def call(self, op: str, tokens: list[int] | None = None) -> Any:
+    def call(self, op: str, tokens: list[int] | None = None, salt: str | None = None) -> Any:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"op": op, "tokens": tokens, "salt": salt}) + "\n")
         self.proc.stdin.flush()
         return self._read()["ok"]
 
     def restart(self) -> Instance:
         self.close()
-        return Instance(self.id, self.port, self.disk, self.cpu_blocks, self.remote)
+        return Instance(self.id, self.port, self.disk, self.cpu_blocks, self.remote, self.namespace)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -60,17 +64,21 @@ class Instance:
 
 
 class RouterProcess:
-    def __init__(self, endpoints: list[str], *extra: str) -> None:
+    def __init__(self, subscriptions: list[str], *extra: str, token: str | None = None) -> None:
         self.port = free_port_pair()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.token = token
         args = [sys.executable, "-m", "bench.cli", "router", "--port", str(self.port), *extra]
-        for endpoint in endpoints:
-            args += ["--subscribe", endpoint]
+        for subscription in subscriptions:
+            args += ["--subscribe", subscription]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: self.get("/healthz")[0] == 200, "router up")
+        wait_for(lambda: self.get("/healthz")[0] in (200, 503), "router up")
 
-    def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-        req = urllib.request.Request(self.url + path, data=body, method=method)
+    def request(self, method: str, path: str, body: bytes | None = None,
+                token: str | None = None) -> tuple[int, Any]:
+        token = token or self.token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 raw = resp.read()
@@ -120,9 +128,9 @@ def fleet(tmp_path: Path) -> Iterator[Callable[..., Instance]]:
     made: list[Instance] = []
 
     def start(instance_id: str, *, cpu_blocks: int = 8, disk: bool = True, port: int | None = None,
-              remote: str | None = None) -> Instance:
+              remote: str | None = None, namespace: str = "default") -> Instance:
         inst = Instance(instance_id, port or free_port_pair(), tmp_path / instance_id if disk else None, cpu_blocks,
-                        remote)
+                        remote, namespace)
         made.append(inst)
         return inst
 
@@ -136,8 +144,8 @@ def fleet(tmp_path: Path) -> Iterator[Callable[..., Instance]]:
 def routers() -> Iterator[Callable[..., RouterProcess]]:
     made: list[RouterProcess] = []
 
-    def start(endpoints: list[str], *extra: str) -> RouterProcess:
-        router = RouterProcess(endpoints, *extra)
+    def start(subscriptions: list[str], *extra: str, token: str | None = None) -> RouterProcess:
+        router = RouterProcess(subscriptions, *extra, token=token)
         made.append(router)
         return router
 
@@ -166,7 +174,7 @@ def expect(router: RouterProcess, tokens: list[int], truth: dict[str, list[str]]
 
 def test_lookup_names_the_instance_with_the_longest_prefix_and_its_tiers(fleet: Any, routers: Any) -> None:
     a, b = fleet("a", cpu_blocks=6), fleet("b", cpu_blocks=64)
-    router = routers([a.endpoint, b.endpoint])
+    router = routers([a.subscription, b.subscription])
     long_doc, short_doc = doc(1, 10), doc(2, 3)
     a.call("store", long_doc)  # 10 blocks into 6 CPU slots: 4 demoted to disk
     b.call("store", long_doc[: 4 * BLOCK])  # b holds the first 4 blocks, in memory
@@ -186,6 +194,10 @@ def test_lookup_names_the_instance_with_the_longest_prefix_and_its_tiers(fleet: 
     assert router.lookup(both, load={"a": 5})["best"] == "b"
     status, text = router.get("/metrics")
     assert status == 200 and "kvstrata_router_lookups_total" in text and 'state="alive"} 2' in text
+    # a salted sequence is matched only with its salt
+    b.call("store", doc(3, 2), salt="tenant-y")
+    assert expect(router, doc(3, 2), {"b": ["cpu"] * 2}, cache_salt="tenant-y")["best"] == "b"
+    assert router.lookup(doc(3, 2))["instances"]["b"]["matched_tokens"] == 0
 
 
 def test_late_router_and_restarted_router_rebuild_from_snapshots(fleet: Any, routers: Any) -> None:
@@ -194,13 +206,13 @@ def test_late_router_and_restarted_router_rebuild_from_snapshots(fleet: Any, rou
     for i, d in enumerate(docs):
         (a if i % 2 == 0 else b).call("store", d)
     truth = {d_i: {"a": a.call("where", d), "b": b.call("where", d)} for d_i, d in enumerate(docs)}
-    router = routers([a.endpoint, b.endpoint])  # joins after everything was stored
+    router = routers([a.subscription, b.subscription])  # joins after everything was stored
     t0 = time.monotonic()
     for i, d in enumerate(docs):
         assert expect(router, d, truth[i])["best"] == ("a" if i % 2 == 0 else "b")
     first = time.monotonic() - t0
     router.stop()
-    router = routers([a.endpoint, b.endpoint])
+    router = routers([a.subscription, b.subscription])
     t0 = time.monotonic()
     for i, d in enumerate(docs):
         assert expect(router, d, truth[i])["best"] == ("a" if i % 2 == 0 else "b")
@@ -209,7 +221,7 @@ def test_late_router_and_restarted_router_rebuild_from_snapshots(fleet: Any, rou
 
 def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: Any, routers: Any) -> None:
     a = fleet("a", cpu_blocks=4)
-    router = routers([a.endpoint])
+    router = routers([a.subscription])
     first = doc(1, 4)
     a.call("store", first)
     expect(router, first, {"a": ["cpu"] * 4})
@@ -219,7 +231,7 @@ def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: An
     expect(router, first, {"a": truth})
     # an instance without a disk: what its CPU tier evicts leaves the index
     c = fleet("c", cpu_blocks=4, disk=False)
-    router2 = routers([c.endpoint])
+    router2 = routers([c.subscription])
     c.call("store", first)
     expect(router2, first, {"c": ["cpu"] * 4})
     c.call("store", doc(2, 4))  # evicts all of `first`
@@ -229,7 +241,7 @@ def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: An
 
 def test_a_dead_instance_stops_being_a_candidate(fleet: Any, routers: Any) -> None:
     a, b = fleet("a"), fleet("b")
-    router = routers([a.endpoint, b.endpoint], "--stale-after", "2")
+    router = routers([a.subscription, b.subscription], "--stale-after", "2")
     d = doc(1, 3)
     a.call("store", d)
     assert expect(router, d, {"a": ["cpu"] * 3})["best"] == "a"
@@ -240,7 +252,7 @@ def test_a_dead_instance_stops_being_a_candidate(fleet: Any, routers: Any) -> No
 
 def test_malformed_requests_get_a_clear_4xx_and_the_router_lives_on(fleet: Any, routers: Any) -> None:
     a = fleet("a")
-    router = routers([a.endpoint])
+    router = routers([a.subscription])
     cases = [
         (b"{not json", 400, "not JSON"),
         (b"[1, 2]", 400, "JSON object"),
@@ -252,6 +264,8 @@ def test_malformed_requests_get_a_clear_4xx_and_the_router_lives_on(fleet: Any, 
         (json.dumps({"tokens": [1]}).encode(), 400, "unknown fields"),
         (json.dumps({"token_ids": [1], "cache_salt": 5}).encode(), 400, "cache_salt"),
         (json.dumps({"token_ids": [1], "load": {"a": -1}}).encode(), 400, "load"),
+        (b'{"token_ids": [1], "load": {"a": 1' + b"0" * 400 + b"}}", 400, "load"),  # a 401-digit number
+        (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
         (b"[" + b"1," * (9 << 20) + b"1]", 413, "larger than"),
     ]
     for body, status, message in cases:
@@ -260,32 +274,89 @@ def test_malformed_requests_get_a_clear_4xx_and_the_router_lives_on(fleet: Any, 
     assert router.request("GET", "/lookup")[0] == 405
     assert router.get("/nowhere")[0] == 404
     assert router.get("/healthz")[0] == 200 and router.proc.poll() is None
-    assert "kvstrata_router_bad_requests_total 10" in router.get("/metrics")[1]
+    assert "kvstrata_router_bad_requests_total 13" in router.get("/metrics")[1]
 
 
 def test_bad_command_lines_are_one_line_errors() -> None:
-    for args, message in ([["--subscribe", "http://x"]], "--subscribe"), ([["--port", "0", "--subscribe",
-                                                                          "tcp://127.0.0.1:5"]], "--port"):
-        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", *args[0]], cwd=ROOT,
+    cases = [(["--subscribe", "http://x"], "--subscribe"), (["--port", "0"], "--port"),
+             (["--host", "0.0.0.0"], "--token-file")]
+    for args, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
 
 
+def test_a_port_in_use_is_one_line_and_nothing_claims_to_listen(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", "--port", str(port)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot listen" in lines[0] and str(port) in lines[0], proc.stderr
+    assert "listening" not in proc.stderr and "http://" not in proc.stderr
+
+
+def test_instances_register_over_http_with_the_token(fleet: Any, routers: Any, tmp_path: Path) -> None:
+    token = "s3cret-token-of-the-router"
+    (tmp_path / "token").write_text(token + "\n")
+    router = routers([], "--token-file", str(tmp_path / "token"), token=token)
+    assert router.get("/healthz")[0] == 503  # knows no instance: not ready
+    a = fleet("a")
+    body = json.dumps({"instance_id": "a", "endpoint": a.endpoint, "replay_endpoint": f"tcp://127.0.0.1:{a.port + 1}",
+                       "model_name": "m", "block_size": BLOCK}).encode()
+    assert router.request("POST", "/register", body, token="wrong-token-wrong-token")[0] == 401
+    assert router.request("POST", "/lookup", b'{"token_ids": []}', token="wrong-token-wrong-token")[0] == 401
+    assert router.request("POST", "/register", body)[0] == 200
+    wait_for(lambda: router.get("/healthz")[0] == 200, "ready once an instance is known")
+    d = doc(1, 3)
+    a.call("store", d)
+    assert expect(router, d, {"a": ["cpu"] * 3}, model="m")["best"] == "a"
+    assert router.lookup(d, model="other")["best"] is None
+    status, answer = router.request("POST", "/register", json.dumps({"endpoint": "http://x"}).encode())
+    assert status == 400 and "endpoint" in answer["error"]
+    assert router.request("POST", "/unregister", json.dumps({"instance_id": "a"}).encode())[0] == 200
+    assert router.get("/healthz")[0] == 503 and router.lookup(d)["instances"] == {}
+
+
 def test_a_shared_remote_tier_counts_for_every_instance_that_reads_it(fleet: Any, routers: Any) -> None:
-    from bench.redis_servers import redis_server
+    from tests.redis_fixtures import redis_server
 
     with redis_server() as server:
         a = fleet("a", disk=False, remote=server.url)
         b = fleet("b", disk=False, remote=server.url)
         c = fleet("c", disk=False)  # no remote tier
-        router = routers([a.endpoint, b.endpoint, c.endpoint])
+        router = routers([a.subscription, b.subscription, c.subscription])
         d = doc(1, 3)
         a.call("store", d)
         a.call("flush")
         assert b.call("where", d) == ["remote"] * 3  # b reads a's blocks through the server
         answer = expect(router, d, {"a": ["cpu"] * 3, "b": ["remote"] * 3, "c": []})
         assert answer["best"] == "a"
+
+
+def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, routers: Any) -> None:
+    """Two models on one remote server: clearing one empties its own slot only."""
+    from bench.redis_servers import redis_server
+
+    with redis_server() as server:
+        a = fleet("a", disk=False, cpu_blocks=2, remote=server.url, namespace="model-x")
+        b = fleet("b", disk=False, cpu_blocks=2, remote=server.url, namespace="model-y")
+        router = routers([a.subscription, b.subscription])
+        d = doc(1, 3)  # 3 blocks into 2 CPU slots: the remote tier holds all 3
+        for inst in (a, b):
+            inst.call("store", d)
+            inst.call("flush")
+        truth = {"a": a.call("where", d), "b": b.call("where", d)}
+        assert truth["a"] == truth["b"] == ["cpu", "cpu", "remote"]
+        expect(router, d, truth)
+        a.call("clear")
+        expect(router, d, {"a": [], "b": b.call("where", d)})
 
 
 def test_demo_fleet_router_placement_beats_round_robin(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT
 from tiers.base import BlockKey, Tier
 from tiers.cpu import CPUTier
+from tiers.eviction import EvictionKind
 from tiers.lmdb import LMDBTier
 from tiers.lmdb_record import record_bytes_on_disk
 
@@ -34,12 +35,26 @@ def make_cpu(tmp: Path, capacity: int) -> Tier:
     return CPUTier(capacity, SHAPE, LAYOUT.dtype)
 
 
+def cpu_with(eviction: EvictionKind, **kwargs: object) -> Callable[[Path, int], Tier]:
+    def make(tmp: Path, capacity: int) -> Tier:
+        return CPUTier(capacity, SHAPE, LAYOUT.dtype, eviction=eviction, **kwargs)  # type: ignore[arg-type]
+
+    return make
+
+
 def make_lmdb(tmp: Path, capacity: int) -> Tier:
     capacity_bytes = capacity * record_bytes_on_disk(BLOCK_BYTES + 256)
     return LMDBTier(str(tmp / "db"), capacity_bytes, SHAPE, LAYOUT.dtype, sync=False)
 
 
-@pytest.fixture(params=[make_cpu, make_lmdb], ids=["cpu", "lmdb"])
+# The CPU tier under every eviction policy (and once with quotas and demotion admission on):
+# the contract holds whatever the policy; the LRU-named tests hold for each of them too.
+TIERS = [make_cpu, *(cpu_with(k) for k in EvictionKind if k is not EvictionKind.LRU),
+         cpu_with(EvictionKind.ARC, tenant_quota_blocks=2, demote_admission="seen:2"), make_lmdb]
+TIER_IDS = ["cpu", *(f"cpu-{k.value}" for k in EvictionKind if k is not EvictionKind.LRU), "cpu-arc-quota", "lmdb"]
+
+
+@pytest.fixture(params=TIERS, ids=TIER_IDS)
 def tier_factory(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[int], Tier]]:
     made: list[Tier] = []
 
@@ -169,10 +184,11 @@ def test_closed_tier_raises(tier_factory: Callable[[int], Tier]) -> None:
         tier.match_prefix([key(0).block_hash])
 
 
-def test_cpu_demotes_to_lower_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize("eviction", list(EvictionKind))
+def test_cpu_demotes_to_lower_tier(tmp_path: Path, eviction: EvictionKind) -> None:
     """Through a tier stack: the CPU tier sees only the `Below` view the stack gives it."""
     disk = LMDBTier(str(tmp_path / "db"), 1 << 20, SHAPE, LAYOUT.dtype, sync=False)
-    cpu = CPUTier(2, SHAPE, LAYOUT.dtype)
+    cpu = CPUTier(2, SHAPE, LAYOUT.dtype, eviction=eviction)
     TierStack([cpu, disk], write_through=False)
     try:
         put(cpu, [2, 1, 0])  # 2 is most evictable and overflows straight to disk
@@ -189,8 +205,9 @@ def test_cpu_demotes_to_lower_tier(tmp_path: Path) -> None:
         disk.close()
 
 
-def test_cpu_pinned_blocks_are_not_evicted() -> None:
-    cpu = CPUTier(2, SHAPE, LAYOUT.dtype)
+@pytest.mark.parametrize("eviction", list(EvictionKind))
+def test_cpu_pinned_blocks_are_not_evicted(eviction: EvictionKind) -> None:
+    cpu = CPUTier(2, SHAPE, LAYOUT.dtype, eviction=eviction)
     put(cpu, [0, 1])
     assert cpu.pin([key(0).block_hash]) == 1
     put(cpu, [2, 3])  # only one evictable slot (block 1) plus none free
@@ -229,3 +246,49 @@ def test_lmdb_capacity_is_respected(tmp_path: Path) -> None:
         assert len(t) <= 5 and s.num_evictions >= 15
     finally:
         t.close()
+
+
+def test_every_put_and_read_keeps_capacity_and_integrity(tier_factory: Callable[[int], Tier]) -> None:
+    """Random sequences of puts, reads, touches, pins and discards: never over capacity, every
+    read bit-exact, integrity after each operation."""
+    import random
+
+    tier = tier_factory(6)
+    rng = random.Random(11)
+    pinned: list[int] = []
+    for _ in range(150):
+        start = rng.randrange(0, 20)
+        ids = list(range(start, start + rng.randrange(1, 5)))
+        op = rng.random()
+        if op < 0.5:
+            put(tier, ids[::-1])
+        elif op < 0.75:
+            n, dsts = get(tier, ids)
+            for i, d in zip(ids[:n], dsts):
+                assert torch.equal(d.view(torch.int16), block(i).view(torch.int16))
+        elif op < 0.85:
+            tier.touch([key(i).block_hash for i in ids])
+        elif op < 0.95 and tier.pin([key(ids[0]).block_hash]):
+            pinned.append(ids[0])
+        elif pinned:
+            tier.unpin([key(pinned.pop()).block_hash])
+        else:
+            tier.discard([key(i).block_hash for i in ids])
+        assert len(tier) <= tier.capacity_blocks
+        tier.check_integrity()
+        for i in pinned:  # a tier that pins (the CPU tier) never evicts a pinned block
+            assert tier.match_prefix([key(i).block_hash]) == 1
+
+
+@pytest.mark.parametrize("eviction", list(EvictionKind))
+def test_cpu_put_keeps_the_held_prefix_over_its_new_tail(eviction: EvictionKind) -> None:
+    """A request that extends a cached prefix stores its new tail; the next eviction takes
+    that tail, not the prefix (which would strand the tail: unreachable without it)."""
+    cpu = CPUTier(4, SHAPE, LAYOUT.dtype, eviction=eviction)
+    put(cpu, [1, 0])  # sequence 0, 1
+    put(cpu, [3, 2])  # another sequence
+    put(cpu, [5, 4, 1, 0])  # 0, 1 extended by 4, 5: 2 and 3 make room
+    put(cpu, [7, 6])  # room for 2 more: the tail 4, 5 goes, the prefix 0, 1 stays
+    assert cpu.match_prefix([key(i).block_hash for i in (0, 1)]) == 2
+    cpu.check_integrity()
+    cpu.close()

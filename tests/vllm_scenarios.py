@@ -10,7 +10,7 @@ reset_between, max_tokens, connector (extra config dict or null), num_blocks, ma
 llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size (null: vLLM's
 choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
 module_path (how vLLM finds the connector: default "TierKVConnector" in
-"engine_adapter.vllm.connector"; a null module_path looks the name up in vLLM's registry).
+"engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers).
 """
 
 from __future__ import annotations

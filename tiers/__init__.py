@@ -1,5 +1,5 @@
 """Storage tiers behind a `KVCacheStore`: one protocol (`base.py`), one file per tier."""
 
-from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats
+from tiers.base import BlockHash, BlockKey, Tier, TierKind, TierStats, TierTraits
 
-__all__ = ["BlockHash", "BlockKey", "Tier", "TierKind", "TierStats"]
+__all__ = ["BlockHash", "BlockKey", "Tier", "TierKind", "TierStats", "TierTraits"]

@@ -10,10 +10,9 @@ is useless once its parent is gone). `get_into` takes keys in prefix order.
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, NewType, Protocol
+from typing import ClassVar, NamedTuple, NewType, Protocol
 
 import torch
 
@@ -21,20 +20,87 @@ BlockHash = NewType("BlockHash", bytes)
 """Opaque key of one block (to the store: a digest of the block with its whole prefix)."""
 
 
-class TierKind(str, enum.Enum):
-    """Which tier served a block; ordered from fastest to slowest."""
+class _KindMeta(type):
+    """Iterating `TierKind` yields the built-in kinds, fastest first."""
 
-    POOL = "pool"
-    CPU = "cpu"
-    DISK = "disk"
-    REMOTE = "remote"
+    def __iter__(cls) -> Iterator[TierKind]:
+        return iter(_BUILTIN_KINDS)
+
+
+class TierKind(str, metaclass=_KindMeta):
+    """A tier's name: which tier served a block, the label in stats, metrics and events.
+
+    An open set: a tier declares its own (`TierKind("name")`), so a new tier needs no edit
+    here. Instances are interned (`TierKind("cpu") is TierKind.CPU`). What a tier *does* is
+    never read from its kind: it is in its `traits`.
+    """
+
+    POOL: ClassVar[TierKind]
+    CPU: ClassVar[TierKind]
+    DISK: ClassVar[TierKind]
+    REMOTE: ClassVar[TierKind]
+    _interned: ClassVar[dict[str, TierKind]] = {}
+
+    def __new__(cls, name: str) -> TierKind:
+        known = cls._interned.get(name)
+        if known is not None:
+            return known
+        if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+            raise ValueError(f"a tier kind is a lower-case identifier, got {name!r}")
+        kind = cls._interned[name] = super().__new__(cls, name)
+        return kind
+
+    @property
+    def value(self) -> str:
+        """The plain name (as an enum's `value`)."""
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"TierKind({self.value!r})"
+
+
+TierKind.POOL = TierKind("pool")
+TierKind.CPU = TierKind("cpu")
+TierKind.DISK = TierKind("disk")
+TierKind.REMOTE = TierKind("remote")
+_BUILTIN_KINDS = (TierKind.POOL, TierKind.CPU, TierKind.DISK, TierKind.REMOTE)
+
+
+@dataclass(frozen=True)
+class TierTraits:
+    """What a tier is, declared by the tier itself; the stack, the store, events, metrics
+    and engines decide behaviour from these, never from the tier's kind or class.
+
+    Attributes:
+        engine_memory: the blocks are the paged KV an engine attends over (the block pool):
+            a hit there costs no copy.
+        memory: held in RAM or device memory (fast; gone when the process ends).
+        persistent: survives a restart of the process (a disk).
+        shared: other processes and hosts read and write it (a server): every stored block
+            is written to it at once, and its listing is slow.
+    """
+
+    engine_memory: bool = False
+    memory: bool = False
+    persistent: bool = False
+    shared: bool = False
 
 
 class BlockKey(NamedTuple):
-    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes)."""
+    """A block's hash and, when token verification is on, its token ids (LE uint32 bytes).
+
+    `parent` (the hash of the block before it, or the namespace seed for a first block) and
+    `extras` (the canonical encoding of what besides tokens entered its hash; b"" for
+    nothing) describe the block to KV-event readers and link it to its prefix; None means
+    not known. `tenant` names who stored it for quotas (a digest of the namespace and cache
+    salt; b"" for none). Tiers never use these to find a block.
+    """
 
     block_hash: BlockHash
     tokens: bytes = b""
+    parent: bytes | None = None
+    extras: bytes | None = None
+    tenant: bytes = b""
 
 
 def plan_put(keys: Sequence[BlockKey], is_held: Callable[[BlockHash], bool], room: int) -> tuple[list[int], list[int]]:
@@ -80,6 +146,15 @@ def count_held(index: object, block_hashes: Sequence[BlockHash], start: int) -> 
     return n - start
 
 
+class ScrubResult(NamedTuple):
+    """What `Tier.scrub` found: blocks of this namespace that validated, damaged ones it
+    deleted, and blocks of other namespaces sharing the tier (left alone)."""
+
+    num_ok: int
+    num_corrupt: int
+    num_foreign: int = 0
+
+
 @dataclass(frozen=True)
 class TierStats:
     """A snapshot of one tier's occupancy and counters."""
@@ -93,6 +168,8 @@ class TierStats:
     num_puts: int
     num_evictions: int
     num_corrupt: int
+    num_errors: int = 0
+    num_write_drops: int = 0
 
 
 class Below(Protocol):
@@ -116,23 +193,49 @@ class Tier(abc.ABC):
     that fails validation is deleted and reported as absent, never returned.
     """
 
-    kind: TierKind
+    kind: ClassVar[TierKind]
+    traits: ClassVar[TierTraits]
     below: Below | None = None  # set by the tier stack; None: evicted blocks are dropped
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
-    # Told of every block entering (True) or leaving (False) this tier, by the tier itself;
-    # set by the store when it publishes KV events. Must not raise or block.
-    listener: Callable[[TierKind, bool, Sequence[BlockHash]], None] | None = None
+    num_write_drops: int = 0  # writes a tier that writes in the background gave up (counted, warned)
+    # Told of every block entering (True) or leaving (False) this tier, by the tier itself,
+    # as keys (a tier that knows only hashes gives keys of bare hashes); set by the store when
+    # it publishes KV events. Must not raise or block.
+    listener: Callable[[TierKind, bool, Sequence[BlockKey]], None] | None = None
+    # Asked by a tier that persists keys (the disk) for what the store knows of a block that
+    # arrives without its parent or extras (a block demoted from a faster tier); returns the
+    # key completed where known. Set by the store with KV events. Must not raise or block.
+    describe: Callable[[BlockKey], BlockKey] | None = None
 
-    def _announce(self, stored: bool, block_hashes: Sequence[BlockHash]) -> None:
-        """Tell the listener (if any) that `block_hashes` entered or left this tier."""
+    def _announce(self, stored: bool, blocks: Sequence[BlockKey | BlockHash]) -> None:
+        """Tell the listener (if any) that `blocks` (keys, or bare hashes) entered or left
+        this tier."""
         listener = self.listener
-        if listener is not None and block_hashes:
-            listener(self.kind, stored, block_hashes)
+        if listener is not None and blocks:
+            listener(self.kind, stored, [b if isinstance(b, BlockKey) else BlockKey(b) for b in blocks])
+
+    def _described(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
+        """`keys`, each completed by `describe` where it lacks a parent or extras."""
+        describe = self.describe
+        if describe is None:
+            return keys
+        return [k if k.parent is not None and k.extras is not None else describe(k) for k in keys]
+
+    @property
+    def num_errors(self) -> int:
+        """Faults of the tier's medium (a server) turned into misses or dropped writes."""
+        return 0
 
     def held_hashes(self) -> Iterator[BlockHash]:
         """Every block this tier holds now, in no particular order (for KV-event snapshots).
         A tier that cannot enumerate its blocks yields nothing. Changes nothing."""
+        return iter(())
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        """The keys of the blocks this tier holds with what it persisted of them (token ids,
+        parent, extras), for announcing a warm tier after a restart. Tiers that persist no
+        keys yield nothing. Changes nothing."""
         return iter(())
 
     @property
@@ -197,7 +300,8 @@ class Tier(abc.ABC):
         occupancy = self.occupancy()
         c = self.counters
         return TierStats(self.kind, *occupancy, num_hits=c.num_hits, num_puts=c.num_puts,
-                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt)
+                         num_evictions=c.num_evictions, num_corrupt=c.num_corrupt, num_errors=self.num_errors,
+                         num_write_drops=self.num_write_drops)
 
     @abc.abstractmethod
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -229,8 +333,21 @@ class Tier(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def clear(self) -> None:
-        """Delete every block."""
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        """Delete every block of this store's namespace. A tier several namespaces share (a
+        disk directory, a server) deletes, with `all_namespaces`, every block kvstrata wrote
+        there, whoever wrote it; other tiers hold one namespace and ignore the flag."""
+
+    def scrub(self) -> ScrubResult | None:
+        """Validate every block held; delete the damaged ones. None for a tier that keeps no
+        checks to run (memory tiers)."""
+        return None
+
+    @property
+    def identity(self) -> str | None:
+        """Where other processes reach this tier's blocks (a shared tier's server, without
+        credentials), so routers can tell which instances share them; None otherwise."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -16,6 +16,8 @@ from typing import overload
 import numpy as np
 import torch
 
+from tiers.blockcopy import host_bytes
+
 
 def block_rows(kv: torch.Tensor, block_size: int) -> torch.Tensor:
     """`[n, L, 2, b, H, D]` strided view of the full blocks of `kv` `[L, 2, T, H, D]` (no copy)."""
@@ -78,23 +80,13 @@ def _runs(dst_index: Sequence[int], src_index: Sequence[int]) -> list[tuple[int,
     return list(zip(dst[starts].tolist(), src[starts].tolist(), lengths.tolist()))
 
 
-def _host_bytes(rows: torch.Tensor) -> np.ndarray | None:
-    """A NumPy byte view of host-memory rows whose innermost dimension is contiguous."""
-    if rows.device.type != "cpu" or rows.stride(-1) != 1:
-        return None
-    try:
-        return rows.view(torch.uint8).numpy()
-    except (RuntimeError, TypeError):
-        return None
-
-
 def copy_rows(dst: torch.Tensor, dst_index: Sequence[int], src: torch.Tensor, src_index: Sequence[int]) -> bool:
     """Copy `src[src_index[i]]` into `dst[dst_index[i]]` for every i, one copy per run of
     consecutive rows on both sides. Host memory only (single-threaded NumPy copies, which
     release the GIL); returns False, copying nothing, if either side is elsewhere."""
     if not dst_index:
         return True
-    d, s = _host_bytes(dst), _host_bytes(src)
+    d, s = host_bytes(dst), host_bytes(src)
     if d is None or s is None or dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
         return False
     for d0, s0, n in _runs(dst_index, src_index):

@@ -18,7 +18,9 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray | None:
+def host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """A NumPy byte view of a host-memory tensor whose innermost dimension is contiguous;
+    None for any other tensor (device memory, a 0-d tensor, strides a byte view cannot express)."""
     if t.device.type != "cpu" or t.dim() == 0 or t.stride(-1) != 1:
         return None
     try:
@@ -30,7 +32,7 @@ def _bytes(t: torch.Tensor) -> np.ndarray | None:
 def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
     """`dst.copy_(src)` for same-shape, same-dtype blocks, on one thread where both are on CPU."""
     if dst.dtype == src.dtype and dst.shape == src.shape:
-        d, s = _bytes(dst), _bytes(src)
+        d, s = host_bytes(dst), host_bytes(src)
         if d is not None and s is not None:
             np.copyto(d, s)
             return

@@ -3,31 +3,39 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
 import torch
 import xxhash
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.admission import Admission, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
+from tiers.eviction import EvictionKind
+from tiers.quota import TenantStats
+from tiers.residency import Residency, key_parent, key_tenant
 
 _SPILL_CHUNK = 64  # blocks per lower-tier write when spilling
 
 
 class CPUTier(Tier):
-    """Fixed slots of `block_bytes` each, an index from hash to slot, LRU over unpinned blocks.
+    """Fixed slots of `block_bytes` each, an index from hash to slot, and a `Residency` that
+    orders the blocks for eviction (`eviction`: LRU by default), keeps pins, prefix links and,
+    with `tenant_quota_blocks`, a quota per tenant.
 
-    Invariant: every slot is either free or holds exactly one indexed block; an indexed block
-    is either pinned (ref count > 0, not evictable) or in the LRU order. Evicted blocks are
-    demoted through `below` (if the stack gave one) before their slot is reused. With `checksum`, each slot's
-    xxh3-64 is taken when it is written and checked before it is read or demoted: a slot
-    damaged in memory is then a miss and is dropped, never returned nor copied down.
+    Invariant: every slot is either free or holds exactly one indexed block, and the indexed
+    blocks are exactly the residency's. Evicted blocks are demoted through `below` (if the stack
+    gave one) before their slot is reused, those `demote_admission` admits (`all`, or `seen:N`:
+    used N times while here); the others are dropped, a write the tier below is spared. With
+    `checksum`, each slot's xxh3-64 is taken when it is written and checked before it is read
+    or demoted: a slot damaged in memory is then a miss and is dropped, never returned nor
+    copied down.
     """
 
     kind = TierKind.CPU
+    traits = TierTraits(memory=True)
 
     def __init__(
         self,
@@ -38,6 +46,9 @@ class CPUTier(Tier):
         verify_tokens: bool = True,
         pin_memory: bool | None = None,
         checksum: bool = False,
+        eviction: EvictionKind | str = EvictionKind.LRU,
+        demote_admission: AdmissionSpec | str = "all",
+        tenant_quota_blocks: int | None = None,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"CPUTier needs at least one slot, got {num_slots}")
@@ -55,8 +66,13 @@ class CPUTier(Tier):
         self._block_bytes = self._slab[0].numel() * self._slab.element_size()
         self._verify_tokens = verify_tokens
         self._index: dict[BlockHash, int] = {}
-        self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # first = least recent
-        self._refs: dict[BlockHash, int] = {}
+        self._res: Residency[BlockHash] = Residency(num_slots, eviction, quota_blocks=tenant_quota_blocks)
+        spec = parse_admission(demote_admission, "demote_admission")
+        if spec.kind is AdmissionKind.TINYLFU:  # it needs the lower tier's victim, unknown here
+            raise ConfigError("demote_admission must be 'all' or 'seen:N'; 'tinylfu' needs the lower tier's victim")
+        self._admission = Admission(spec, max(1024, 4 * num_slots))
+        if self._admission.sketch is not None:
+            self._res.on_use.append(self._admission.sketch)
         self._slot_tokens: list[bytes] = [b""] * num_slots
         self._checksum = checksum
         self._slot_sums: list[int] = [0] * num_slots
@@ -71,6 +87,16 @@ class CPUTier(Tier):
         return self._num_slots
 
     @property
+    def num_free_slots(self) -> int:
+        """Slots holding no block."""
+        return len(self._free)
+
+    @property
+    def slab(self) -> torch.Tensor:
+        """The tier's memory, `[num_slots, *block_shape]` (inspect it; writing it damages blocks)."""
+        return self._slab
+
+    @property
     def is_pinned_memory(self) -> bool:
         return self._slab.is_pinned()
 
@@ -83,6 +109,29 @@ class CPUTier(Tier):
 
     def held_hashes(self) -> Iterator[BlockHash]:
         return iter(list(self._index))
+
+    @property
+    def eviction(self) -> EvictionKind:
+        return self._res.eviction
+
+    @property
+    def num_demotions_refused(self) -> int:
+        """Evicted blocks not demoted because `demote_admission` refused them (writes saved)."""
+        return self._admission.num_refused
+
+    @property
+    def num_pinned(self) -> int:
+        """Blocks pinned now (each counted once, whatever its pin count)."""
+        return len(self._res) - self._res.num_evictable
+
+    @property
+    def num_stranded(self) -> int:
+        """Prefix blocks evicted while blocks linked to them were still held."""
+        return self._res.num_stranded
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Per-tenant blocks and counters under hashed labels (empty without quotas)."""
+        return self._res.tenant_stats()
 
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""
@@ -109,15 +158,19 @@ class CPUTier(Tier):
             n += 1
         if not (isinstance(dsts, BlockBatch) and copy_rows(dsts.rows, dsts.row_ids[:n], self._slab, slots)):
             self._copy_in(dsts[:n], [self._slab[s] for s in slots])
+        if self._res.has_tenants:
+            self._res.count_hits([k.block_hash for k in keys[:n]])
         return n
 
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        self.touch([k.block_hash for k in keys])
-        overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + len(self._lru))
-        if overflow and self.below is not None:
-            # More new blocks than this tier can ever hold: the most evictable skip it.
-            self.below.demote([keys[i] for i in overflow], [srcs[i] for i in overflow])
-        self._make_room(len(new) - len(self._free))
+        res = self._res
+        hashes = [k.block_hash for k in keys]
+        res.touch(hashes)  # held blocks: a use, and not this put's victims
+        overflow, new = plan_put(keys, self._index.__contains__, len(self._free) + res.num_evictable)
+        if overflow:  # more new blocks than this tier can ever hold: the most evictable skip it
+            self._send_down([keys[i] for i in overflow], [srcs[i] for i in overflow])
+        if new and len(new) > len(self._free):
+            self._make_room(len(new) - len(self._free), key_tenant(keys[new[0]]))
         slots = [self._free.pop() for _ in new]
         try:
             if not (isinstance(srcs, BlockBatch)
@@ -127,13 +180,33 @@ class CPUTier(Tier):
             self._free.extend(reversed(slots))  # a failed copy takes no slot
             raise
         for slot, i in zip(slots, new):
-            self._slot_tokens[slot] = keys[i].tokens if self._verify_tokens else b""
+            key = keys[i]
+            self._slot_tokens[slot] = key.tokens if self._verify_tokens else b""
             if self._checksum:
                 self._slot_sums[slot] = self._sum(slot)
-            self._index[keys[i].block_hash] = slot
-            self._lru[keys[i].block_hash] = None
+            self._index[key.block_hash] = slot
+        if new:
+            parents = [key_parent(keys[i]) for i in new]
+            tenants = [key_tenant(keys[i]) for i in new]
+            res.add_many([hashes[i] for i in new], parents if any(parents) else None,
+                         tenants if any(tenants) else None)
+            res.touch(hashes[new[-1] + 1:])  # the held prefix: more recent than its new tail
+        res.end_put()
         self._announce(True, [keys[i].block_hash for i in new])
         return len(new)
+
+    def _send_down(self, keys: list[BlockKey], srcs: list[torch.Tensor]) -> None:
+        """Demote the blocks `demote_admission` admits (eviction order); drop the others.
+        Raises `DiskFullError` (nothing written) if the tier below cannot make room."""
+        below = self.below
+        if below is None:
+            return
+        admission = self._admission
+        if not admission.admits_all:
+            ok = [i for i, k in enumerate(keys) if admission.admit(k.block_hash)]
+            keys, srcs = [keys[i] for i in ok], [srcs[i] for i in ok]
+        if keys:
+            below.demote(keys, srcs)
 
     @staticmethod
     def _copy_in(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -150,25 +223,39 @@ class CPUTier(Tier):
         if pending:
             torch.cuda.current_stream().synchronize()
 
-    def _make_room(self, num_needed: int) -> None:
+    def _make_room(self, num_needed: int, tenant: bytes) -> None:
+        """Evict `num_needed` blocks for new blocks of `tenant`, demoting them first. Raises
+        `DiskFullError` before anything here changed: the victims stay."""
         if num_needed <= 0:
             return
-        victims: list[BlockHash] = []
-        for h in self._lru:
-            if len(victims) == num_needed:
-                break
-            victims.append(h)
+        res = self._res
+        victims = res.take_victims(num_needed, tenant)
         if self.below is not None:
-            victims = self._drop_damaged(victims)  # the dropped ones freed their slots
+            if self._checksum:  # a damaged victim is dropped, never copied down
+                damaged = [h for h in victims if self._sum(self._index[h]) != self._slot_sums[self._index[h]]]
+                if damaged:
+                    self.counters.num_corrupt += len(damaged)
+                    self._release(damaged)
+                    gone = set(damaged)
+                    victims = [h for h in victims if h not in gone]
             slots = [self._index[h] for h in victims]
-            toks = [self._slot_tokens[s] for s in slots]
-            # Raises DiskFullError before anything here changed: the victims stay.
-            self.below.demote(
-                [BlockKey(h, t) for h, t in zip(victims, toks)], [self._slab[s] for s in slots]
-            )
-        for h in victims:
-            self._drop(h)
+            try:
+                self._send_down([BlockKey(h, self._slot_tokens[s]) for h, s in zip(victims, slots)],
+                                [self._slab[s] for s in slots])
+            except BaseException:
+                res.restore(victims)
+                raise
+        self._release(victims)
         self.counters.num_evictions += len(victims)
+
+    def _release(self, victims: list[BlockHash]) -> None:
+        """Free the slots of victims taken from the residency (they left the tier)."""
+        for h in victims:
+            slot = self._index.pop(h)
+            self._slot_tokens[slot] = b""
+            self._free.append(slot)
+        self._res.commit(victims)
+        self._announce(False, victims)
 
     def spill(self) -> int:
         """Copy every block not yet below down to it, most recently used first; keep them here.
@@ -179,7 +266,7 @@ class CPUTier(Tier):
         below = self.below
         if below is None or not self._index:
             return 0
-        order = self._drop_damaged([*self._lru, *self._refs])
+        order = self._drop_damaged(self._res.order())
         slots = [self._index[h] for h in order]
         keys = [BlockKey(h, self._slot_tokens[s]) for h, s in zip(order, slots)]
         srcs = [self._slab[s] for s in slots]
@@ -212,74 +299,61 @@ class CPUTier(Tier):
             slot = self._index[h]
             if self._sum(slot) == self._slot_sums[slot]:
                 good.append(h)
-            elif h not in self._refs:  # a pinned block is left to its holder
+            elif not self._res.is_pinned(h):  # a pinned block is left to its holder
                 self.counters.num_corrupt += 1
                 self._drop(h)
         return good
 
     # -- bookkeeping -----------------------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
-        for h in block_hashes:
-            if h in self._lru:
-                self._lru.move_to_end(h)
+        self._res.touch(block_hashes)
 
     def pin(self, block_hashes: Sequence[BlockHash]) -> int:
         """Protect the leading held blocks from eviction; return how many were pinned."""
         self._check_open()
         n = 0
         for h in block_hashes:
-            if h not in self._index:
+            if not self._res.pin(h):
                 break
-            self._lru.pop(h, None)
-            self._refs[h] = self._refs.get(h, 0) + 1
             n += 1
         return n
 
     def unpin(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Undo `pin` (eviction order); a block whose count reaches 0 becomes most recent.
-
-        A pinned block deleted meanwhile (it failed validation) is skipped.
-        """
+        """Undo `pin` (eviction order). A pinned block deleted meanwhile (it failed validation)
+        is skipped; a held block that is not pinned raises `RuntimeError` (a bug)."""
         for h in block_hashes:
-            count = self._refs.get(h)
-            if count is None:
-                if h not in self._index:
-                    continue
-                raise RuntimeError(f"unpin of block {h.hex()} that is not pinned (a bug)")
-            if count == 1:
-                del self._refs[h]
-                self._lru[h] = None
-            else:
-                self._refs[h] = count - 1
+            self._res.unpin(h)
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
         n = 0
         for h in block_hashes:
-            if h in self._index and h not in self._refs:
+            if h in self._index and not self._res.is_pinned(h):
                 self._drop(h)
                 n += 1
         return n
 
     def _drop(self, block_hash: BlockHash) -> None:
         slot = self._index.pop(block_hash)
-        self._lru.pop(block_hash, None)
-        self._refs.pop(block_hash, None)
+        self._res.discard(block_hash)
         self._slot_tokens[slot] = b""
         self._free.append(slot)
         self._announce(False, [block_hash])
 
-    def clear(self) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> None:
         self._check_open()
-        for h in list(self._index):
-            self._drop(h)
+        gone = list(self._index)
+        self._free.extend(self._index.values())
+        self._index.clear()
+        self._res.clear()
+        self._slot_tokens = [b""] * self._num_slots
+        self._announce(False, gone)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             self._index.clear()
-            self._lru.clear()
-            self._refs.clear()
+            self._res.clear()
             self._slab = torch.empty(0)
 
     def _check_open(self) -> None:
@@ -294,10 +368,9 @@ class CPUTier(Tier):
             raise RuntimeError(
                 f"CPU tier: {len(slots)} used + {len(self._free)} free != {self._num_slots} slots (a bug)"
             )
-        if set(self._lru) & set(self._refs) or set(self._lru) | set(self._refs) != set(self._index):
-            raise RuntimeError("CPU tier: LRU and pinned sets do not partition the index (a bug)")
-        if any(c <= 0 for c in self._refs.values()):
-            raise RuntimeError("CPU tier: non-positive pin count (a bug)")
+        if len(self._res) != len(self._index) or any(h not in self._res for h in self._index):
+            raise RuntimeError("CPU tier: the residency does not hold exactly the indexed blocks (a bug)")
+        self._res.check_integrity()
 
     def occupancy(self) -> Occupancy:
         n = len(self._index)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, count_held, plan_put
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
@@ -53,6 +53,7 @@ class BlockPool(Tier):
     """
 
     kind = TierKind.POOL
+    traits = TierTraits(engine_memory=True, memory=True)
 
     def __init__(
         self,
@@ -115,6 +116,19 @@ class BlockPool(Tier):
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= len(self.free_queue)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue (unreferenced, cached or not)."""
+        return len(self.free_queue)
+
+    def holds(self, block_hash: BlockHash, block: PoolBlock) -> bool:
+        """Whether `block` is the block cached under `block_hash`."""
+        return self.cached.get(block_hash) is block
+
+    def owns(self, block: PoolBlock) -> bool:
+        """Whether `block` is one of this pool's blocks."""
+        return 0 <= block.block_id < self.num_blocks and self.blocks[block.block_id] is block
 
     def allocate(self, num_blocks: int) -> list[PoolBlock]:
         """Pop `num_blocks` from the head of the free queue with ref 1, evicting cached ones.
@@ -297,7 +311,7 @@ class BlockPool(Tier):
         self._demote(order)
         return self.num_demoted - before
 
-    def clear(self) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> None:
         self._check_open()
         for block in list(self.cached.values()):
             self._uncache(block)

@@ -9,41 +9,35 @@ buffered and applied in the next write transaction.
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 
 import lmdb
 import msgpack
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
+from tiers.base import BlockHash, BlockKey, Occupancy, ScrubResult, Tier, TierCounters, TierKind, TierTraits
+from tiers.codecs import CodecSpec
 from tiers.errors import ConfigError, CorruptRecordError, DiskFullError, StoreClosedError
 from tiers.lmdb_env import acquire_env, begin, disk_full_reason, release_env
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError, record_bytes_on_disk
 
+logger = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
 _TICK = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _MAX_PENDING_TOUCHES = 4096
 _DB_NAMES = (b"blocks", b"atime", b"lru", b"meta")
 
 
-class ScrubResult(NamedTuple):
-    """What `LMDBTier.scrub` found: records of this namespace that validated, damaged ones it
-    deleted, and records of other stores sharing the directory (left alone)."""
-
-    num_ok: int
-    num_corrupt: int
-    num_foreign: int = 0
-
-
 class LMDBTier(Tier):
     """Blocks in an LMDB environment, bounded by `capacity_bytes` of disk (pages counted)."""
 
     kind = TierKind.DISK
+    traits = TierTraits(persistent=True)
 
     def __init__(
         self,
@@ -57,8 +51,9 @@ class LMDBTier(Tier):
         namespace: bytes = b"",
         identity: object = None,
         read_bps: int | None = None,
+        codec: CodecSpec | None = None,
     ) -> None:
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._namespace = self.codec.namespace
         self._block_bytes = self.codec.block_bytes
         self._capacity_bytes = capacity_bytes
@@ -76,6 +71,7 @@ class LMDBTier(Tier):
         self._closed = False
         self.counters = TierCounters()
         self._num_unverifiable = 0
+        self.num_unannounceable = 0  # see held_keys
         self._register(identity)
 
     def _register(self, identity: object) -> None:
@@ -111,6 +107,27 @@ class LMDBTier(Tier):
             mine = [BlockHash(bytes(h)) for h, v in txn.cursor() if self.codec.owner(v) == self._namespace]
         return iter(mine)
 
+    def held_keys(self) -> Iterator[BlockKey]:
+        """This namespace's blocks whose records carry token ids, parent and extras, read in
+        one snapshot; `num_unannounceable` counts this namespace's records without them
+        (written before they existed, or without token verification)."""
+        self._check_open()
+        keys: list[BlockKey] = []
+        mine = 0
+        with begin(self._env, db=self._blocks, buffers=True) as txn:
+            for h, v in txn.cursor():
+                if self.codec.owner(v) != self._namespace:
+                    continue
+                mine += 1
+                key = self.codec.announced_key(v, bytes(h))
+                if key is not None:
+                    keys.append(key)
+        self.num_unannounceable = mine - len(keys)
+        if self.num_unannounceable:
+            logger.info("kvstrata: %d disk blocks are not announced in KV events: their records carry no parent or "
+                        "token ids (written by an older kvstrata, or without verify_tokens)", self.num_unannounceable)
+        return iter(keys)
+
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
         n, end = start, len(block_hashes)
@@ -121,13 +138,14 @@ class LMDBTier(Tier):
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         t0 = time.perf_counter()
-        n = self._read(keys, dsts)
-        if self._read_bps is not None and n:
-            time.sleep(max(0.0, n * self._block_bytes / self._read_bps - (time.perf_counter() - t0)))
+        n, num_bytes = self._read(keys, dsts)
+        if self._read_bps is not None and n:  # the bytes read as stored (encoded)
+            time.sleep(max(0.0, num_bytes / self._read_bps - (time.perf_counter() - t0)))
         return n
 
-    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        n = 0
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """Blocks copied into `dsts` and the bytes of their records."""
+        n = num_bytes = 0
         corrupt: list[BlockHash] = []
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             for key, dst in zip(keys, dsts):
@@ -135,22 +153,23 @@ class LMDBTier(Tier):
                 if value is None:
                     break
                 try:
-                    payload = self.codec.decode(value, key)
+                    self.codec.copy_out(self.codec.decode(value, key), dst)
                 except UnverifiableRecordError:
                     self._num_unverifiable += 1
                     break
                 except CorruptRecordError:
                     corrupt.append(key.block_hash)
                     break
-                self.codec.copy_out(payload, dst)
                 n += 1
+                num_bytes += len(value)
         if corrupt:
             self.counters.num_corrupt += len(corrupt)
             self._discard_damaged(corrupt)
-        return n
+        return n, num_bytes
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        keys = self._described(keys)  # a demoted block's parent and extras, for its record
         with begin(self._env, db=self._blocks, buffers=True) as txn:
             missing = [i for i, k in enumerate(keys) if txn.get(k.block_hash) is None]
         records: dict[BlockHash, bytearray] = {}

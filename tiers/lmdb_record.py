@@ -1,23 +1,31 @@
 """The disk tier's self-checking record: encoding, validation and the payload copy-out.
 
-Record = b"KVS1" | u32 header length | msgpack header | raw block bytes. The header names the
+Record = b"KVS1" | u32 header length | msgpack header | payload. The header names the
 format version, the key, the namespace of the store that wrote it, the layout (dtype,
-shape), the payload length, the block's token ids and an xxh3-64 checksum over key,
-namespace, tokens and payload. Any mismatch on read is a `CorruptRecordError`.
+shape), the payload's codec ("c", `tiers/codecs`; absent: raw bytes) and length, the
+block's token ids, optionally its parent's hash ("par") and extra keys ("ext") for KV-event
+announcements after a restart, and an xxh3-64 checksum over key, namespace, tokens, parent,
+extras and the payload as stored (encoded). Any mismatch on read is a `CorruptRecordError`,
+and so is an encoded payload that does not decode. A record of a codec this reader does not
+know, cannot load (its library missing) or does not accept (a lossy one for a reader that
+wants exact KV) is an `UnverifiableRecordError`: a miss, left in place. Records written
+before "par"/"ext" or "c" existed verify as before.
 """
 
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
 import torch
 import xxhash
 
-from tiers.base import BlockKey
+from tiers.base import BlockHash, BlockKey
 from tiers.blockcopy import copy_block
-from tiers.errors import CorruptRecordError
+from tiers.codecs import Codec, CodecKind, CodecSpec, build_codec, codec_of_id
+from tiers.errors import ConfigError, CorruptRecordError
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVS1"
@@ -37,17 +45,37 @@ class UnverifiableRecordError(CorruptRecordError):
     """A sound record without the token ids this reader verifies: a miss, not deleted."""
 
 
+class Payload(NamedTuple):
+    """A validated record's payload as stored, and the codec id its header names."""
+
+    data: memoryview
+    codec_id: int
+
+
 class RecordCodec:
-    """Encodes and validates the records of one layout and namespace."""
+    """Encodes and validates the records of one layout and namespace; `codec` says how
+    payloads are encoded and which encodings are read (default: raw bytes written, every
+    lossless encoding read)."""
 
     def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, *, verify_tokens: bool,
-                 namespace: bytes) -> None:
+                 namespace: bytes, codec: CodecSpec | None = None) -> None:
         self._shape = list(block_shape)
         self._dtype = dtype
         self._dtype_name = str(dtype).removeprefix("torch.")
         self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self._verify_tokens = verify_tokens
         self._namespace = bytes(namespace)
+        self._spec = codec or CodecSpec()
+        self._codecs: dict[CodecKind, Codec] = {}
+        self._writer = None if self._spec.kind is CodecKind.NONE else self._codec(self._spec.kind)
+
+    def _codec(self, kind: CodecKind) -> Codec:
+        """This layout's codec `kind` (built once; `ConfigError` if it cannot be)."""
+        codec = self._codecs.get(kind)
+        if codec is None:
+            codec = self._codecs[kind] = build_codec(kind, tuple(self._shape), self._dtype,
+                                                     element_dtype=self._spec.element_dtype, group=self._spec.group)
+        return codec
 
     @property
     def namespace(self) -> bytes:
@@ -60,13 +88,22 @@ class RecordCodec:
     def is_own_layout(self, hdr: dict[str, object]) -> bool:
         return hdr.get("dtype") == self._dtype_name and hdr.get("shape") == self._shape
 
-    def _header(self, key: BlockKey, checksum: bytes) -> bytes:
-        return msgpack.packb(  # type: ignore[no-any-return]  # msgpack is untyped: packb returns bytes
-            {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
-             "shape": self._shape, "n": self._block_bytes,
-             "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum},
-            use_bin_type=True,
-        )
+    def _header(self, key: BlockKey, checksum: bytes, codec_id: int = 0, length: int | None = None) -> bytes:
+        fields = {"v": FORMAT_VERSION, "key": bytes(key.block_hash), "ns": self._namespace, "dtype": self._dtype_name,
+                  "shape": self._shape, "n": self._block_bytes if length is None else length,
+                  "tok": key.tokens if self._verify_tokens else b"", "xxh": checksum}
+        if codec_id:
+            fields["c"] = codec_id
+        if key.parent is not None and key.extras is not None:
+            fields["par"], fields["ext"] = bytes(key.parent), bytes(key.extras)
+        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]  # untyped: bytes
+
+    @staticmethod
+    def _described(key: BlockKey) -> bytes:
+        """What the checksum covers of a key's parent and extras (b"" without them)."""
+        if key.parent is None or key.extras is None:
+            return b""
+        return bytes(key.parent) + bytes(key.extras)
 
     @staticmethod
     def _checksum(block_hash: bytes, tokens: bytes, payload: memoryview | bytes) -> bytes:
@@ -77,14 +114,25 @@ class RecordCodec:
         return h.digest()
 
     def encode(self, key: BlockKey, src: torch.Tensor) -> bytearray:
-        """Build the record for one block (one copy of the KV bytes)."""
-        hlen = len(self._header(key, bytes(8)))
+        """Build the record for one block: raw (one copy of the KV bytes), or encoded by this
+        tier's codec. A block the codec cannot represent (infinite or NaN values for a lossy
+        one) or does not make smaller (noise through a lossless one) is written raw."""
+        encoded = None if self._writer is None else self._writer.encode(src)
+        if encoded is not None and len(encoded) >= self._block_bytes:
+            encoded = None
+        codec_id = 0 if encoded is None else self._spec.kind.value
+        length = self._block_bytes if encoded is None else len(encoded)
+        hlen = len(self._header(key, bytes(8), codec_id, length))
         off = _PREFIX.size + hlen
-        buf = bytearray(off + self._block_bytes)
-        payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
-        copy_block(payload.view(self._dtype).view(self._shape), src)
+        buf = bytearray(off + length)
+        if encoded is None:
+            payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
+            copy_block(payload.view(self._dtype).view(self._shape), src)
+        else:
+            buf[off:] = encoded
         tokens = key.tokens if self._verify_tokens else b""
-        header = self._header(key, self._checksum(key.block_hash, self._namespace + tokens, memoryview(buf)[off:]))
+        covered = self._namespace + tokens + self._described(key)
+        header = self._header(key, self._checksum(key.block_hash, covered, memoryview(buf)[off:]), codec_id, length)
         buf[: _PREFIX.size] = _PREFIX.pack(_MAGIC, hlen)
         buf[_PREFIX.size : off] = header
         return buf
@@ -111,28 +159,44 @@ class RecordCodec:
             raise CorruptRecordError("record stored under another key")
         if hdr.get("n") != len(payload):
             raise CorruptRecordError("payload length mismatch")
-        tokens, ns = hdr.get("tok"), hdr.get("ns", b"")
-        if not isinstance(tokens, bytes) or not isinstance(ns, bytes):
-            raise CorruptRecordError("bad token or namespace field")
-        if RecordCodec._checksum(block_hash, ns + tokens, payload) != hdr.get("xxh"):
+        tokens, ns, par, ext = hdr.get("tok"), hdr.get("ns", b""), hdr.get("par", b""), hdr.get("ext", b"")
+        if not all(isinstance(f, bytes) for f in (tokens, ns, par, ext)):
+            raise CorruptRecordError("bad token, namespace, parent or extras field")
+        if RecordCodec._checksum(block_hash, ns + tokens + par + ext, payload) != hdr.get("xxh"):
             raise CorruptRecordError("checksum mismatch")
         return hdr, payload
 
-    def decode(self, value: memoryview | bytes, key: BlockKey) -> memoryview:
+    def decode(self, value: memoryview | bytes, key: BlockKey) -> Payload:
         """Validate a record as this tier's block `key` and return its payload; raise
         `CorruptRecordError` if damaged (`UnverifiableRecordError` if it is sound but has no
-        token ids to check against `key.tokens`)."""
+        token ids to check against `key.tokens`). The payload's encoding is checked by
+        `copy_out`."""
         hdr, payload = self.parse(value, key.block_hash)
         if hdr.get("ns", self._namespace) != self._namespace:
             raise CorruptRecordError("record of another namespace under this key")
-        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or len(payload) != self._block_bytes:
+        codec_id = hdr.get("c", 0)
+        if not isinstance(codec_id, int) or isinstance(codec_id, bool) or codec_id < 0:
+            raise CorruptRecordError(f"bad codec field {codec_id!r}")
+        if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or (
+                codec_id == 0 and len(payload) != self._block_bytes):
             raise CorruptRecordError("record layout differs from this tier's")
         tokens = hdr["tok"]
         if self._verify_tokens and key.tokens and tokens != key.tokens:
             if not tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
                 raise UnverifiableRecordError("record carries no token ids to verify")
             raise CorruptRecordError("token ids differ (hash collision or damage)")
-        return payload
+        return Payload(payload, codec_id)
+
+    def _decoder(self, codec_id: int) -> Codec:
+        kind = codec_of_id(codec_id)
+        if kind is None:
+            raise UnverifiableRecordError(f"record of codec id {codec_id}, unknown to this reader")
+        if not self._spec.accepts(kind):
+            raise UnverifiableRecordError(f"record of the lossy codec {kind.label}, which this reader does not accept")
+        try:
+            return self._codec(kind)
+        except ConfigError as exc:
+            raise UnverifiableRecordError(f"record this reader cannot decode: {exc}") from None
 
     @staticmethod
     def _read_header(value: memoryview | bytes) -> dict[str, object] | None:
@@ -144,13 +208,32 @@ class RecordCodec:
             return None
         return hdr if isinstance(hdr, dict) else None
 
+    def announced_key(self, value: memoryview | bytes, block_hash: bytes) -> BlockKey | None:
+        """The key a record's header describes (token ids, parent, extras) if it is this
+        namespace's and carries all three; else None. Reads the header only (the payload's
+        checksum is checked when the block is read)."""
+        hdr = self._read_header(value)
+        if not hdr or hdr.get("ns") != self._namespace:
+            return None
+        tokens, par, ext = hdr.get("tok"), hdr.get("par"), hdr.get("ext")
+        if not (isinstance(tokens, bytes) and tokens and isinstance(par, bytes) and isinstance(ext, bytes)):
+            return None
+        return BlockKey(BlockHash(bytes(block_hash)), tokens, par, ext)
+
     def owner(self, value: memoryview | bytes) -> bytes | None:
         """The namespace tag in a record's header; None if unreadable or absent (older records)."""
         ns = (self._read_header(value) or {}).get("ns")
         return ns if isinstance(ns, bytes) else None
 
-    def copy_out(self, payload: memoryview, dst: torch.Tensor) -> None:
-        src = np.frombuffer(payload, dtype=np.uint8)
+    def copy_out(self, payload: Payload, dst: torch.Tensor) -> None:
+        """Write a `decode`d payload into `dst`. Raises `CorruptRecordError` if an encoded
+        payload does not decode, `UnverifiableRecordError` if its codec is unknown, missing
+        its library, or lossy for a reader that does not accept it (`dst` may then hold part
+        of the block)."""
+        if payload.codec_id:
+            self._decoder(payload.codec_id).decode(payload.data, dst)
+            return
+        src = np.frombuffer(payload.data, dtype=np.uint8)
         target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)
         try:
             view = target.view(torch.uint8).numpy()

@@ -3,88 +3,44 @@
 Keys are `kvstrata:<namespace digest hex>:<block hash hex>`, so many models share a server
 and one namespace can be listed or dropped by prefix (SCAN, never KEYS). Values are the disk
 tier's self-checking records (`tiers/lmdb_record.py`); one that fails any check is a miss and
-is deleted. Writes are queued and sent by a background thread in pipelined batches, off the
-caller's path; `flush()` returns once everything queued so far is on the server. Capacity is
-the server's (`maxmemory`, `maxmemory-policy allkeys-lru`). Every server fault (a dead node,
-a timeout, OOM/READONLY/CLUSTERDOWN replies, a dropped connection) is a miss or a skipped
-write with a counter and a rate-limited warning, never an exception from a read or a write:
-timeouts are bounded, and a circuit breaker stops trying for `cooldown_s` after repeated
-failures, then tries again.
+is deleted. Writes are queued and sent by a background thread in pipelined batches, parents
+before children (`tiers/remote_writer.py`): a caller that finds the queue full waits for room,
+and a write that must be dropped loses only a tail, never a block before kept ones. `flush()`
+returns once everything queued so far is on the server. Capacity is the server's
+(`maxmemory`, `maxmemory-policy allkeys-lru`).
+
+Every server fault (a dead node, a timeout, OOM/READONLY/CLUSTERDOWN replies, a dropped
+connection) is a miss or a dropped write with a counter and a rate-limited warning, never an
+exception from a read or a write. Each call has a deadline on its total time
+(`tiers/remote_client.py`). Reads and writes keep apart health: a circuit breaker stops one
+kind of call for `cooldown_s` after repeated faults of that kind, then tries again.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
-import time
-import urllib.parse
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind
-from tiers.errors import ConfigError, CorruptRecordError, StoreClosedError
+from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.codecs import CodecSpec
+from tiers.errors import CorruptRecordError, StoreClosedError
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
+from tiers.remote_client import PASSWORD_ENV, Health, RateLimitedWarning, connect, deadline
+from tiers.remote_stream import Op, Oversized, Streams, command
+from tiers.remote_url import SCHEMES, check_url, identity, parse, redacted, scrub
+from tiers.remote_writer import Record, WriteQueue
 
-logger = logging.getLogger(__name__)
+__all__ = ["PASSWORD_ENV", "SCHEMES", "RemoteTier", "check_url", "connect", "redacted"]
 
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
-PASSWORD_ENV = "KVSTRATA_REMOTE_PASSWORD"
-_FAILURES_TO_OPEN = 3  # consecutive failures that open the circuit breaker
-_WARN_EVERY_S = 10.0
-_BATCH_BYTES = 64 << 20  # records per pipelined write (one round trip)
-
-
-def redacted(url: str) -> str:
-    """`url` with any password replaced by `***` (for messages and logs)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
-
-
-def check_url(url: object) -> str:
-    """`url` if it names a server kvstrata can use, else `ConfigError` (password redacted)."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ConfigError(f"remote_url must be a URL such as redis://host:6379, got {url!r}")
-    scheme = url.split("://", 1)[0]
-    if scheme not in SCHEMES:
-        raise ConfigError(f"remote_url scheme {scheme!r} is not one of {', '.join(SCHEMES)}: {redacted(url)}")
-    if scheme != "unix" and not urllib.parse.urlsplit(url.replace("+cluster", "")).hostname:
-        raise ConfigError(f"remote_url names no host: {redacted(url)}")
-    return url
-
-
-def connect(url: str, timeout_s: float) -> Any:
-    """A redis-py client (`Redis` or `RedisCluster`) for `url`; the password comes from the
-    URL or `KVSTRATA_REMOTE_PASSWORD`."""
-    import redis
-    from redis.backoff import NoBackoff
-    from redis.cluster import ClusterNode, RedisCluster
-    from redis.retry import Retry
-
-    password = os.environ.get(PASSWORD_ENV) or None
-    # Blocks are large: read in 1 MiB chunks (a socket with a timeout polls before each read).
-    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
-                              "socket_read_size": 1 << 20}
-    scheme = url.split("://", 1)[0]
-    if scheme.endswith("+cluster"):
-        parts = urllib.parse.urlsplit(url.replace("+cluster", ""))
-        hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
-        nodes = [ClusterNode(h.rsplit(":", 1)[0], int(h.rsplit(":", 1)[1]) if ":" in h else 6379)  # type: ignore[no-untyped-call]  # redis-py's ClusterNode is unannotated
-                 for h in hosts]
-        return RedisCluster(startup_nodes=nodes, username=parts.username or None,
-                            password=parts.password or password, ssl=scheme.startswith("rediss"),
-                            require_full_coverage=False, retry=Retry(NoBackoff(), 1), **common)
-    client = redis.Redis.from_url(url, **common)
-    if password and not client.connection_pool.connection_kwargs.get("password"):
-        client.connection_pool.connection_kwargs["password"] = password
-    return client
+_BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), each with its deadline
+_WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote_stream.py)
+_REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines
+_RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
 
 
 class RemoteTier(Tier):
@@ -92,88 +48,120 @@ class RemoteTier(Tier):
 
     Invariant: a value returned is bit-exact with what some store put under its key (the
     record's checksum, key, namespace, layout and token ids are checked); anything else is
-    deleted and reported as absent.
+    deleted and reported as absent. A round trip moving n bytes must end within
+    `timeout_s + n / min_rate_bps` (connect, send and the whole reply), else it is a fault.
     """
 
     kind = TierKind.REMOTE
+    traits = TierTraits(persistent=True, shared=True)
 
     def __init__(self, url: str, block_shape: tuple[int, ...], dtype: torch.dtype, *, namespace: bytes,
                  verify_tokens: bool = True, ttl_s: int | None = None, timeout_s: float = 0.5,
-                 max_pending_bytes: int = 256 << 20, cooldown_s: float = 5.0) -> None:
-        self._url = check_url(url)
-        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace)
+                 max_pending_bytes: int = 256 << 20, cooldown_s: float = 5.0,
+                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None) -> None:
+        self._parts = parse(url)
+        self._url = url
+        self._secrets = self._parts.secrets + [s for s in (os.environ.get(PASSWORD_ENV),) if s]
+        self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._prefix = b"kvstrata:" + namespace.hex()[:32].encode() + b":"
         self._ttl_s = ttl_s
-        self._max_pending_bytes = max_pending_bytes
-        self._cooldown_s = cooldown_s
+        self._timeout_s = timeout_s
+        self._min_rate_bps = min_rate_bps
+        self._record_bytes = self.codec.block_bytes + _RECORD_SLACK
         self.counters = TierCounters()
-        self.num_errors = self.num_write_drops = self.num_unverifiable = 0
-        self._failures = 0
-        self._open_until = 0.0
-        self._last_warning = 0.0
+        self.num_write_drops = self.num_unverifiable = self.num_foreign_keys = 0
+        self.reads, self.writes = Health("read", cooldown_s), Health("write", cooldown_s)
+        self._warn_drop, self._warn_data = RateLimitedWarning(), RateLimitedWarning()
         self._closed = False
-        self._cond = threading.Condition()
-        self._queue: deque[tuple[bytes, memoryview]] = deque()
-        self._queued_bytes = 0
-        self._in_flight = 0
-        self._client = connect(url, timeout_s)
-        self._check_policy()
-        self._writer = threading.Thread(target=self._write_loop, name="kvstrata-remote-writer", daemon=True)
-        self._writer.start()
+        self._client_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._client: Any = None
+        self._streams: Streams | None = None
+        self._rx = threading.local()  # each reading thread's record buffer, reused
+        self._check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
+        self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
+                                  batch_bytes=_BATCH_BYTES, stall_s=2 * self._limit(_BATCH_BYTES) + 1.0)
 
     # -- faults ------------------------------------------------------------------------------
-    def _available(self) -> bool:
-        return time.monotonic() >= self._open_until
+    @property
+    def num_errors(self) -> int:
+        """Server faults of reads and writes together (`reads.num_errors`, `writes.num_errors`)."""
+        return self.reads.num_errors + self.writes.num_errors
 
-    def _fault(self, what: str, exc: BaseException) -> None:
-        """Count a server fault, warn at most every few seconds, open the breaker if repeated."""
-        self.num_errors += 1
-        self._failures += 1
-        if self._failures >= _FAILURES_TO_OPEN:
-            self._open_until = time.monotonic() + self._cooldown_s
-        now = time.monotonic()
-        if now - self._last_warning >= _WARN_EVERY_S:
-            self._last_warning = now
-            logger.warning("kvstrata: remote tier %s: %s failed (%s: %s); treated as a miss", redacted(self._url),
-                           what, type(exc).__name__, exc)
+    def _limit(self, nbytes: int) -> float:
+        """The deadline of a round trip moving `nbytes`."""
+        return self._timeout_s + nbytes / self._min_rate_bps
 
-    def _ok(self) -> None:
-        self._failures = 0
+    def _connect(self) -> Any:
+        with self._client_lock:
+            if self._client is None:
+                with deadline(self._timeout_s):
+                    self._client = connect(self._url, self._timeout_s, self._parts)
+                self._streams = Streams(self._client, _WINDOW_BYTES)
+            return self._client
+
+    def _stream(self, health: Health, what: str, nbytes: int, ops: list[Op], on_reply: Callable[[int, Any], bool],
+                buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
+        """Run `ops` as a windowed pipeline (`tiers/remote_stream.py`) within the deadline for
+        `nbytes`, passing each reply to `on_reply` until it returns False; False if the call
+        failed as a whole. Errors (refused commands, a lost connection) are one fault of
+        `health` per call."""
+        return self._call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
+            ops, on_reply, buffer_for)) is not None
+
+    def _call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any]) -> Any:
+        """`fn(client)` within the deadline for `nbytes`; None if the server fails, the deadline
+        passes, or `health`'s breaker is open. A list of replies with a command the server
+        refused (its exception in its place) is returned as is. Each fault is counted in
+        `health`, with a rate-limited warning."""
+        if not health.available():
+            return None
+        try:
+            with deadline(self._limit(nbytes)):
+                result = fn(self._connect())
+        except Exception as exc:  # every server fault is a miss or a dropped write
+            self._fault(health, what, exc)
+            return None
+        refused = [r for r in result if isinstance(r, Exception)] if isinstance(result, list) else []
+        if refused:  # e.g. OOM from a full noeviction server
+            self._fault(health, f"{what} ({len(refused)} of {len(result)} commands)", refused[0])
+        else:
+            health.ok()
+        return result
+
+    def _fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"remote tier {redacted(self._url)}: {what} failed "
+                     f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
+
+    def _pipelined(self, health: Health, what: str, nbytes: int, commands: Callable[[Any], object]) -> list[Any] | None:
+        """The replies to the commands `commands(pipe)` queues, in one round trip (None: a fault).
+        A command the server refused has its exception in its place."""
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        replies: list[Any] | None = self._call(health, what, nbytes, run)
+        return replies
 
     def _check_policy(self) -> None:
-        try:
-            policy = self._client.config_get("maxmemory-policy")
-        except Exception:
-            return
+        policy = self._call(self.reads, "CONFIG GET maxmemory-policy", _REPLY_BYTES,
+                            lambda c: c.config_get("maxmemory-policy"))
         values = list(policy.values()) if isinstance(policy, dict) else []
         flat = [v for v in values if isinstance(v, (str, bytes))] or [
             x for v in values if isinstance(v, dict) for x in v.values()]
         if any((p.decode() if isinstance(p, bytes) else p) == "noeviction" for p in flat):
-            logger.warning("kvstrata: remote tier %s has maxmemory-policy noeviction: writes fail once it is full; "
-                           "set maxmemory-policy allkeys-lru", redacted(self._url))
+            self.writes.warn(f"remote tier {redacted(self._url)} has maxmemory-policy noeviction: writes fail "
+                             "once it is full; set maxmemory-policy allkeys-lru")
 
     @property
     def identity(self) -> str:
-        """The server's URL without credentials: instances naming the same one share blocks."""
-        return redacted(self._url)
+        """The server (or cluster) and database, without credentials or options: instances
+        with equal identities share blocks."""
+        return identity(self._parts)
 
     def _key(self, block_hash: BlockHash) -> bytes:
         return self._prefix + bytes(block_hash).hex().encode()
-
-    def _pipelined(self, what: str, commands: Callable[[Any], object]) -> list[Any] | None:
-        """Run the commands `commands(pipe)` queues in one round trip; None (a counted,
-        rate-limited fault) if the server fails or the breaker is open."""
-        if not self._available():
-            return None
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            commands(pipe)
-            replies: list[Any] = pipe.execute()
-        except Exception as exc:  # every server fault is a miss or a skipped write
-            self._fault(what, exc)
-            return None
-        self._ok()
-        return replies
 
     # -- reads -------------------------------------------------------------------------------
     @property
@@ -186,110 +174,146 @@ class RemoteTier(Tier):
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
         todo = list(block_hashes[start:])
-        found = self._pipelined("lookup", lambda pipe: [pipe.exists(self._key(h)) for h in todo]) if todo else None
-        if found is None:
+        if not todo:
             return 0
         n = 0
-        while n < len(found) and found[n]:
-            n += 1
+
+        def on_reply(i: int, reply: Any) -> bool:
+            nonlocal n
+            n += reply == 1  # an error ends the prefix too
+            return bool(reply == 1)
+
+        ops = [Op(key, command(b"EXISTS", key), 2 * len(key)) for key in map(self._key, todo)]
+        self._stream(self.reads, "lookup", _REPLY_BYTES * len(todo), ops, on_reply)
         return n
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        if not keys:
-            return 0
-        values = self._pipelined("read", lambda pipe: [pipe.get(self._key(k.block_hash)) for k in keys])
-        if values is None:
-            return 0
+        per_chunk = max(1, _BATCH_BYTES // self._record_bytes)
         n = 0
-        for key, dst, value in zip(keys, dsts, values):
-            if value is None:
+        for start in range(0, len(keys), per_chunk):  # one call per chunk, each with its deadline
+            chunk = keys[start : start + per_chunk]
+            got = self._read(chunk, dsts[start : start + len(chunk)])
+            n += got
+            if got < len(chunk):
                 break
-            try:
-                payload = self.codec.decode(value, key)
-            except UnverifiableRecordError:
-                self.num_unverifiable += 1
-                break
-            except CorruptRecordError:
-                self.counters.num_corrupt += 1
-                self.discard([key.block_hash])
-                break
-            self.codec.copy_out(payload, dst)
-            n += 1
         return n
+
+    def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        """GET `keys` in one windowed pipeline, each value received into this thread's record
+        buffer, validated and copied into its `dsts`; stop at the first that is absent, fails
+        or was refused (a fault). Returns how many were copied."""
+        n = 0
+        damaged: list[BlockHash] = []
+
+        def on_value(i: int, value: Any) -> bool:
+            nonlocal n
+            if not isinstance(value, memoryview | Oversized):
+                return False  # absent, or the server refused this GET
+            if not self._take(keys[i], dsts[i], value, damaged):
+                return False
+            n += 1
+            return True
+
+        ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True)
+               for key in (self._key(k.block_hash) for k in keys)]
+        self._stream(self.reads, "read", self._record_bytes * len(keys), ops, on_value, self._buffer_for)
+        if damaged:
+            self.discard(damaged)
+        return n
+
+    def _buffer_for(self, size: int) -> memoryview | None:
+        """This thread's record buffer, `size` bytes of it (None: too long for a record)."""
+        if size > 2 * self._record_bytes + (1 << 16):
+            return None
+        buf: bytearray | None = getattr(self._rx, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._rx.buf = bytearray(max(size, self._record_bytes))
+        return memoryview(buf)[:size]
+
+    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview | Oversized, damaged: list[BlockHash]) -> bool:
+        """Validate one value as `key`'s record and copy its payload into `dst`; False (a
+        counted, warned miss) if it fails; a damaged record's hash goes into `damaged`, to be
+        deleted (an unverifiable one stays)."""
+        try:
+            if isinstance(value, Oversized):
+                raise CorruptRecordError(f"a value of {int(value)} bytes, too long for this layout")
+            self.codec.copy_out(self.codec.decode(value, key), dst)
+        except UnverifiableRecordError as exc:
+            self.num_unverifiable += 1
+            self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
+            return False
+        except CorruptRecordError as exc:
+            self.counters.num_corrupt += 1
+            self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
+            damaged.append(key.block_hash)
+            return False
+        return True
 
     # -- writes ------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        """Queue the records for the background writer; blocks beyond `max_pending_bytes` of
-        queued records are dropped (counted): the remote tier is a cache."""
-        # memoryview: redis-py sends it as is (a bytes() copy would double the encode's cost).
-        records = [(self._key(k.block_hash), memoryview(self.codec.encode(k, s))) for k, s in zip(keys, srcs)]
-        queued = 0
-        with self._cond:
-            for key, value in records:
-                if self._queued_bytes + value.nbytes > self._max_pending_bytes:
-                    self.num_write_drops += 1
-                    continue
-                self._queue.append((key, value))
-                self._queued_bytes += value.nbytes
-                queued += 1
-            self._cond.notify_all()
-        return queued
+        """Queue the records, parents first (the reverse of the eviction order given), for the
+        background writer, waiting for room in the queue (see `WriteQueue.put`). With the
+        writes' breaker open nothing is encoded: every block is a counted drop."""
+        if not keys:
+            return 0
+        if not self.writes.available():
+            self._dropped(len(keys), "writes are paused after repeated faults")
+            return 0
+        order = range(len(keys) - 1, -1, -1)
+        records = ((self._key(keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i]))) for i in order)
+        return self._writes.put(records, len(keys))
 
-    def _write_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue and self._closed:
-                    return
-                batch, size = [], 0
-                while self._queue and size < _BATCH_BYTES:
-                    key, value = self._queue.popleft()
-                    batch.append((key, value))
-                    size += value.nbytes
-                self._queued_bytes -= size
-                self._in_flight = len(batch)
-            self._send(batch)
-            with self._cond:
-                self._in_flight = 0
-                self._cond.notify_all()
+    def _dropped(self, num: int, why: str) -> None:
+        with self._count_lock:  # the caller's thread and the writer's
+            self.num_write_drops += num
+        if num:
+            self._warn_drop(f"remote tier {redacted(self._url)}: {num} block writes dropped ({why})")
 
-    def _send(self, batch: list[tuple[bytes, memoryview]]) -> None:
-        if self._pipelined("write", lambda pipe: [pipe.set(k, v, ex=self._ttl_s) for k, v in batch]) is None:
-            self.num_write_drops += len(batch)
-        else:
-            self._announce(True, [self._hash_of(k) for k, _ in batch])
+    def _send(self, batch: list[Record]) -> list[bool]:
+        """SET the batch's records in one windowed pipeline; whether each was stored."""
+        size = sum(r.value.nbytes for r in batch)
+        ttl: tuple[bytes | int, ...] = (b"EX", self._ttl_s) if self._ttl_s else ()
+        ops = [Op(r.key, command(b"SET", r.key, r.value, *ttl), r.value.nbytes) for r in batch]
+        stored = [False] * len(batch)
+
+        def on_reply(i: int, reply: Any) -> bool:
+            stored[i] = reply == b"OK"
+            return True
+
+        if not self._stream(self.writes, "write", size, ops, on_reply):
+            return [False] * len(batch)
+        self._announce(True, [self._hash_of(r.key) for r, ok in zip(batch, stored) if ok])
+        return stored
 
     def _hash_of(self, key: bytes) -> BlockHash:
         return BlockHash(bytes.fromhex(key[len(self._prefix):].decode()))
 
     def held_hashes(self, limit: int = 1_000_000) -> Iterator[BlockHash]:
         """This namespace's keys on the server (SCAN by prefix, at most `limit`); what was
-        read before a fault (counted) otherwise."""
+        read before a fault (counted) otherwise. Keys that are not a block hash are skipped."""
         self._check_open()
         found: list[BlockHash] = []
-        if not self._available():
-            return iter(found)
-        try:
-            for key in self._client.scan_iter(match=self._prefix + b"*", count=1000):
-                found.append(self._hash_of(key))
+
+        def scan(client: Any) -> None:
+            for key in client.scan_iter(match=self._prefix + b"*", count=1000):
+                try:
+                    found.append(self._hash_of(key))
+                except ValueError:  # not written by kvstrata
+                    self.num_foreign_keys += 1
                 if len(found) >= limit:
                     break
-        except Exception as exc:
-            self._fault("scan", exc)
+
+        foreign = self.num_foreign_keys
+        self._call(self.reads, "scan", _REPLY_BYTES * limit + _BATCH_BYTES, scan)
+        if self.num_foreign_keys > foreign:
+            self._warn_data(f"remote tier {redacted(self._url)}: {self.num_foreign_keys - foreign} keys under "
+                            f"this namespace's prefix are not kvstrata's blocks; skipped")
         return iter(found)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until every write queued so far was sent (or dropped for a fault); False if
         `timeout_s` passed first."""
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while self._queue or self._in_flight:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-        return True
+        return self._writes.flush(timeout_s)
 
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         """Nothing: the server's LRU sees every read."""
@@ -298,61 +322,59 @@ class RemoteTier(Tier):
         self._check_open()
         if not block_hashes:
             return 0
-        deleted = self._pipelined("delete", lambda pipe: [pipe.delete(self._key(h)) for h in block_hashes])
-        self._announce(False, [h for h, n in zip(block_hashes, deleted or ()) if n])
-        return int(sum(deleted)) if deleted is not None else 0
-
-    def _scan_delete(self, pattern: bytes) -> None:
-        batch: list[bytes] = []
-        for key in self._client.scan_iter(match=pattern, count=1000):  # never KEYS on a live server
-            batch.append(key)
-            if len(batch) >= 1000:
-                self._client.delete(*batch)  # a cluster client splits by slot
-                batch = []
-        if batch:
-            self._client.delete(*batch)
+        deleted = self._pipelined(self.writes, "delete", _REPLY_BYTES * len(block_hashes),
+                                  lambda pipe: [pipe.delete(self._key(h)) for h in block_hashes]) or []
+        gone = [h for h, n in zip(block_hashes, deleted) if n == 1]
+        self._announce(False, gone)
+        return len(gone)
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         """Delete this namespace's keys (SCAN by prefix); with `all_namespaces`, every
-        `kvstrata:` key on the server."""
+        `kvstrata:` key on the server. A fault (counted) leaves the rest."""
         self._check_open()
         self.flush()
-        try:
-            self._scan_delete(b"kvstrata:*" if all_namespaces else self._prefix + b"*")
-        except Exception as exc:
-            self._fault("clear", exc)
+        pattern = b"kvstrata:*" if all_namespaces else self._prefix + b"*"
+        with contextlib.suppress(StoreClosedError):
+            while True:  # never KEYS on a live server; each round of SCAN + DEL has its deadline
+                keys = self._call(self.writes, "clear", _BATCH_BYTES,
+                                  lambda c: list(_take(c.scan_iter(match=pattern, count=1000), 1000)))
+                if not keys or not self._delete(keys):
+                    return
+
+    def _delete(self, keys: list[bytes]) -> bool:
+        """DEL `keys` (a cluster client splits them by slot); False on a fault."""
+        return self._call(self.writes, "clear", _REPLY_BYTES * len(keys), lambda c: c.delete(*keys)) is not None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
+        """Flush for up to 10 s, drop (counted) what is left, then release the connections."""
         if self._closed:
             return
-        self.flush(timeout_s=10.0)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._writer.join(timeout=5.0)
+        self._writes.close(timeout_s=10.0, join_s=self._limit(_BATCH_BYTES) + 1.0)
+        self._closed = True
         with contextlib.suppress(Exception):  # closing a dead connection
-            self._client.close()
+            if self._client is not None:
+                self._client.close()
 
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"remote tier {redacted(self._url)} is closed")
 
     def check_integrity(self) -> None:
-        with self._cond:
-            if self._queued_bytes != sum(v.nbytes for _, v in self._queue) or self._queued_bytes < 0:
-                raise RuntimeError("remote tier: queued byte count disagrees with the queue (a bug)")
+        self._writes.check_integrity()
 
     def occupancy(self) -> Occupancy:
         """The server's memory (`used_memory` of `maxmemory`); blocks are not counted (0)."""
-        used = capacity = 0
-        if self._available():
-            try:
-                info = self._client.info("memory")
-                if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
-                    info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
-                            for k in ("used_memory", "maxmemory")}
-                used, capacity = int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
-            except Exception as exc:
-                self._fault("info", exc)
-        return Occupancy(0, self.capacity_blocks, used, capacity)
+        info = self._call(self.reads, "INFO memory", 1 << 16, lambda c: c.info("memory"))
+        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
+            info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
+                    for k in ("used_memory", "maxmemory")}
+        info = info if isinstance(info, dict) else {}
+        return Occupancy(0, self.capacity_blocks, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
+
+
+def _take(it: Iterator[bytes], n: int) -> Iterator[bytes]:
+    for i, item in enumerate(it):
+        if i >= n:
+            return
+        yield item

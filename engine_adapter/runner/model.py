@@ -65,7 +65,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         out = paged_attention(q, k, v, kv_cache, self.layer, batch, self.scale)
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return projected
 
 
 class MLP(nn.Module):
@@ -78,7 +79,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
 
 
 class DecoderLayer(nn.Module):
@@ -99,7 +101,8 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
 
 
 class LlamaModel(nn.Module):
@@ -145,16 +148,20 @@ class LlamaModel(nn.Module):
                 f"context of {max(batch.context_lens)} tokens exceeds max_position="
                 f"{self.config.max_position}"
             )
-        cos_sin = rotary_cos_sin(batch.positions, self.inv_freq)
+        inv_freq = self.inv_freq
+        assert isinstance(inv_freq, torch.Tensor)  # a registered buffer
+        cos_sin = rotary_cos_sin(batch.positions, inv_freq)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, cos_sin, batch, kv_cache)
-        return self.norm(x)
+        normed: torch.Tensor = self.norm(x)
+        return normed
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM-head logits `[n, vocab_size]` (float32) of hidden states `[n, hidden]`."""
-        return self.lm_head(hidden).to(torch.float32)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.to(torch.float32)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """Logits `[num_reqs, vocab_size]` (float32) of each request's last fed token.

@@ -180,7 +180,7 @@ class LlamaConfig:
                 rope_scaling=scaling,
                 max_position=hf.get("max_position_embeddings", 2048),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                dtype=dtype or hf.get("dtype") or hf.get("torch_dtype") or torch.float32,
+                dtype=parse_model_dtype(dtype or hf.get("dtype") or hf.get("torch_dtype") or torch.float32),
             )
         except KeyError as e:
             raise ConfigError(f"Llama config lacks {e.args[0]!r}") from None

@@ -62,17 +62,15 @@ class KVStrataLLM:
     """
 
     def __init__(self, model: LlamaModel, store: KVCacheStore, *, prefix_caching: bool = True) -> None:
-        if store.pool is None:
-            raise ConfigError("KVStrataLLM needs a store with a block pool (StoreConfig.pool_blocks > 0)")
         want, have = model.config.kv_layout, store.config.layout
         if want != have:
             raise LayoutMismatchError(f"model KV layout {want} differs from the store's {have}")
-        if store.pool.device != model.device:
-            raise ConfigError(f"pool on {store.pool.device} but model on {model.device}")
+        self.manager = KVCacheManager(store)  # ConfigError without a block pool
+        if self.manager.blocks.device != model.device:
+            raise ConfigError(f"pool on {self.manager.blocks.device} but model on {model.device}")
         self.model = model
         self.store = store
-        self.pool = store.pool  # checked present above
-        self.manager = KVCacheManager(store)
+        self.blocks = self.manager.blocks
         self.block_size = store.config.block_size
         self.prefix_caching = prefix_caching
         self._next_id = 0
@@ -89,7 +87,8 @@ class KVStrataLLM:
 
     def _forward(self, chunks: list[RequestChunk]) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, device=self.model.device)
-        return self.model(batch, self.pool.kv_cache)
+        logits: torch.Tensor = self.model(batch, self.blocks.kv_cache)
+        return logits
 
     def _prefill(self, rid: str, stats: RequestStats) -> torch.Tensor:
         mgr = self.manager
@@ -139,7 +138,7 @@ class KVStrataLLM:
         return -(-n // self.block_size)
 
     def _take_wave(self, prompts: list[list[int]], pending: list[int], max_new: int) -> list[int]:
-        budget = self.pool.num_blocks
+        budget = self.blocks.num_blocks
         wave, used = [], 0
         for i in pending:
             need = self._blocks_for(len(prompts[i]) + max_new)

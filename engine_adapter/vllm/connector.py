@@ -1,8 +1,11 @@
 """`TierKVConnector`: vLLM's KV connector API backed by kvstrata's CPU and LMDB tiers.
 
-Load it with `KVTransferConfig(kv_connector="TierKVConnector",
-kv_connector_module_path="engine_adapter.vllm.connector", kv_role="kv_both",
-kv_connector_extra_config={...})`; settings are in `engine_adapter/vllm/settings.py`.
+Load it by its registered name, `KVTransferConfig(kv_connector="KVStrataConnector",
+kv_role="kv_both", kv_connector_extra_config={...})` (kvstrata's `vllm.general_plugins`
+entry point registers it, `plugin.py`), or by module path:
+`kv_connector="TierKVConnector"` (or `"KVStrataConnector"`) with
+`kv_connector_module_path="engine_adapter.vllm.connector"`. Settings are in
+`engine_adapter/vllm/settings.py`.
 
 One class per role does the work: `ConnectorScheduler` (scheduler_side.py) looks up the
 longest stored prefix beyond vLLM's own hit under the request's isolation keys, and plans per
@@ -33,6 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from engine_adapter.vllm.engine_metrics import KVStrataPromMetrics, KVStrataStats, hit_sources
 from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.group_worker import GroupedWorker
 from engine_adapter.vllm.metrics_server import serve_metrics
@@ -48,10 +52,12 @@ from kvstore.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -75,6 +81,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_keys: list[StoreConfig] = []
         self._worker: GroupedWorker | None = None
         self._scheduler: ConnectorScheduler | None = None
+        self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # request -> its hit by source
         # With several KV cache groups vLLM takes no failed block ids: every load runs in the
         # background, and a failed one makes vLLM recompute the request whole.
         several = len(kv_cache_config.kv_cache_groups) > 1
@@ -88,7 +95,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             primary = next((store for gs, store in opened if gs.group == self.store_planner.primary), opened[0][1])
             self.store_config = primary.config
             if self.settings.metrics_port is not None and place.rank == 0:  # one server per port
-                serve_metrics(primary, self.settings.metrics_port)
+                serve_metrics(primary, self.settings.metrics_port, self.settings.metrics_host)
             self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
                                          async_saves=self.settings.async_saves, fail_whole_requests=several)
         else:
@@ -191,7 +198,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==============================  scheduler side  ==============================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self._note_hit_sources(request.request_id, num_computed_tokens, num_tokens)
+        return num_tokens, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if blocks is not None else ()
@@ -201,9 +210,66 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return TierConnectorMetadata(self.scheduler.build_plan(scheduler_output))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._hit_sources.pop(request.request_id, None)
         return self.scheduler.request_finished(request, block_ids)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid KV cache manager: the request finished in every KV cache group."""
+        self._hit_sources.pop(request.request_id, None)
         return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+    # ==============================  vLLM's metrics and timing  ==============================
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take this step's plan; vLLM runs the forward pass next (the load policy times it)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.step_begins()
+
+    def finish_forward(self) -> None:
+        """vLLM's forward pass of this step has ended (the v2 GPU model runner says so)."""
+        if self._worker is not None:
+            self._worker.forward_ended()
+
+    def _note_hit_sources(self, req_id: str, num_computed_tokens: int, num_tokens: int) -> None:
+        if num_tokens > 0:
+            kinds = self.scheduler.hit_kinds(num_computed_tokens, num_tokens)
+            self._hit_sources[req_id] = hit_sources(kinds, num_tokens, self.store_config.block_size)
+        else:
+            self._hit_sources.pop(req_id, None)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The request's kvstrata hit split by the tier its lookup found each block in (host:
+        the CPU tier, disk: LMDB, external_unspecified: the remote tier), for vLLM's
+        `prompt_tokens_cached_by_source`. In multiprocess mode the scheduler's view of the store
+        has no CPU tier: a hit there is `disk` even where the worker reads its CPU copy."""
+        sources = self._hit_sources.pop(request.request_id, {})
+        if num_external_tokens <= 0:
+            return {}
+        if sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This role's counter increases since the last call (None if none): vLLM adds the
+        worker's and the scheduler's and records them (`build_prom_metrics`)."""
+        if self._scheduler is not None:
+            policy = self._scheduler.store.load_policy
+            self._stats.set("policy_skipped_blocks", policy.num_blocks_skipped)
+            self._stats.set("policy_probes", policy.num_probes)
+        deltas = self._stats.take_deltas()
+        return KVStrataStats(data=deltas) if deltas else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStrataStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """`vllm:kvstrata_*` counters on vLLM's `/metrics` (engine_metrics.py)."""
+        return KVStrataPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# The name the plugin registers (`kv_connector="KVStrataConnector"`), also importable by module path.
+KVStrataConnector = TierKVConnector

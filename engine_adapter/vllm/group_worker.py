@@ -127,6 +127,16 @@ class GroupedWorker:
         self._failed -= failed
         return failed
 
+    def step_begins(self) -> None:
+        """vLLM runs the forward pass next: every group's load policy starts timing it."""
+        for worker in self.workers:
+            worker.step_begins()
+
+    def forward_ended(self) -> None:
+        """vLLM's forward pass of this step has ended."""
+        for worker in self.workers:
+            worker.forward_ended()
+
     def flush(self) -> None:
         for worker in self.workers:
             worker.flush()

@@ -19,8 +19,9 @@ _LOCK = threading.Lock()
 _SERVED: dict[int, object] = {}  # port -> the registry served there
 
 
-def serve_metrics(store: KVCacheStore, port: int) -> bool:
-    """Register `store`'s metrics and serve them on `port` (once per process and port);
+def serve_metrics(store: KVCacheStore, port: int, host: str = "127.0.0.1") -> bool:
+    """Register `store`'s metrics and serve them on `host:port` (once per process and port;
+    loopback by default);
     False, with a warning, if the extra is missing or the port cannot be bound."""
     try:
         import prometheus_client
@@ -32,7 +33,7 @@ def serve_metrics(store: KVCacheStore, port: int) -> bool:
         if registry is None:
             registry = prometheus_client.CollectorRegistry()
             try:
-                prometheus_client.start_http_server(port, registry=registry)
+                prometheus_client.start_http_server(port, addr=host, registry=registry)
             except OSError as exc:
                 logger.warning("kvstrata: cannot serve metrics on port %d: %s", port, exc)
                 return False

@@ -161,3 +161,9 @@ class ConnectorScheduler:
             return True, None
         self._loading.discard(request.request_id)
         return False, None
+
+    def hit_kinds(self, num_computed_tokens: int, num_tokens: int) -> list[TierKind]:
+        """The tier of each block of the hit the last `get_num_new_matched_tokens` returned
+        (`num_tokens` beyond `num_computed_tokens`), as this process's store located them."""
+        first = num_computed_tokens // self.block_size
+        return self._kinds[first : first + -(-num_tokens // self.block_size)]

@@ -1,4 +1,5 @@
-"""The connector's counters, kept in memory and (optionally) in a JSON file per process."""
+"""The connector's counters, kept in memory, (optionally) in a JSON file per process, and
+handed to vLLM's metrics as the increase since the last report (`take_deltas`)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,25 @@ class ConnectorStats:
     def __init__(self, role: str, path: str | None) -> None:
         self.role, self.path = role, path
         self.counters: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # the counters as of the last `take_deltas`
         self._lock = threading.Lock()
 
     def count(self, name: str, n: int) -> None:
         with self._lock:
             self.counters[name] = self.counters.get(name, 0) + n
+
+    def set(self, name: str, value: int) -> None:
+        """Set a counter that another object keeps (it only grows)."""
+        with self._lock:
+            self.counters[name] = value
+
+    def take_deltas(self) -> dict[str, int]:
+        """How much each counter grew since the last call (only those that did)."""
+        with self._lock:
+            deltas = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()
+                      if v > self._reported.get(k, 0)}
+            self._reported.update((k, self.counters[k]) for k in deltas)
+        return deltas
 
     def write(self) -> None:
         if self.path is None:

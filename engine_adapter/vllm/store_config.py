@@ -23,6 +23,7 @@ from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.weights_identity import weights_identity
 from kvstore import StoreConfig
 from kvstore.errors import ConfigError
+from tiers.codecs import CodecKind, parse_codec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,6 +57,24 @@ def spec_identity(spec: Any) -> dict[str, object]:
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return {"type": type(spec).__name__, **{k: str(v) if not isinstance(v, (int, str, type(None))) else v
                                             for k, v in sorted(fields.items())}}
+
+
+def _codecs(spec: Any, s: ConnectorSettings) -> dict[str, Any]:
+    """The slow tiers' codecs for one group: the settings' codecs on attention pages (a scale
+    per head vector of a token, in the pages' dtype). A state group (Mamba, linear attention)
+    never takes a lossy codec: its error would carry through every later token, so such a
+    group keeps raw bytes (a lossless codec still applies)."""
+    head = getattr(spec, "head_size", None)
+    if head is None:
+        return {"disk_codec": _lossless_only(s.disk_codec), "remote_codec": _lossless_only(s.remote_codec)}
+    return {"disk_codec": s.disk_codec, "remote_codec": s.remote_codec, "codec_dtype": spec.dtype,
+            "codec_group": head}
+
+
+def _lossless_only(codec: object) -> CodecKind:
+    """`codec` where it is exact, else the raw codec."""
+    kind = parse_codec(codec, "the connector's codec")
+    return CodecKind.NONE if kind.lossy else kind
 
 
 @dataclass(frozen=True)
@@ -130,7 +149,14 @@ class StorePlanner:
             disk_sync=s.disk_sync,
             write_through=write_through,
             remote_url=s.remote_url,
+            **_codecs(spec, s),
             events_endpoint=s.events_endpoint if events else None,
+            events_replay_endpoint=s.events_replay_endpoint if events else None,
+            events_topic=s.events_topic,
+            events_curve_cert=s.events_curve_cert,
+            events_curve_clients=s.events_curve_clients,
+            events_insecure=s.events_insecure,
+            events_connect=s.events_connect,
             load_policy=s.load_policy,
             instance_id=s.instance_id,
             model_name=str(self.vllm_config.model_config.served_model_name)[:256] or None,

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from engine_adapter.vllm.forward_timer import ForwardTimer
 from engine_adapter.vllm.paged_blocks import PagedKVBlocks
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
@@ -99,7 +99,7 @@ class ConnectorWorker:
         self._loads_done: set[str] = set()  # to report as finished_recving
         self._delayed: set[str] = set()  # frees vLLM waits for: reported once their load ended
         self._told_finished: set[str] = set()  # requests vLLM said finished (get_finished)
-        self._forward_start: float | None = None  # set after the step's loads
+        self.timer = ForwardTimer()  # the forward pass of each step, for the load policy
         self._save_chains: dict[str, BlockChain] = {}  # the writer thread's
         self._submit_chains: dict[str, BlockChain] = {}  # this thread's, to name queued blocks
 
@@ -115,6 +115,7 @@ class ConnectorWorker:
                 f"KV cache spec promised {self.config.block_bytes // len(self.layer_names)}"
             )
         self.paged = paged
+        self.timer = ForwardTimer(kv_caches[self.layer_names[0]].device)
 
     def _paged(self) -> PagedKVBlocks:
         if self.paged is None:
@@ -139,11 +140,11 @@ class ConnectorWorker:
                 self._loads_running.add(load.req_id)
         for load in plan.async_loads:
             self._loader.submit(self._load_job, load)
-        for load in plan.loads:
-            self._load_one(load, self._chain(load))
+        with self.timer.loading():
+            for load in plan.loads:
+                self._load_one(load, self._chain(load))
         if plan.loads:
             self.stats.write()
-        self._forward_start = time.perf_counter()  # the forward pass starts now
 
     def _load_one(self, load: BlockTransfer, chain: BlockChain | None) -> None:
         paged = self._paged()
@@ -192,10 +193,7 @@ class ConnectorWorker:
     def save(self, plan: StepPlan) -> None:
         """Copy this step's newly completed full blocks out of vLLM (now, in the step) and into
         the store (in the background with `async_saves`, else now)."""
-        if self._forward_start is not None and plan.num_prefill_tokens >= self.config.block_size:
-            # The load policy's prefill rate: this step's forward pass against its prefill tokens.
-            self.store.load_policy.observe_prefill(plan.num_prefill_tokens, time.perf_counter() - self._forward_start)
-        self._forward_start = None
+        self._time_forward(plan)
         for req_id in plan.finished:
             self._submit_chains.pop(req_id, None)
             if self._writer is not None:
@@ -216,6 +214,24 @@ class ConnectorWorker:
             self._writer.submit(self._write_job, save, staging, hashes)
         if self._writer is None:
             self.stats.write()
+
+    # The load policy's prefill rate: each step's forward pass against its prefill tokens
+    # (forward_timer.py says where vLLM runs the forward pass between the connector's hooks).
+    def step_begins(self) -> None:
+        """vLLM bound this step's metadata: its forward pass is about to run."""
+        self.timer.begin()
+
+    def forward_ended(self) -> None:
+        """vLLM's forward pass of this step has ended (`finish_forward`)."""
+        self.timer.end()
+
+    def _time_forward(self, plan: StepPlan) -> None:
+        prefilled = plan.num_prefill_tokens if plan.num_prefill_tokens >= self.config.block_size else 0
+        self.timer.finish(prefilled)
+        policy = self.store.load_policy
+        for num_tokens, seconds in self.timer.samples():
+            accepted = policy.observe_prefill(num_tokens, seconds)
+            self.stats.count("prefill_samples" if accepted else "prefill_samples_rejected", 1)
 
     def _write_job(self, save: BlockTransfer, staging: torch.Tensor, hashes: list[bytes]) -> None:
         try:

@@ -42,7 +42,7 @@ def serve(mgr: KVCacheManager, rid: str, tokens: np.ndarray, layout: KVLayout, b
     (their ids are derived from the prefix), free. `between()` runs while the request holds
     its blocks (to let other threads in). Returns (reused tokens, blocks checked), or None
     if the pool had no room (the request is then freed, nothing held)."""
-    pool = mgr.pool
+    pool = mgr.store.pool
     b = block_size
     mgr.add_request(rid, tokens, extra_keys)
     try:

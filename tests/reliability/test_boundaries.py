@@ -183,7 +183,7 @@ def test_unusable_tensors_change_nothing(tmp_path: Path, with_pool: bool) -> Non
         if with_pool:
             assert store.pool is not None and len(store.pool.free_queue) == 4
         free = store.tiers[-2]
-        assert isinstance(free, CPUTier) and len(free._free) == free.capacity_blocks - len(free)
+        assert isinstance(free, CPUTier) and free.num_free_slots == free.capacity_blocks - len(free)
 
 
 # -- 9. a forked child opens a store of its own --------------------------------------------
@@ -298,20 +298,20 @@ def test_manager_vanished_plan_bad_plan_and_closed_store(tmp_path: Path) -> None
     mgr = KVCacheManager(store)
     mgr.add_request("r", np.concatenate([tokens, [1]]))
     computed = mgr.get_computed_blocks("r")
-    assert computed.lower_plan == [1] * 6
+    assert computed.lower_plan == [TierKind.CPU] * 6
     cpu.discard(store.block_hashes(tokens)[2:3])  # a planned block vanishes before allocation
     mgr.allocate_slots("r", 1, computed)
-    assert not cpu._refs, "blocks after the vanished one stayed pinned"
+    assert cpu.num_pinned == 0, "blocks after the vanished one stayed pinned"
     cpu.check_integrity()
     mgr.free("r")
     free_before = len(pool.free_queue)
     mgr.add_request("s", np.concatenate([tokens, [2]]))
-    for plan in ([1, 7], ["x"], [True], [1.0]):
+    for plan in ([1, 7], ["x"], [True], [1.0], ["cpu"], [TierKind.POOL], [TierKind("nosuch")]):
         with pytest.raises(InvalidInputError, match="computed"):
             mgr.allocate_slots("s", 1, ComputedBlocks(len(plan) * BLOCK, [], plan))  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="computed"):
         mgr.allocate_slots("s", 1, ComputedBlocks(BLOCK, [object()], []))  # type: ignore[list-item]
-    assert len(pool.free_queue) == free_before and not cpu._refs
+    assert len(pool.free_queue) == free_before and cpu.num_pinned == 0
     store.check_integrity()
     store.close()
     with pytest.raises(StoreClosedError):

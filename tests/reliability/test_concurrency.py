@@ -231,7 +231,7 @@ def test_manager_requests_beside_store_calls(tmp_path: Path, demotion: str, figu
     try:
         if errors:
             raise errors[0]
-        assert not mgr._requests, "a request outlived its free()"
+        assert not mgr.request_ids(), "a request outlived its free()"
         store.check_integrity()
         assert store.pool is not None and len(store.pool.free_queue) == store.pool.num_blocks
         assert disk_tier(store).scrub().num_corrupt == 0

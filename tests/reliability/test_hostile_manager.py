@@ -52,20 +52,20 @@ COUNTS = st.one_of(st.integers(0, 8 * B), st.integers(-3, 0), st.integers(2**40,
 
 def snapshot(mgr: KVCacheManager) -> tuple[Any, ...]:
     """Everything a refused allocation must leave as it was."""
-    pool = mgr.pool
-    reqs = {rid: (list(r.token_ids), [b.block_id for b in r.blocks], r.num_cached_blocks,
-                  r.num_computed_tokens) for rid, r in mgr._requests.items()}
+    pool = mgr.store.pool
+    reqs = {rid: (mgr.token_ids(rid), mgr.block_table(rid), mgr.num_cached_blocks(rid), mgr.num_computed_tokens(rid))
+            for rid in mgr.request_ids()}
     return (pool.free_queue.ids(), [(b.ref_cnt, b.block_hash) for b in pool.blocks],
             dict(pool.cached), reqs)
 
 
 def check_refs(mgr: KVCacheManager) -> None:
     """Each block's ref count is the number of live requests whose table holds it."""
-    held = [0] * mgr.pool.num_blocks
-    for req in mgr._requests.values():
-        for block in req.blocks:
-            held[block.block_id] += 1
-    refs = [b.ref_cnt for b in mgr.pool.blocks]
+    held = [0] * mgr.store.pool.num_blocks
+    for rid in mgr.request_ids():
+        for block_id in mgr.block_table(rid):
+            held[block_id] += 1
+    refs = [b.ref_cnt for b in mgr.store.pool.blocks]
     assert refs == held, f"ref counts {refs} != requests holding the block {held}"
 
 
@@ -95,7 +95,7 @@ def test_hostile_manager_calls(tmp_path: Path, figures: Figures) -> None:
             for _ in range(int(rng.integers(4, 24))):
                 op = str(rng.choice(["add", "add", "computed", "allocate", "allocate", "allocate",
                                      "commit", "commit", "append", "free", "views"]))
-                live = sorted(mgr._requests)
+                live = sorted(mgr.request_ids())
                 free_ids = [f"r{i}" for i in range(4) if f"r{i}" not in mgr]
                 mine = free_ids if op == "add" else live
                 if mine and rng.random() < 0.8:
@@ -112,10 +112,10 @@ def test_hostile_manager_calls(tmp_path: Path, figures: Figures) -> None:
                 store.check_integrity()
                 check_refs(mgr)
         finally:
-            for rid in list(mgr._requests):
+            for rid in mgr.request_ids():
                 mgr.free(rid)
-        pool = mgr.pool
-        assert len(pool.free_queue) == pool.num_blocks and not mgr._requests
+        pool = mgr.store.pool
+        assert len(pool.free_queue) == pool.num_blocks and not mgr.request_ids()
         store.check_integrity()
         res = store.retrieve(SENTINEL)
         assert check_kv(SENTINEL, res.kv, res.num_tokens, L, B) == 4
@@ -179,14 +179,14 @@ def _one_call(data: st.DataObject, rng: np.random.Generator, mgr: KVCacheManager
         if not before[3][rid][1]:  # the first allocation: a cached prefix, whole blocks, one token left
             assert reused % B == 0 and reused <= max(0, len(tokens) - 1)
         assert reused <= len(tokens)  # later: the progress committed so far
-        check_blocks(mgr.pool, table, tokens, reused // B, L, B)  # never damaged or foreign KV
+        check_blocks(mgr.store.pool, table, tokens, reused // B, L, B)  # never damaged or foreign KV
     elif op == "commit":
         n = _count(data, rng, "num_computed_tokens")
         tokens = np.asarray(mgr.token_ids(rid), dtype=np.uint32) if rid in mgr else None
         if tokens is not None and isinstance(n, int) and 0 <= n <= len(tokens):  # "compute" first
             table = mgr.block_table(rid)
             done = mgr.num_computed_tokens(rid) // B
-            write_blocks(mgr.pool, table, tokens, done, min(n // B, len(table)), L, B)
+            write_blocks(mgr.store.pool, table, tokens, done, min(n // B, len(table)), L, B)
         mgr.commit(rid, n)
     elif op == "append":
         new: Any = rng.integers(0, 2**32, size=int(rng.integers(0, B + 2)), dtype=np.uint32).tolist()
@@ -206,7 +206,7 @@ def _fill(store: KVCacheStore, mgr: KVCacheManager, rng: np.random.Generator) ->
     """Cache a 3-block prompt in the pool (unreferenced), then hold all but one pool block."""
     cached = rng.integers(0, 2**32, size=3 * B, dtype=np.uint32)
     store.store(cached, make_kv(cached, L, B))
-    pool = mgr.pool
+    pool = mgr.store.pool
     hog = rng.integers(0, 2**32, size=(pool.num_blocks - 4) * B, dtype=np.uint32)
     mgr.add_request("hog", hog)
     mgr.allocate_slots("hog", len(hog), mgr.get_computed_blocks("hog"))
@@ -234,7 +234,7 @@ def test_no_free_blocks_changes_nothing(tmp_path: Path) -> None:
         mgr.free("hog")  # now it fits, and reuses the three cached blocks
         alloc = mgr.allocate_slots("r", len(prompt) - comp.num_tokens, comp)
         assert alloc.num_computed_tokens == 3 * B
-        check_blocks(mgr.pool, mgr.block_table("r"), prompt, 3, L, B)
+        check_blocks(mgr.store.pool, mgr.block_table("r"), prompt, 3, L, B)
         store.check_integrity()
     finally:
         store.close()
@@ -265,7 +265,7 @@ def test_stale_computed_is_looked_up_again(tmp_path: Path, case: str) -> None:
             comp = mgr.get_computed_blocks("b")
         alloc = mgr.allocate_slots("r", len(prompt) - comp.num_tokens, comp)
         table = mgr.block_table("r")
-        check_blocks(mgr.pool, table, prompt, alloc.num_computed_tokens // B, L, B)
+        check_blocks(mgr.store.pool, table, prompt, alloc.num_computed_tokens // B, L, B)
         assert alloc.num_computed_tokens == 4 * B  # found again (pool, or CPU after demotion)
         assert len(table) == 5
         store.check_integrity()

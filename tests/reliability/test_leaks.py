@@ -78,9 +78,9 @@ def test_memory_flat_and_released_on_close(tmp_path: Path, figures: Figures) -> 
         rng = np.random.default_rng([BUDGET.seed, 60])
         cpu = store.tiers[0]
         assert isinstance(cpu, CPUTier)
-        slab = weakref.ref(cpu._slab)
+        slab = weakref.ref(cpu.slab)
         pinned = cpu.is_pinned_memory
-        slab_map = _mapping_of(cpu._slab.data_ptr())
+        slab_map = _mapping_of(cpu.slab.data_ptr())
         assert slab_map is not None and slab_map[1] - slab_map[0] >= slab_bytes
         # Warm up until every slot has been written (its pages resident) and the disk tier
         # evicts: from then on nothing is allowed to grow.
@@ -161,7 +161,7 @@ def test_pinned_memory_released_on_close(tmp_path: Path, figures: Figures) -> No
         store = open_store(str(tmp_path), cpu_bytes=slab_bytes)
         cpu = store.tiers[0]
         assert isinstance(cpu, CPUTier) and cpu.is_pinned_memory
-        slab = weakref.ref(cpu._slab)
+        slab = weakref.ref(cpu.slab)
         pool = PromptPool(BUDGET.seed, 256)
         rng = np.random.default_rng([BUDGET.seed, 62, cycle])
         for _ in range(100):
@@ -239,7 +239,7 @@ def test_pool_and_manager_memory_flat_and_released_on_close(tmp_path: Path, demo
         after = _rss_anon_bytes()
         growth = after - before
         assert growth < 16 << 20, f"anonymous RSS grew {growth >> 20} MiB over the loop"
-        assert not mgr._requests and len(pool.free_queue) == pool.num_blocks
+        assert not mgr.request_ids() and len(pool.free_queue) == pool.num_blocks
         store.check_integrity()
     finally:
         store.close()

@@ -10,18 +10,20 @@ ties go to the least loaded, then round-robin, so requests with no cached prefix
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.hashing import ExtraKeys
-from kvstore.router.fleet import FleetView
-from kvstore.router.index import TIERS
+from kvstore.errors import ConfigError
+from router.fleet import FleetView
+from router.index import TIERS
 
 MAX_TOKENS = 1 << 20
+MAX_LOAD = 1e9
 _FIELDS = ("token_ids", "cache_salt", "lora_id", "model", "load")
 
 
@@ -65,9 +67,47 @@ class Scoring:
 @dataclass(frozen=True)
 class LookupQuery:
     tokens: np.ndarray
-    extra_keys: ExtraKeys | None
+    salt: str | None
+    lora: str | None
     model: str | None
     load: dict[str, float]
+
+
+def parse_body(raw: bytes) -> object:
+    """A request body as JSON; `BadRequest` if it is not (nesting too deep included)."""
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not JSON: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise BadRequest("body is not JSON the router reads: nested too deeply") from None
+
+
+def _text(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > 4096:
+        raise BadRequest(f"{name} must be a string of at most 4096 characters, got {str(value)[:80]!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{name} is not valid UTF-8 text") from None
+    return value
+
+
+def _load(value: object) -> dict[str, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > 4096:
+        raise BadRequest(f"load must map instance ids to numbers in [0, {MAX_LOAD:g}], got {str(value)[:80]}")
+    out = {}
+    for key, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number <= MAX_LOAD:
+            raise BadRequest(f"load must map instance ids to numbers in [0, {MAX_LOAD:g}], "
+                             f"got {str(number)[:80]} for {str(key)[:80]!r}")
+        out[str(key)] = float(number)
+    return out
 
 
 def parse_query(body: object) -> LookupQuery:
@@ -76,7 +116,7 @@ def parse_query(body: object) -> LookupQuery:
         raise BadRequest(f"body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - set(_FIELDS))
     if unknown:
-        raise BadRequest(f"unknown fields {unknown}; known: {list(_FIELDS)}")
+        raise BadRequest(f"unknown fields {unknown[:10]}; known: {list(_FIELDS)}")
     tokens = body.get("token_ids")
     if not isinstance(tokens, list):
         raise BadRequest(f"token_ids must be a list of integers, got {type(tokens).__name__}")
@@ -84,23 +124,15 @@ def parse_query(body: object) -> LookupQuery:
         raise BadRequest(f"token_ids has {len(tokens)} tokens, more than {MAX_TOKENS}")
     bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32][:1]
     if bad:
-        raise BadRequest(f"token_ids must be integers in [0, 2**32), got {bad[0]!r}")
-    for name in ("cache_salt", "model"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise BadRequest(f"{name} must be a string, got {body[name]!r}")
+        raise BadRequest(f"token_ids must be integers in [0, 2**32), got {str(bad[0])[:80]}")
     lora = body.get("lora_id")
-    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, (int, str))):
-        raise BadRequest(f"lora_id must be an integer or a string, got {lora!r}")
-    load = body.get("load") or {}
-    if not isinstance(load, dict) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in load.values()):
-        raise BadRequest(f"load must map instance ids to numbers >= 0, got {load!r}")
-    try:
-        extra = ExtraKeys(cache_salt=body.get("cache_salt"), lora_id=lora)
-    except InvalidInputError as exc:
-        raise BadRequest(str(exc)) from None
-    return LookupQuery(np.asarray(tokens, dtype="<u4"), None if extra.is_empty() else extra, body.get("model"),
-                       {str(k): float(v) for k, v in load.items()})
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, (int, str))
+                             or (isinstance(lora, int) and not -(2**63) <= lora < 2**64)):
+        raise BadRequest(f"lora_id must be a 64-bit integer or a string, got {str(lora)[:80]}")
+    if isinstance(lora, str):
+        lora = _text(body, "lora_id")
+    return LookupQuery(np.asarray(tokens, dtype="<u4"), _text(body, "cache_salt"),
+                       None if lora is None else str(lora), _text(body, "model"), _load(body.get("load")))
 
 
 class Chooser:
@@ -110,18 +142,17 @@ class Chooser:
         self.fleet, self.scoring = fleet, scoring
         self._turn = itertools.count()
 
-    def answer(self, query: LookupQuery) -> dict[str, Any]:
+    def answer(self, query: LookupQuery, now: float | None = None) -> dict[str, Any]:
         """The `/lookup` response for a validated query."""
-        candidates = self.fleet.candidates(query.model)
-        counts = self.fleet.match(query.tokens, query.extra_keys, candidates)
+        candidates = self.fleet.candidates(query.model, time.monotonic() if now is None else now)
+        matched = self.fleet.match(query.tokens, query.salt, query.lora, candidates)
         instances: dict[str, Any] = {}
-        for inst in candidates:
-            c = counts[inst.source.instance_id]
-            bs = inst.source.block_size
-            load = query.load.get(inst.source.instance_id, 0.0)
-            instances[inst.source.instance_id] = {
+        for name in sorted(candidates):
+            c, bs = matched[name]
+            load = query.load.get(name, 0.0)
+            instances[name] = {
                 "matched_tokens": sum(c) * bs,
-                "by_tier": {name: n * bs for name, n in zip(TIERS, c)},
+                "by_tier": {tier: n * bs for tier, n in zip(TIERS, c)},
                 "score": round(self.scoring.score(c, bs, len(query.tokens), load), 6),
                 "load": load,
             }

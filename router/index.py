@@ -1,8 +1,8 @@
-"""The block index: which slot (an instance, or a shared remote tier) holds which block in
-which tier. Pure data, no I/O; one event loop owns it.
+"""The block index: which slot (one event source, or a shared remote tier) holds which block
+in which tier. Pure data, no I/O; one event loop owns it.
 
-One dict maps a block key (the first 8 bytes of its digest as an int: enough to tell blocks
-apart for routing, which never returns KV) to a bitmask with 4 bits per slot, one per tier.
+One dict maps a block key (`router/keys.py`: 64 bits, enough to tell blocks apart for
+routing, which never returns KV) to a bitmask with 4 bits per slot, one per tier.
 """
 
 from __future__ import annotations
@@ -13,11 +13,6 @@ TIERS = ("pool", "cpu", "disk", "remote")
 TIER_BIT = {name: i for i, name in enumerate(TIERS)}
 REMOTE = TIER_BIT["remote"]
 _ALL = 0xF
-
-
-def block_key(digest: bytes) -> int:
-    """The index key of a block digest."""
-    return int.from_bytes(digest[:8], "little")
 
 
 class KVIndex:
@@ -69,11 +64,11 @@ class KVIndex:
         bit = 1 << (4 * slot + tier)
         return sum(1 for v in self._blocks.values() if v & bit)
 
-    def match(self, keys: Sequence[int], slots: Sequence[tuple[int, int | None]]) -> list[list[int]]:
-        """For each `(slot, remote_slot)`: how many blocks of the longest prefix of `keys` it
-        holds, counted by the fastest tier holding each, as `[pool, cpu, disk, remote]`. A
-        block counts as held in "remote" when `remote_slot` (the shared remote tier the slot
-        reads) holds it there. Changes nothing."""
+    def match(self, keys: Sequence[int], groups: Sequence[Sequence[tuple[int, int]]]) -> list[list[int]]:
+        """For each group of `(slot, tier mask)` (the slots one instance reads: its sources,
+        each with all 4 tiers, and the shared remote tiers it reads, with the remote bit):
+        how many blocks of the longest prefix of `keys` the group holds, each counted in
+        the fastest tier holding it, as `[pool, cpu, disk, remote]`. Changes nothing."""
         values: list[int] = []
         get = self._blocks.get
         for key in keys:
@@ -82,14 +77,12 @@ class KVIndex:
                 break
             values.append(value)
         out: list[list[int]] = []
-        for slot, remote_slot in slots:
-            shift = 4 * slot
-            remote_bit = 1 << (4 * remote_slot + REMOTE) if remote_slot is not None else 0
+        for group in groups:
             counts = [0, 0, 0, 0]
             for value in values:
-                bits = (value >> shift) & _ALL
-                if remote_bit and value & remote_bit:
-                    bits |= 1 << REMOTE
+                bits = 0
+                for slot, mask in group:
+                    bits |= (value >> (4 * slot)) & mask
                 if not bits:
                     break
                 counts[(bits & -bits).bit_length() - 1] += 1  # the fastest tier holding it

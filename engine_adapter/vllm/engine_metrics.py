@@ -1,0 +1,120 @@
+"""The connector's counters on vLLM's own metrics (`/metrics` of `vllm serve`, the periodic
+"KV Transfer metrics" log line), through vLLM's connector-stats interface.
+
+Each step, each role hands vLLM the increase of its counters (`KVStrataStats`, from
+`get_kv_connector_stats`); vLLM adds the worker's and the scheduler's together and sends them
+to its front-end process, which rebuilds them (`build_kv_connector_stats`) and records them
+(`KVStrataPromMetrics`, from `build_prom_metrics`) as `vllm:kvstrata_*` counters beside vLLM's
+own series, with vLLM's `model_name` and `engine` labels and, where a count is per tier, a
+`tier` label. Separately, `hit_sources` tells vLLM which tier each hit came from, for
+`vllm:prompt_tokens_cached_by_source`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tiers.base import TierKind
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+PREFIX = "vllm:kvstrata_"
+TIERS = tuple(k.value for k in TierKind if k is not TierKind.POOL)
+# Counters kept per tier: `<family>_<tier>` in the connector's stats, `tier` label in Prometheus.
+TIERED = {
+    "load_tokens": "Prompt tokens whose KV kvstrata copied into vLLM's blocks, by the tier read.",
+    "prefetch_tokens": "Prompt tokens kvstrata moved into its CPU tier ahead of their load, by source tier.",
+}
+COUNTERS = {
+    "lookups": "Requests kvstrata looked up (vLLM's scheduler asked for their cached prefix).",
+    "hit_requests": "Requests with a prefix served from kvstrata.",
+    "hit_tokens": "Prompt tokens served from kvstrata instead of being computed.",
+    "async_load_requests": "Hits loaded in the background while the request waited (disk or remote).",
+    "load_error_blocks": "Blocks promised to vLLM that could not be loaded (vLLM recomputed them).",
+    "unkeyable_requests": "Requests neither looked up nor saved: vLLM keys them by something kvstrata cannot.",
+    "save_blocks": "Full blocks copied out of vLLM to be saved.",
+    "save_new_blocks": "Saved blocks that were not in kvstrata yet.",
+    "save_refused_blocks": "Blocks not saved because the store was full.",
+    "save_failed_blocks": "Blocks whose background save failed.",
+    "policy_skipped_blocks": "Cached blocks recomputed because the load policy measured loading them slower.",
+    "policy_probes": "Hits loaded whole to measure the tiers again although the load policy would skip part.",
+    "prefill_samples": "Forward passes timed for the load policy's prefill rate.",
+    "prefill_samples_rejected": "Forward-pass timings the load policy rejected as impossible.",
+}
+# Where vLLM's `prompt_tokens_cached_by_source` puts a hit from each tier.
+SOURCE_OF_TIER = {
+    TierKind.POOL: CacheHitSource.DEVICE,
+    TierKind.CPU: CacheHitSource.HOST,
+    TierKind.DISK: CacheHitSource.DISK,
+    TierKind.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's label for a remote store
+}
+
+
+@dataclass
+class KVStrataStats(KVConnectorStats):
+    """Counter increases of one interval, `data`: counter name -> increase (plain ints, so it
+    pickles from the worker and travels as msgpack to the front end)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVStrataStats:
+        """Add `other`'s increases to these (the worker's and the scheduler's, or intervals)."""
+        for name, n in other.data.items():
+            self.data[name] = self.data.get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KVStrataPromMetrics(KVConnectorPromMetrics):
+    """`vllm:kvstrata_*` counters in vLLM's Prometheus registry, per engine."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: dict[tuple[int, str], Any] = {}  # (engine, counter name) -> bound counter
+        for family, doc in TIERED.items():
+            counter = self._counter_cls(name=PREFIX + family, documentation=doc, labelnames=[*labelnames, "tier"])
+            for engine, values in per_engine_labelvalues.items():
+                for tier in TIERS:
+                    self._children[engine, f"{family}_{tier}"] = counter.labels(*values, tier)
+        for name, doc in COUNTERS.items():
+            counter = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
+            for engine, values in per_engine_labelvalues.items():
+                self._children[engine, name] = counter.labels(*values)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Add one interval's increases (counters this version does not know are skipped)."""
+        for name, n in transfer_stats_data.items():
+            child = self._children.get((engine_idx, name))
+            if child is not None and n > 0:
+                child.inc(n)
+
+
+def hit_sources(kinds: Sequence[TierKind], num_tokens: int, block_size: int) -> dict[CacheHitSource, int]:
+    """`num_tokens` of a hit split by the vLLM source of the tier of each of its blocks
+    (`kinds`, in order); a partial last block goes with its tier. Empty if `kinds` cannot
+    account for them (vLLM then counts the hit as `external_unspecified`)."""
+    if num_tokens <= 0 or len(kinds) * block_size < num_tokens:
+        return {}
+    sources: dict[CacheHitSource, int] = {}
+    left = num_tokens
+    for kind in kinds:
+        take = min(block_size, left)
+        if take == 0:
+            break
+        source = SOURCE_OF_TIER[kind]
+        sources[source] = sources.get(source, 0) + take
+        left -= take
+    return sources

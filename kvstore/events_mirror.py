@@ -1,0 +1,105 @@
+"""The publisher's mirror of what it announced, so a subscriber that lost the stream can be
+given the whole state without touching the store (no store lock, no disk scan).
+
+Per block: its full description (`BlockKey` with token ids, parent and extras) and the media
+that hold it, as announced. A tier that reports a stored block by its hash alone (the pool,
+the remote writer) is described from the mirror or from the keys the store built recently
+(`describe`). Bounded: at most `max_blocks` blocks are mirrored (past that, blocks are still
+announced live but left out of snapshots, counted) and `max_described` recent keys.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from tiers.base import BlockKey
+
+
+def is_described(key: BlockKey) -> bool:
+    return bool(key.tokens) and key.parent is not None and key.extras is not None
+
+
+class Mirror:
+    """Announced blocks by hash: `[key, media bits]`. Invariant: every entry has a medium bit
+    set and a described key. Callers serialize access (the publisher's lock)."""
+
+    def __init__(self, max_blocks: int, max_described: int = 1 << 16) -> None:
+        self.max_blocks = max_blocks
+        self.max_described = max_described
+        self.blocks: dict[bytes, tuple[BlockKey, int]] = {}  # entries are replaced, never changed
+        self._described: OrderedDict[bytes, BlockKey] = OrderedDict()
+        self.num_unmirrored = 0  # blocks announced live but beyond max_blocks
+        self.num_undescribed = 0  # stored blocks nobody described: not announced
+
+    def describe(self, keys: Iterable[BlockKey]) -> None:
+        """Remember the descriptions of keys the store just built (most recent last)."""
+        described = self._described
+        for key in keys:
+            if is_described(key):
+                described[bytes(key.block_hash)] = key
+                described.move_to_end(bytes(key.block_hash))
+        while len(described) > self.max_described:
+            described.popitem(last=False)
+
+    def resolve(self, key: BlockKey) -> BlockKey | None:
+        """`key` fully described, from itself, the mirror or the recent keys; None if unknown."""
+        if is_described(key):
+            return key
+        h = bytes(key.block_hash)
+        entry = self.blocks.get(h)
+        if entry is not None:
+            return entry[0]
+        return self._described.get(h)
+
+    def stored(self, bit: int, key: BlockKey) -> BlockKey | None:
+        """Record `key` as held in medium `bit`; its full description (None: unknown, not to
+        be announced)."""
+        full = self.resolve(key)
+        if full is None:
+            self.num_undescribed += 1
+            return None
+        h = bytes(key.block_hash)
+        entry = self.blocks.get(h)
+        if entry is not None:
+            self.blocks[h] = (entry[0], entry[1] | bit)
+        elif len(self.blocks) < self.max_blocks:
+            self.blocks[h] = (full, bit)
+        else:
+            self.num_unmirrored += 1
+        return full
+
+    def removed(self, bit: int, block_hash: bytes) -> None:
+        h = bytes(block_hash)
+        entry = self.blocks.get(h)
+        if entry is None:
+            return
+        if entry[1] & ~bit:
+            self.blocks[h] = (entry[0], entry[1] & ~bit)
+        else:
+            del self.blocks[h]
+
+    def cleared(self, bits: int) -> None:
+        for h in [h for h, e in self.blocks.items() if e[1] & bits]:
+            self.removed(bits, h)
+
+    def copy(self) -> dict[bytes, tuple[BlockKey, int]]:
+        """The mirrored blocks now (a shallow copy: one C-level pass, entries are immutable)."""
+        return self.blocks.copy()
+
+
+def root_first(blocks: dict[bytes, tuple[BlockKey, int]], seed: bytes) -> list[tuple[BlockKey, int]]:
+    """Every block of `blocks` (a `Mirror.copy()`) reachable from a chain root (`seed` as
+    parent), with its media bits, parents before children (depth first, so a chain's blocks
+    are consecutive). Blocks whose parent is gone from every medium are left out: no prefix
+    reaches them."""
+    children: dict[bytes, list[bytes]] = {}
+    for h, (key, _) in blocks.items():
+        children.setdefault(bytes(key.parent or b""), []).append(h)
+    out: list[tuple[BlockKey, int]] = []
+    stack: list[bytes] = list(reversed(children.get(bytes(seed), [])))
+    while stack:
+        h = stack.pop()
+        out.append(blocks[h])
+        stack.extend(reversed(children.get(h, [])))
+    return out

@@ -1,0 +1,68 @@
+"""The named results of `KVCacheStore` calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from tiers.base import TierKind, TierStats
+
+
+class RetrieveResult(NamedTuple):
+    """What `retrieve` found.
+
+    Attributes:
+        num_tokens: length of the longest cached prefix, a multiple of `block_size`.
+        kv: `[num_layers, 2, num_tokens, num_kv_heads, head_dim]`, or None when num_tokens == 0.
+        blocks_per_tier: how many of the returned blocks each tier served.
+    """
+
+    num_tokens: int
+    kv: torch.Tensor | None
+    blocks_per_tier: dict[TierKind, int]
+
+
+class CloseResult(NamedTuple):
+    """What `close()` persisted: blocks copied down a tier, and blocks a full tier refused."""
+
+    num_spilled: int
+    num_refused: int
+
+
+class LoadResult(NamedTuple):
+    """What `retrieve_into` copied: `num_blocks` leading blocks, and how many each tier served."""
+
+    num_blocks: int
+    blocks_per_tier: dict[TierKind, int]
+
+
+@dataclass
+class StoreCounters:
+    """The store's own counters since it opened (the tiers keep theirs)."""
+
+    num_store_calls: int = 0
+    num_retrieve_calls: int = 0
+    num_lookup_calls: int = 0
+    num_blocks_stored: int = 0
+    num_tokens_requested: int = 0
+    num_tokens_hit: int = 0
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """Counters since the store was opened, and a snapshot of every tier."""
+
+    num_store_calls: int
+    num_retrieve_calls: int
+    num_lookup_calls: int
+    num_blocks_stored: int
+    num_tokens_requested: int
+    num_tokens_hit: int
+    num_promotion_failures: int
+    tiers: tuple[TierStats, ...]
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.num_tokens_hit / self.num_tokens_requested if self.num_tokens_requested else 0.0

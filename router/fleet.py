@@ -1,0 +1,348 @@
+"""The router's view of a fleet: event sources, the instances they make up, and the block
+index they feed. Pure state, no I/O: the subscriber hands it decoded batches and asks it
+what to request.
+
+Per source, batches apply in sequence. A batch numbered at or below the last one applied
+means the publisher restarted (vLLM and kvstrata count from 0 per lifetime), as does a new
+kvstrata epoch: the source's own blocks are forgotten. A skipped number is a gap: with a
+replay endpoint the source replays from the first batch missed (live batches are buffered
+meanwhile); without one, it carries on. Blocks are indexed by the router's own key chain
+(`router/keys.py`) computed from each block's parent and token ids; a block whose parent
+the source never announced, or whose extra keys a `/lookup` cannot express (multimodal
+inputs, prompt embeddings), is left out and counted.
+
+A shared remote tier is a slot of its own, keyed by the remote tier's identity and the
+namespace fingerprint the publisher gives: every instance naming both can serve its blocks,
+and one model's clearing never touches another model's slot. Everything is bounded:
+sources, blocks per slot, distinct block sizes, remote slots, buffered batches; sources
+silent for `forget_after_s` are forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from router.decode import Cleared, Event, Meta, Removed, Stored
+from router.index import KVIndex
+from router.keys import ROOT, block_key, chain, extras
+from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Slot, Source
+
+logger = logging.getLogger(__name__)
+
+
+class FleetFull(Exception):
+    """No room for another source (`Limits.max_sources`)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on everything the router keeps per peer."""
+
+    max_sources: int = 256
+    max_blocks_per_slot: int = 1 << 21
+    max_block_sizes: int = 4
+    max_remote_slots: int = 64
+    max_buffered: int = 1024
+    stale_after_s: float = 5.0
+    forget_after_s: float = 600.0
+    replay_interval_s: float = 2.0
+
+
+class FleetView:
+    """Sources, slots and the block index; see the module docstring."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self.index = KVIndex()
+        self.sources: dict[str, Source] = {}
+        self.remote_slots: dict[tuple[str, str], Slot] = {}
+        self._free: list[int] = []
+        self._next = 0
+        self._block_sizes: dict[int, set[str]] = {}  # block size -> endpoints using it
+        self.num_batches = self.num_bad_messages = self.num_bad_events = self.num_unmapped = 0
+        self.num_dropped_blocks = self.num_gaps = self.num_restarts = self.num_replays = self.num_forgotten = 0
+
+    # -- slots and sources ----------------------------------------------------------------
+    def _slot(self) -> Slot:
+        index = self._free.pop() if self._free else self._next
+        self._next = max(self._next, index + 1)
+        return Slot(index)
+
+    def _release(self, slot: Slot) -> None:
+        self.index.clear(slot.index)
+        slot.chain.clear()
+        self._free.append(slot.index)
+
+    def add(self, endpoint: str, name: str, *, replay: str | None = None, model: str | None = None,
+            server_key: bytes | None = None, registered: bool = False) -> Source:
+        """A new source (or the one at `endpoint`, renamed). Raises `FleetFull`."""
+        src = self.sources.get(endpoint)
+        if src is not None:
+            src.name, src.replay_endpoint, src.model, src.server_key = name, replay, model, server_key
+            return src
+        if len(self.sources) >= self.limits.max_sources:
+            raise FleetFull(f"the router already follows {len(self.sources)} sources (its limit)")
+        src = Source(endpoint, name, self._slot(), replay, model, server_key, registered)
+        self.sources[endpoint] = src
+        return src
+
+    def remove(self, endpoint: str) -> Source | None:
+        src = self.sources.pop(endpoint, None)
+        if src is not None:
+            self._forget(src)
+            self._release(src.slot)
+        return src
+
+    def _forget(self, src: Source) -> None:
+        """Free everything the source holds; it starts over with its next batch."""
+        self.index.clear(src.slot.index)
+        src.slot.chain.clear()
+        self._set_remote(src, None)
+        if src.block_size is not None:
+            self._block_sizes.get(src.block_size, set()).discard(src.endpoint)
+            if not self._block_sizes.get(src.block_size, True):
+                del self._block_sizes[src.block_size]
+        src.reset()
+
+    def _set_remote(self, src: Source, remote: tuple[str, str] | None) -> None:
+        if remote == src.remote:
+            return
+        if src.remote is not None:
+            slot = self.remote_slots[src.remote]
+            slot.users -= 1
+            if slot.users == 0:
+                del self.remote_slots[src.remote]
+                self._release(slot)
+        src.remote = None
+        if remote is not None:
+            shared = self.remote_slots.get(remote)
+            if shared is None:
+                if len(self.remote_slots) >= self.limits.max_remote_slots:
+                    return  # its remote blocks are then counted as unmapped
+                shared = self.remote_slots[remote] = self._slot()
+            shared.users += 1
+            src.remote = remote
+
+    # -- the stream -----------------------------------------------------------------------
+    def on_live(self, src: Source, seq: int, events: list[Event], now: float) -> int | None:
+        """Take one live batch; returns the batch number to replay from when a replay should
+        be requested now (the caller requests it and then calls `on_replay`), else None."""
+        src.last_seen = now
+        src.num_batches += 1
+        self.num_batches += 1
+        if src.replaying:
+            if len(src.buffered) < self.limits.max_buffered:
+                src.buffered.append((seq, events))
+            else:
+                src.num_dropped += 1  # the replay's answer no longer joins the live stream
+            return None
+        if src.seq is not None and seq <= src.seq:
+            self.num_restarts += 1
+            logger.info("kvstrata router: %s restarted (batch %d after %d)", src.endpoint, seq, src.seq)
+            self._forget(src)
+        if src.seq is not None and seq > src.seq + 1:
+            self.num_gaps += 1
+            if self.start_replay(src, now):
+                src.buffered.append((seq, events))
+                return src.seq + 1
+        self.apply(src, events)
+        src.seq = seq
+        return None
+
+    def start_replay(self, src: Source, now: float) -> bool:
+        """Whether a replay may be requested now (one at a time, at most one per
+        `replay_interval_s`); if so, the source buffers live batches until `on_replay`."""
+        if src.replay_endpoint is None or src.replaying or now - src.last_replay < self.limits.replay_interval_s:
+            return False
+        src.replaying, src.last_replay = True, now
+        self.num_replays += 1
+        return True
+
+    def on_replay(self, src: Source, start: int, batches: Sequence[tuple[int, list[Event]]]) -> None:
+        """Apply a replay's answer (batches numbered from `start` on; a publisher answering
+        from its whole state tags every batch with its latest number), then the live batches
+        buffered meanwhile that are newer. An empty answer leaves the live stream as it was."""
+        src.replaying = False
+        for seq, events in batches:
+            if seq >= start:
+                self.apply(src, events)
+                src.seq = seq if src.seq is None else max(src.seq, seq)
+        buffered, src.buffered = src.buffered, []
+        for seq, events in sorted(buffered, key=lambda b: b[0]):
+            if src.seq is None or seq > src.seq:
+                self.apply(src, events)
+                src.seq = seq
+
+    def apply(self, src: Source, events: list[Event]) -> None:
+        for event in events:
+            if event.meta is not None:
+                self._meta(src, event.meta)
+            if isinstance(event, Stored):
+                self._stored(src, event)
+            elif isinstance(event, Removed):
+                tier = TIER_OF_MEDIUM.get(event.medium, -1)
+                slot = self._target(src, tier)
+                if slot is None:
+                    self.num_bad_events += 1
+                    continue
+                bit = 1 << tier
+                for h in event.hashes:
+                    entry = slot.chain.get(h)
+                    if entry is not None and entry[1] & bit:
+                        self.index.remove(slot.index, tier, (entry[0],))
+                        if entry[1] & ~bit:
+                            slot.chain[h] = (entry[0], entry[1] & ~bit)
+                        else:
+                            del slot.chain[h]
+            elif isinstance(event, Cleared):
+                self._cleared(src, event)
+
+    def _meta(self, src: Source, meta: Meta) -> None:
+        if meta.epoch is not None:
+            if src.epoch is not None and meta.epoch != src.epoch:
+                self.num_restarts += 1
+                self.index.clear(src.slot.index)
+                src.slot.chain.clear()
+            src.epoch = meta.epoch
+        src.announced_model = meta.model or src.announced_model
+        if meta.block_size is not None and src.block_size is None:
+            self._block_size_ok(src, meta.block_size)
+        self._set_remote(src, (meta.remote, meta.namespace) if meta.remote and meta.namespace else None)
+
+    def _target(self, src: Source, tier: int) -> Slot | None:
+        if tier < 0:
+            return None
+        if tier == REMOTE_TIER and src.remote is not None:
+            return self.remote_slots.get(src.remote)
+        return src.slot
+
+    def _block_size_ok(self, src: Source, size: int) -> bool:
+        if src.block_size is not None:
+            return size == src.block_size
+        if size not in self._block_sizes and len(self._block_sizes) >= self.limits.max_block_sizes:
+            return False
+        self._block_sizes.setdefault(size, set()).add(src.endpoint)
+        src.block_size = size
+        return True
+
+    def _stored(self, src: Source, event: Stored) -> None:
+        tier = TIER_OF_MEDIUM.get(event.medium, -1)
+        slot = self._target(src, tier)
+        if slot is None or not self._block_size_ok(src, event.block_size):
+            self.num_bad_events += 1
+            src.num_unmapped += len(event.hashes)
+            self.num_unmapped += len(event.hashes)
+            return
+        bs, bit, lora = event.block_size, 1 << tier, event.lora_name
+        if event.parent is None:
+            parent: int | None = ROOT
+        else:
+            found = slot.chain.get(event.parent) or src.slot.chain.get(event.parent)
+            parent = found[0] if found is not None else None
+        buf = event.tokens.tobytes()
+        done = 0
+        for i, h in enumerate(event.hashes):
+            first = event.parent is None and i == 0
+            salt = _salt(event.extra_keys[i] if event.extra_keys else None, lora, first)
+            if parent is None or salt is False:
+                break
+            entry = slot.chain.get(h)
+            if entry is None and len(slot.chain) >= self.limits.max_blocks_per_slot:
+                src.num_dropped += len(event.hashes) - i
+                self.num_dropped_blocks += len(event.hashes) - i
+                return
+            extra = extras(salt if isinstance(salt, str) else None, lora, first)
+            key = block_key(parent, buf[i * bs * 4 : (i + 1) * bs * 4], extra)
+            if entry is not None and entry[0] != key:  # the same hash for other tokens: trust the latest
+                self.index.remove(slot.index, tier, (entry[0],))
+                entry = None
+            slot.chain[h] = (key, (entry[1] if entry is not None else 0) | bit)
+            self.index.add(slot.index, tier, (key,))
+            parent, done = key, i + 1
+        src.num_unmapped += len(event.hashes) - done
+        self.num_unmapped += len(event.hashes) - done
+
+    def _cleared(self, src: Source, event: Cleared) -> None:
+        media = event.meta.media if event.meta is not None else None
+        tiers = {0, 1, 2, 3} if media is None else {TIER_OF_MEDIUM[m] for m in media if m in TIER_OF_MEDIUM}
+        targets = [(src.slot, tiers)]
+        if media is not None and REMOTE_TIER in tiers and src.remote is not None:
+            remote = self.remote_slots.get(src.remote)
+            if remote is not None:
+                targets = [(src.slot, tiers - {REMOTE_TIER}), (remote, {REMOTE_TIER})]
+        for slot, which in targets:
+            mask = sum(1 << t for t in which)
+            for t in which:
+                self.index.clear(slot.index, t)
+            for h, (key, bits) in list(slot.chain.items()):
+                if bits & ~mask:
+                    slot.chain[h] = (key, bits & ~mask)
+                elif bits & mask:
+                    del slot.chain[h]
+
+    # -- queries ----------------------------------------------------------------------------
+    def alive(self, src: Source, now: float) -> bool:
+        return now - src.last_seen <= self.limits.stale_after_s
+
+    def instances(self) -> dict[str, list[Source]]:
+        out: dict[str, list[Source]] = {}
+        for src in self.sources.values():
+            out.setdefault(src.name, []).append(src)
+        return out
+
+    def candidates(self, model: str | None, now: float) -> dict[str, list[Source]]:
+        """Instances with a live source, of `model` when given."""
+        return {name: srcs for name, srcs in self.instances().items()
+                if any(self.alive(s, now) for s in srcs)
+                and (model is None or any(s.label == model for s in srcs))}
+
+    def match(self, tokens: np.ndarray, salt: str | None, lora: str | None,
+              instances: dict[str, list[Source]]) -> dict[str, tuple[list[int], int]]:
+        """Per instance: blocks of the longest cached prefix of `tokens` by tier, `[pool, cpu,
+        disk, remote]`, and their block size. Hashes once per distinct block size."""
+        by_size: dict[int, list[tuple[str, list[tuple[int, int]]]]] = {}
+        for name, srcs in instances.items():
+            for size in {s.block_size for s in srcs if s.block_size is not None}:
+                group = [(s.slot.index, 0xF) for s in srcs if s.block_size == size]
+                group += [(self.remote_slots[s.remote].index, 1 << REMOTE_TIER) for s in srcs
+                          if s.block_size == size and s.remote is not None and s.remote in self.remote_slots]
+                by_size.setdefault(size, []).append((name, group))
+        out: dict[str, tuple[list[int], int]] = {name: ([0, 0, 0, 0], 0) for name in instances}
+        for size, entries in by_size.items():
+            keys = chain(tokens, size, salt, lora)
+            for (name, _), counts in zip(entries, self.index.match(keys, [g for _, g in entries])):
+                if sum(counts) * size > sum(out[name][0]) * out[name][1]:
+                    out[name] = (counts, size)
+        return out
+
+    def sweep(self, now: float) -> list[Source]:
+        """Forget the state of sources silent for `forget_after_s`; registered ones are
+        removed entirely (they register again). Returns the removed sources."""
+        removed = []
+        for src in list(self.sources.values()):
+            if now - src.last_seen > self.limits.forget_after_s and (src.slot.chain or src.seq is not None
+                                                                      or src.registered):
+                self.num_forgotten += 1
+                if src.registered:
+                    self.remove(src.endpoint)
+                    removed.append(src)
+                else:
+                    self._forget(src)
+        return removed
+
+
+def _salt(entry: object, lora: str | None, first: bool) -> str | bool | None:
+    """The cache salt of a block's vLLM `extra_keys` entry (None: none); False if the entry
+    holds what a `/lookup` cannot express, or a salt off a sequence's first block."""
+    items = list(entry) if isinstance(entry, list) else []
+    if lora is not None and items and items[0] == lora:
+        items = items[1:]
+    if not items:
+        return None
+    if len(items) == 1 and isinstance(items[0], str) and first:
+        return items[0]
+    return False

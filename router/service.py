@@ -1,0 +1,231 @@
+"""`kvstrata router`'s HTTP service (aiohttp): `POST /lookup`, `POST /register`,
+`POST /unregister`, `GET /healthz`, `/instances`, `/metrics` (docs/routing.md).
+
+With a token configured every request but `GET /healthz` must carry `Authorization: Bearer
+TOKEN` (compared in constant time); without one, `/register` and `/unregister` answer only
+requests from a loopback address. Bodies are capped (`MAX_BODY_BYTES`); a malformed one is a
+400 naming the bad value, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import signal
+import time
+from typing import Any
+
+from kvstore.errors import ConfigError
+from router.config import RouterConfig, Subscription
+from router.fleet import FleetFull, FleetView
+from router.index import TIERS
+from router.lookup import BadRequest, Chooser, parse_body, parse_query
+from router.metrics import LatencyHistogram, RouterCollector
+
+logger = logging.getLogger(__name__)
+MAX_BODY_BYTES = 16 << 20
+_OPEN = {"/healthz"}
+
+
+def need_aiohttp() -> Any:
+    try:
+        from aiohttp import web
+    except ImportError:
+        raise ConfigError("kvstrata router needs aiohttp: pip install 'kvstrata[router]'") from None
+    return web
+
+
+def _is_loopback(address: str | None) -> bool:
+    try:
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+class Router:
+    """The service's state and handlers; `app()` builds the aiohttp application."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.fleet = FleetView(config.limits)
+        self.chooser = Chooser(self.fleet, config.scoring)
+        self.latency = LatencyHistogram()
+        self.num_bad_requests = self.num_unauthorized = 0
+        self.subscriber: Any = None
+        self._registry: Any = None
+        for sub in config.subscriptions:
+            self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model, server_key=sub.server_key)
+
+    # -- HTTP -----------------------------------------------------------------------------
+    async def lookup(self, request: Any) -> Any:
+        web = need_aiohttp()
+        t0 = time.perf_counter()
+        answer = self.chooser.answer(parse_query(parse_body(await request.read())))
+        server_s = time.perf_counter() - t0
+        self.latency.observe(server_s)
+        answer["server_time_us"] = round(server_s * 1e6, 1)
+        return web.json_response(answer)
+
+    async def register(self, request: Any) -> Any:
+        web = need_aiohttp()
+        body = parse_body(await request.read())
+        known = {"instance_id", "endpoint", "replay_endpoint", "model_name", "block_size", "server_public_key"}
+        if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) or set(body) - known:
+            raise BadRequest(f"register takes a JSON object with 'endpoint' and optionally {sorted(known)}")
+        try:
+            key = body.get("server_public_key")
+            sub = Subscription(body["endpoint"], str(body.get("instance_id") or ""), body.get("replay_endpoint"),
+                               body.get("model_name"), key.encode() if isinstance(key, str) else None)
+            RouterConfig(subscriptions=(sub,), curve=self.config.curve, limits=self.config.limits)
+        except ConfigError as exc:
+            raise BadRequest(str(exc)) from None
+        try:
+            src = self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model,
+                                 server_key=sub.server_key, registered=True)
+        except FleetFull as exc:
+            return web.json_response({"error": str(exc)}, status=429)
+        src.last_seen = time.monotonic()  # the silence that forgets it counts from now
+        self.subscriber.follow(src)
+        return web.json_response({"registered": sub.endpoint, "instance_id": sub.name})
+
+    async def unregister(self, request: Any) -> Any:
+        web = need_aiohttp()
+        body = parse_body(await request.read())
+        if not isinstance(body, dict) or not (isinstance(body.get("endpoint"), str)
+                                              or isinstance(body.get("instance_id"), str)):
+            raise BadRequest("unregister takes a JSON object with 'endpoint' or 'instance_id'")
+        gone = [s.endpoint for s in list(self.fleet.sources.values())
+                if s.endpoint == body.get("endpoint") or s.name == body.get("instance_id")]
+        for endpoint in gone:
+            self.subscriber.drop(endpoint)
+            self.fleet.remove(endpoint)
+        return web.json_response({"unregistered": gone}, status=200 if gone else 404)
+
+    async def healthz(self, request: Any) -> Any:
+        web = need_aiohttp()
+        now = time.monotonic()
+        sources = self.fleet.sources.values()
+        alive = [s for s in sources if self.fleet.alive(s, now)]
+        body = {"status": "ok" if sources else "no instances", "sources": len(sources), "alive": len(alive),
+                "synced": sum(1 for s in alive if s.seq is not None and not s.replaying),
+                "instances": len(self.fleet.instances())}
+        return web.json_response(body, status=200 if sources else 503)
+
+    async def instances(self, request: Any) -> Any:
+        web = need_aiohttp()
+        now = time.monotonic()
+        out: dict[str, Any] = {}
+        for name, srcs in self.fleet.instances().items():
+            out[name] = {"alive": any(self.fleet.alive(s, now) for s in srcs), "sources": [{
+                "endpoint": s.endpoint, "model": s.label, "alive": self.fleet.alive(s, now), "seq": s.seq,
+                "block_size": s.block_size, "remote": s.remote[0] if s.remote else None,
+                "blocks": {t: self.fleet.index.count(s.slot.index, i) for i, t in enumerate(TIERS)},
+                "unmapped_blocks": s.num_unmapped, "bad_messages": s.num_bad} for s in srcs]}
+        return web.json_response(out)
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition of the router's metrics (docs/routing.md)."""
+        from kvstore.metrics import prometheus
+
+        prom = prometheus()
+        if self._registry is None:
+            self._registry = prom.CollectorRegistry()
+            self._registry.register(RouterCollector(self))
+        return str(prom.generate_latest(self._registry).decode())
+
+    async def metrics(self, request: Any) -> Any:
+        web = need_aiohttp()
+        try:
+            text = self.metrics_text()
+        except ConfigError as exc:  # prometheus_client is missing
+            return web.json_response({"error": str(exc)}, status=501)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    def _allowed(self, request: Any) -> bool:
+        if request.path in _OPEN:
+            return True
+        if self.config.token is not None:
+            return self.config.authorized(request.headers.get("Authorization"))
+        return request.path not in ("/register", "/unregister") or _is_loopback(request.remote)
+
+    def app(self) -> Any:
+        web = need_aiohttp()
+
+        @web.middleware  # type: ignore[untyped-decorator]  # `web` comes from need_aiohttp()
+        async def guard(request: Any, handler: Any) -> Any:
+            if not self._allowed(request):
+                self.num_unauthorized += 1
+                return web.json_response({"error": "unauthorized: this router needs its bearer token"}, status=401)
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                self.num_bad_requests += 1
+                return web.json_response({"error": str(exc)}, status=400)
+            except web.HTTPException as exc:
+                if exc.status == 413:
+                    self.num_bad_requests += 1
+                    return web.json_response({"error": f"body larger than {MAX_BODY_BYTES} bytes"}, status=413)
+                return web.json_response({"error": exc.reason}, status=exc.status)
+
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guard])
+        app.router.add_post("/lookup", self.lookup)
+        app.router.add_post("/register", self.register)
+        app.router.add_post("/unregister", self.unregister)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/instances", self.instances)
+        app.router.add_get("/metrics", self.metrics)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _: Any) -> None:
+        from router.subscriber import Subscriber
+
+        self.subscriber = Subscriber(self.fleet, self.config.curve, self.config.server_key)
+        for src in self.fleet.sources.values():
+            self.subscriber.follow(src)
+        self._sweeper = asyncio.ensure_future(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for src in self.fleet.sweep(time.monotonic()):
+                self.subscriber.drop(src.endpoint)
+
+    async def _stop(self, _: Any) -> None:
+        self._sweeper.cancel()
+        await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self.subscriber.close()
+
+
+async def _run(router: Router, host: str, port: int, started: Any = None) -> Any:
+    """Start serving; returns the aiohttp runner (`cleanup()` stops it). Raises `ConfigError`
+    if the address cannot be bound."""
+    web = need_aiohttp()
+    runner = web.AppRunner(router.app(), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return runner
+
+
+def serve(config: RouterConfig, host: str, port: int) -> None:
+    """Run the router until SIGINT or SIGTERM. Raises `ConfigError` if it cannot bind."""
+
+    async def main() -> None:
+        router = Router(config)
+        runner = await _run(router, host, port)
+        logger.info("kvstrata router listening on http://%s:%d, following %d sources", host, port,
+                    len(config.subscriptions))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""One event source as the router knows it, and the chain map of a slot.
+
+A source is one subscription: the endpoint the router connects to (its identity: nothing a
+message says can make it another source) and the instance name it reports under. Several
+sources may share a name (a kvstrata store and its engine's own vLLM events are one
+instance). Per source: the sequence of the batches applied, whether a replay is under way
+(live batches are buffered meanwhile, bounded), and its slot in the index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TIER_OF_MEDIUM = {
+    None: 0, "GPU": 0, "DEVICE": 0,
+    "CPU": 1, "CPU_PINNED": 1, "CPU_TIER1": 1,
+    "DISK": 2, "STORAGE": 2, "NVME": 2, "CPU_TIER2": 2,
+    "SHARED": 3, "EXTERNAL": 3, "REMOTE": 3, "NETWORK": 3,
+}
+MEDIUM_OF_TIER = ("GPU", "CPU", "DISK", "SHARED")
+REMOTE_TIER = 3
+
+
+@dataclass
+class Slot:
+    """A slot's chain map: publisher block hash -> (router key, tier bits held)."""
+
+    index: int
+    chain: dict[int, tuple[int, int]] = field(default_factory=dict)
+    users: int = 0  # sources reading it (remote slots)
+
+
+@dataclass
+class Source:
+    """One subscription."""
+
+    endpoint: str
+    name: str
+    slot: Slot
+    replay_endpoint: str | None = None
+    model: str | None = None  # given at registration: wins over what events say
+    server_key: bytes | None = None  # the publisher's CURVE public key
+    registered: bool = False  # came from POST /register (else from the command line)
+    seq: int | None = None  # last batch applied
+    replaying: bool = False
+    buffered: list[tuple[int, list[Any]]] = field(default_factory=list)
+    last_seen: float = 0.0
+    last_replay: float = -1e9
+    block_size: int | None = None
+    announced_model: str | None = None
+    epoch: int | None = None
+    remote: tuple[str, str] | None = None  # (remote identity, namespace fingerprint)
+    num_batches: int = 0
+    num_bad: int = 0
+    num_unmapped: int = 0
+    num_dropped: int = 0  # blocks past the bound on blocks per source
+
+    @property
+    def label(self) -> str | None:
+        return self.model if self.model is not None else self.announced_model
+
+    def reset(self) -> None:
+        """Forget the stream position (the publisher restarted, or went silent)."""
+        self.seq, self.replaying, self.buffered = None, False, []
+        self.block_size, self.epoch = None, None

@@ -1,0 +1,186 @@
+"""Hostile input to the router, generated (hypothesis): random and malformed batches, replay
+answers and HTTP bodies. Whatever comes, the router raises nothing but its own 4xx, keeps
+following every subscription, and keeps its state within its bounds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench.ports import free_port_pair
+from router.config import RouterConfig, Subscription
+from router.decode import BadMessage, decode_batch
+from router.fleet import FleetView, Limits
+from router.lookup import BadRequest, Chooser, Scoring, parse_body, parse_query
+from router.thread import RouterThread
+
+LIMITS = Limits(max_sources=4, max_blocks_per_slot=64, max_block_sizes=2, max_remote_slots=2, max_buffered=8,
+                replay_interval_s=0.0)
+ints = st.one_of(st.integers(-(2**63), 2**64 - 1), st.integers(0, 40))
+scalars = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=True), st.text(max_size=8),
+                    st.binary(max_size=12))
+values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                      max_leaves=12)
+MEDIA = st.sampled_from([None, "GPU", "CPU", "DISK", "SHARED", "CPU_PINNED", "bogus", 5])
+
+
+@st.composite
+def events(draw: Any) -> Any:
+    """Mostly well-formed events with hostile fields, sometimes anything at all."""
+    kind = draw(st.sampled_from(["BlockStored", "BlockRemoved", "AllBlocksCleared", "junk"]))
+    bs = draw(st.one_of(st.sampled_from([2, 4, 8]), values))
+    n = draw(st.integers(0, 4))
+    hashes = draw(st.lists(st.one_of(st.integers(0, 12), values), min_size=n, max_size=n))
+    meta = draw(st.one_of(st.none(), st.fixed_dictionaries({
+        "epoch": st.one_of(st.integers(0, 3), values), "remote": st.one_of(st.none(), st.sampled_from(["r1", "r2"]),
+                                                                           values),
+        "ns": st.one_of(st.sampled_from(["a", "b", "c"]), values), "model": st.one_of(st.text(max_size=4), values),
+        "media": st.one_of(st.none(), st.lists(MEDIA, max_size=3), values),
+        "block_size": st.one_of(st.none(), st.sampled_from([2, 4, 16]), values)}), values))
+    if kind == "BlockStored":
+        tokens = draw(st.one_of(st.lists(st.integers(0, 9), min_size=n * bs, max_size=n * bs)
+                                if isinstance(bs, int) and 0 < bs <= 8 else st.just([]), values))
+        return {"type": kind, "block_hashes": hashes, "parent_block_hash": draw(st.one_of(st.none(),
+                                                                                        st.integers(0, 12), values)),
+                "token_ids": tokens, "block_size": bs, "medium": draw(MEDIA), "lora_name": draw(
+                    st.one_of(st.none(), st.sampled_from(["l"]), values)),
+                "extra_keys": draw(st.one_of(st.none(), values)), "kvstrata": meta}
+    if kind == "BlockRemoved":
+        return {"type": kind, "block_hashes": hashes, "medium": draw(MEDIA), "kvstrata": meta}
+    if kind == "AllBlocksCleared":
+        return {"type": kind, "kvstrata": meta}
+    return draw(values)
+
+
+payloads = st.one_of(
+    st.builds(lambda ts, evs, rank: msgpack.packb([ts, evs, rank], use_bin_type=True),
+              st.one_of(st.floats(), values), st.lists(events(), max_size=6), values),
+    st.builds(lambda v: msgpack.packb(v, use_bin_type=True), values),
+    st.binary(max_size=64))
+
+
+def check_bounds(fleet: FleetView) -> None:
+    slots = [s.slot for s in fleet.sources.values()] + list(fleet.remote_slots.values())
+    assert all(len(slot.chain) <= LIMITS.max_blocks_per_slot for slot in slots)
+    assert len(fleet.index) <= len(slots) * LIMITS.max_blocks_per_slot
+    assert len(fleet.remote_slots) <= LIMITS.max_remote_slots
+    assert len({s.block_size for s in fleet.sources.values()} - {None}) <= LIMITS.max_block_sizes
+    assert all(len(s.buffered) <= LIMITS.max_buffered + 1 for s in fleet.sources.values())
+
+
+def feed_payload(fleet: FleetView, endpoint: str, seq: int, payload: bytes) -> None:
+    try:
+        decoded, _ = decode_batch(payload)
+    except BadMessage:
+        fleet.num_bad_messages += 1
+        return
+    fleet.on_live(fleet.sources[endpoint], seq, decoded, 0.0)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 30), payloads), max_size=25),
+       st.lists(st.lists(st.tuples(st.integers(0, 40), payloads), max_size=4), max_size=3))
+def test_random_batches_and_replays_never_raise_and_stay_bounded(stream: Any, replays: Any) -> None:
+    fleet = FleetView(LIMITS)
+    for i in range(4):
+        fleet.add(f"tcp://s{i}:1", f"s{i % 2}", replay=f"tcp://s{i}:2")
+    for source, seq, payload in stream:
+        feed_payload(fleet, f"tcp://s{source}:1", seq, payload)
+        check_bounds(fleet)
+    for i, answer in enumerate(replays):
+        src = fleet.sources[f"tcp://s{i}:1"]
+        batches = []
+        for seq, payload in answer:
+            with contextlib.suppress(BadMessage):
+                batches.append((seq, decode_batch(payload)[0]))
+        fleet.on_replay(src, 0, batches)
+        check_bounds(fleet)
+    Chooser(fleet, Scoring()).answer(parse_query({"token_ids": list(range(16))}), now=0.0)
+
+
+json_values = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(10**30), 10**30), st.floats(),
+                                     st.text(max_size=6)),
+                           lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                   st.dictionaries(st.sampled_from(
+                                                       ["token_ids", "cache_salt", "lora_id", "model", "load", "x"]),
+                                                       inner, max_size=5)), max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(json_values, st.fixed_dictionaries({"token_ids": st.lists(st.integers(-5, 2**33), max_size=8)},
+                                                    optional={"load": json_values, "lora_id": json_values,
+                                                              "cache_salt": json_values})))
+def test_random_lookup_bodies_are_answers_or_bad_requests(body: Any) -> None:
+    fleet = FleetView(LIMITS)
+    try:
+        raw = json.dumps(body).encode()
+    except ValueError:
+        return
+    with contextlib.suppress(BadRequest):
+        Chooser(fleet, Scoring()).answer(parse_query(parse_body(raw)), now=0.0)
+
+
+@pytest.fixture
+def served() -> Any:
+    port = free_port_pair()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    router = RouterThread(RouterConfig(subscriptions=(Subscription(f"tcp://127.0.0.1:{port}", "a"),), limits=LIMITS))
+    time.sleep(0.5)
+    yield router, pub
+    router.stop()
+    pub.close(linger=0)
+    ctx.term()
+
+
+def _post(url: str, body: bytes) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=10) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_real_subscription_outlives_garbage_and_http_never_answers_500(served: Any) -> None:
+    router, pub = served
+    garbage = [[b"", b"x"], [b"", b"\x00" * 8, b"\xc1"], [b"", b"\x00" * 8, msgpack.packb([float("inf"), [], 0])],
+               [b"", (1).to_bytes(8, "big"), msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [[1]],
+                                                                      "token_ids": 5, "epoch": float("inf")}], 0])],
+               [b"", (2).to_bytes(8, "big"), msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": [1],
+                                                                      "parent_block_hash": None, "block_size": 4,
+                                                                      "token_ids": [1, 2, 3, 4], "medium": "CPU",
+                                                                      "kvstrata": {"epoch": float("inf")}}], 0])],
+               [b"", b"\x00" * 8, msgpack.packb([0.0, [[[[[[[[]]]]]]]] * 3, 0])]]
+    for frames in garbage:
+        pub.send_multipart(frames)
+    good = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+            "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
+    url = router.url + "/lookup"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the subscription is alive: a good batch after the garbage lands
+        pub.send_multipart([b"", (3).to_bytes(8, "big"), msgpack.packb([0.0, [good], 0])])
+        with urllib.request.urlopen(urllib.request.Request(url, data=b'{"token_ids": [1, 2, 3, 4]}',
+                                                           method="POST"), timeout=10) as resp:
+            if json.loads(resp.read())["instances"].get("a", {}).get("matched_tokens") == 4:
+                break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the subscription died on malformed messages")
+    assert router.call(lambda: router.router.fleet.num_bad_messages + router.router.fleet.num_bad_events) >= 5
+    for body in (b"[" * 50_000, b'{"token_ids": [1], "load": {"a": 1' + b"0" * 400 + b"}}", b"\xff\xfe",
+                 b'{"token_ids": [1e999]}', b'{"token_ids": [' + b"9" * 5000 + b"]}", b"null"):
+        assert _post(url, body) == 400, body[:40]
+    assert _post(router.url + "/register", b'{"endpoint": "tcp://127.0.0.1:1", "x": 1}') == 400

@@ -1,0 +1,58 @@
+"""The connector's counters as vLLM's connector stats, and its hits by vLLM source (vLLM's
+classes, no engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.settings import Settings
+
+if Settings.from_sources().require_vllm:
+    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
+else:
+    pytest.importorskip("vllm")
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from engine_adapter.vllm.engine_metrics import COUNTERS, TIERED, TIERS, KVStrataStats, hit_sources
+from engine_adapter.vllm.stats import ConnectorStats
+from tiers.base import TierKind
+
+pytestmark = pytest.mark.vllm
+
+
+def test_each_report_carries_what_grew_since_the_last() -> None:
+    stats = ConnectorStats("worker", None)
+    stats.count("load_tokens_cpu", 64)
+    stats.set("policy_probes", 2)  # kept elsewhere, set as a total
+    assert stats.take_deltas() == {"load_tokens_cpu": 64, "policy_probes": 2}
+    assert stats.take_deltas() == {}
+    stats.count("load_tokens_cpu", 32)
+    stats.set("policy_probes", 3)
+    assert stats.take_deltas() == {"load_tokens_cpu": 32, "policy_probes": 1}
+    assert stats.counters == {"load_tokens_cpu": 96, "policy_probes": 3}  # the JSON file's totals
+
+
+def test_worker_and_scheduler_reports_add_up() -> None:
+    worker = KVStrataStats(data={"load_tokens_disk": 256, "save_blocks": 2})
+    total = worker.aggregate(KVStrataStats(data={"hit_tokens": 256, "save_blocks": 1}))
+    assert total.reduce() == {"load_tokens_disk": 256, "save_blocks": 3, "hit_tokens": 256}
+    assert not total.is_empty() and KVStrataStats().is_empty()
+    total.reset()
+    assert total.is_empty()
+
+
+def test_every_counter_the_connector_keeps_has_a_series() -> None:
+    known = set(COUNTERS) | {f"{family}_{tier}" for family in TIERED for tier in TIERS}
+    for name in ("lookups", "hit_tokens", "hit_requests", "load_tokens_cpu", "load_tokens_disk",
+                 "load_tokens_remote", "prefetch_tokens_disk", "save_new_blocks", "prefill_samples",
+                 "policy_skipped_blocks", "policy_probes"):
+        assert name in known
+
+
+def test_hits_are_split_by_the_tier_of_each_block() -> None:
+    cpu, disk, remote = TierKind.CPU, TierKind.DISK, TierKind.REMOTE
+    assert hit_sources([cpu, cpu, disk], 96, 32) == {CacheHitSource.HOST: 64, CacheHitSource.DISK: 32}
+    assert hit_sources([disk, remote], 40, 32) == {CacheHitSource.DISK: 32, CacheHitSource.EXTERNAL_UNSPECIFIED: 8}
+    assert hit_sources([cpu], 64, 32) == {}  # the tiers do not cover the hit: vLLM's fallback
+    assert hit_sources([], 0, 32) == {}

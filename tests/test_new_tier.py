@@ -1,0 +1,182 @@
+"""A new tier is one file plus one factory line.
+
+`DictTier` below is the whole "file": a dictionary of block copies that says what it is
+(`kind`, `traits`) and implements the tier protocol. The test then adds ONE line, its entry in
+the factory, and the unchanged store uses it everywhere: stores demote into it, retrieves
+and lookups find blocks there, `prefetch` moves them into memory, KV events announce them in
+the medium its traits say, metrics and stats label them by its kind, `clear` and
+`check_integrity` reach it. Nothing else in kvstrata was edited for it.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kvstore import KVCacheStore, StoreConfig, tier_factory
+from kvstore.config import StoreConfig as _Config
+from kvstore.hashing import BlockHash
+from kvstore.metrics import register_metrics
+from tests.conftest import BLOCK, LAYOUT, make_kv
+from tiers.base import BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held
+from tiers.errors import StoreClosedError
+
+
+class DictTier(Tier):
+    """Blocks as tensors in an LRU-ordered dict (a slow, private tier for the test)."""
+
+    kind = TierKind("dict")
+    traits = TierTraits()  # not memory, not persistent, not shared
+
+    def __init__(self, capacity: int) -> None:
+        self._blocks: OrderedDict[BlockHash, tuple[bytes, torch.Tensor]] = OrderedDict()
+        self._capacity = capacity
+        self._closed = False
+        self.counters = TierCounters()
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self._capacity
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
+        self._check_open()
+        return count_held(self._blocks, block_hashes, start)
+
+    def held_hashes(self) -> Iterator[BlockHash]:
+        return iter(list(self._blocks))
+
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        n = 0
+        for key, dst in zip(keys, dsts):
+            held = self._blocks.get(key.block_hash)
+            if held is None or (key.tokens and held[0] and held[0] != key.tokens):
+                break
+            dst.copy_(held[1])
+            n += 1
+        return n
+
+    def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
+        new = [(k, s) for k, s in zip(keys, srcs) if k.block_hash not in self._blocks]
+        while self._blocks and len(self._blocks) + len(new) > self._capacity:
+            gone, _ = self._blocks.popitem(last=False)
+            self.counters.num_evictions += 1
+            self._announce(False, [gone])
+        for key, src in new[-self._capacity :]:
+            self._blocks[key.block_hash] = (key.tokens, src.detach().to("cpu", copy=True))
+        self._announce(True, [k for k, _ in new[-self._capacity :]])
+        return min(len(new), self._capacity)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("dict tier is closed")
+
+    def occupancy(self) -> Occupancy:
+        n = len(self._blocks)
+        return Occupancy(n, self._capacity, n * LAYOUT.block_bytes(BLOCK), self._capacity * LAYOUT.block_bytes(BLOCK))
+
+    def touch(self, block_hashes: Sequence[BlockHash]) -> None:
+        for h in block_hashes:
+            if h in self._blocks:
+                self._blocks.move_to_end(h)
+
+    def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        gone = [h for h in block_hashes if self._blocks.pop(h, None) is not None]
+        self._announce(False, gone)
+        return len(gone)
+
+    def clear(self, *, all_namespaces: bool = False) -> None:
+        self.discard(list(self._blocks))
+
+    def close(self) -> None:
+        self._closed = True
+        self._blocks.clear()
+
+    def check_integrity(self) -> None:
+        if len(self._blocks) > self._capacity:
+            raise RuntimeError("dict tier over capacity (a bug)")
+
+
+def _dict(config: _Config, seed: BlockHash) -> Tier | None:
+    return DictTier(64)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[KVCacheStore]:
+    # The one factory line: the dict tier goes below the CPU tier.
+    monkeypatch.setattr(tier_factory, "_BUILDERS", (*tier_factory._BUILDERS[:2], _dict, *tier_factory._BUILDERS[2:]))
+    config = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * LAYOUT.block_bytes(BLOCK),
+                         events_endpoint=f"tcp://127.0.0.1:{_free_port()}", load_policy="always")
+    with KVCacheStore(config) as s:
+        yield s
+
+
+def test_the_store_uses_a_tier_added_by_one_factory_line(store: KVCacheStore) -> None:
+    assert [t.kind.value for t in store.tiers] == ["cpu", "dict"]
+    tokens = list(range(10 * BLOCK))
+    kv = make_kv(len(tokens))
+    store.store(tokens, kv)  # 10 blocks into a CPU tier of 4: the rest demoted into the dict tier
+    assert set(store.locate(tokens)) == {TierKind.CPU, TierKind("dict")}
+    res = store.retrieve(tokens)
+    assert res.num_tokens == len(tokens) and torch.equal(res.kv, kv)
+    assert res.blocks_per_tier[TierKind("dict")] > 0
+    stats = {t.kind: t for t in store.stats().tiers}
+    assert stats[TierKind("dict")].num_hits > 0 and stats[TierKind("dict")].num_blocks > 0
+    store.check_integrity()
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    register_metrics(store, registry)
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'tier="dict"' in text and "kvstrata_blocks" in text
+
+
+def test_prefetch_moves_its_blocks_into_memory(store: KVCacheStore) -> None:
+    tokens = list(range(100, 100 + 6 * BLOCK))
+    store.store(tokens, make_kv(len(tokens), seed=3))
+    store.store(list(range(500, 500 + 4 * BLOCK)), make_kv(4 * BLOCK, seed=4))  # pushes the first into the dict tier
+    assert TierKind("dict") in store.locate(tokens)
+    assert store.prefetch(tokens[: 3 * BLOCK]).result(timeout=30) == 3 * BLOCK
+    assert store.locate(tokens[: 3 * BLOCK]) == [TierKind.CPU] * 3
+    assert store.prefetched_blocks.get(TierKind("dict"), 0) > 0
+
+
+def test_kv_events_announce_it_in_the_medium_its_traits_say(store: KVCacheStore) -> None:
+    assert store.events is not None
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(store.events.config.endpoint)
+    try:
+        tokens = list(range(900, 900 + 8 * BLOCK))
+        media: set[str] = set()
+        for _ in range(100):  # a new reader is welcomed with the whole state; bounded wait
+            store.store(tokens, make_kv(len(tokens), seed=5))
+            while sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                media |= {e.get("medium") for e in msgpack.unpackb(payload)[1] if e.get("type") == "BlockStored"}
+            if "DISK" in media:
+                break
+        assert {"CPU", "DISK"} <= media  # not memory, not shared: announced as DISK
+    finally:
+        sub.close(linger=0)
+
+
+def test_clear_reaches_it(store: KVCacheStore) -> None:
+    tokens = list(range(2000, 2000 + 8 * BLOCK))
+    store.store(tokens, make_kv(len(tokens), seed=6))
+    store.clear()
+    assert store.lookup(tokens) == 0 and len(store.tiers[1]) == 0

@@ -1,0 +1,192 @@
+"""The lossy codecs: each half of a block (K, V) quantized in groups with bfloat16 scales.
+
+A structured block `[num_layers, 2, block_size, num_kv_heads, head_dim]` of a float dtype:
+
+- keys: one scale per layer, head and channel over the block's tokens (keys have outlier
+  channels; a channel's scale keeps them from swamping the others), or per token and head
+  like values when the block has fewer than `MIN_CHANNEL_TOKENS` tokens;
+- values: one scale per layer, token and head (INT4: per 32 channels of a head).
+
+An opaque block (uint8, an engine's page bytes; `element_dtype` says what they hold) is
+viewed as that dtype and cut into runs of `group` consecutive elements per scale, in each
+half: layout-agnostic, and exact about which bytes a scale covers whatever the engine's
+packing. With `group` a multiple of the head size, a run is one token's head vectors.
+
+Payload = each half's scales (and zeros), then each half's codes; its size is fixed by the
+shape. `error_bound` states the largest error of each element (`tiers/codecs/quant.py`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from tiers.codecs.base import Codec, CodecKind
+from tiers.codecs.quant import ROUNDING, Fmt, codes_to_float, dequantize, error_bound, peak, quantize
+from tiers.errors import ConfigError, CorruptRecordError
+
+GRAIN = 32768  # elements below which torch runs a CPU op on the calling thread (at::internal::GRAIN_SIZE)
+MIN_CHANNEL_TOKENS = 8  # below this many tokens a per-channel key scale costs more than it saves
+INT4_GROUP = 32
+DEFAULT_GROUP = 64  # elements per scale of an opaque block, unless the config says
+FORMATS = {CodecKind.INT8: (Fmt.INT8, Fmt.INT8), CodecKind.FP8: (Fmt.FP8, Fmt.FP8),
+           CodecKind.K8V4: (Fmt.INT8, Fmt.INT4)}
+
+
+class HalfPlan(NamedTuple):
+    """How one half (K or V) of a block is quantized: its view for grouping and the
+    dimension each scale spans."""
+
+    fmt: Fmt
+    shape: tuple[int, ...]
+    dim: int
+
+    @property
+    def num_elements(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        return tuple(1 if i == self.dim % len(self.shape) else n for i, n in enumerate(self.shape))
+
+    @property
+    def num_scales(self) -> int:
+        return int(np.prod(self.scale_shape))
+
+    @property
+    def meta_bytes(self) -> int:
+        return self.num_scales * 2 * (2 if self.fmt.has_zero else 1)
+
+    @property
+    def code_bytes(self) -> int:
+        return self.fmt.code_bytes(self.num_elements)
+
+
+def _grouped(rows: tuple[int, ...], width: int, group: int, fmt: Fmt, what: str) -> HalfPlan:
+    if fmt is Fmt.INT4 and group % INT4_GROUP == 0:
+        group = INT4_GROUP
+    if width % group or (fmt is Fmt.INT4 and group % 2):
+        raise ConfigError(f"{what} of {width} elements does not split into groups of {group}"
+                          + (" (an even number for 4-bit values)" if fmt is Fmt.INT4 else ""))
+    return HalfPlan(fmt, (*rows, width // group, group), -1)
+
+
+class ScaledCodec(Codec):
+    """INT8, FP8 or K8V4 (keys 8-bit, values 4-bit) of one block shape; see the module."""
+
+    def __init__(self, kind: CodecKind, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+                 element_dtype: torch.dtype | None = None, group: int | None = None) -> None:
+        self.kind = kind
+        super().__init__(block_shape, dtype, element_dtype=element_dtype, group=group)
+        elem = self.element_dtype
+        if elem not in ROUNDING:
+            raise ConfigError(f"the {kind.label} codec quantizes float32, float16 or bfloat16 KV, not {elem}"
+                              + ("; give the KV's element dtype (codec_dtype)" if dtype == torch.uint8 else ""))
+        if dtype != elem and dtype != torch.uint8:
+            raise ConfigError(f"codec element dtype {elem} given for a {dtype} layout (only opaque uint8 ones)")
+        k_fmt, v_fmt = FORMATS[kind]
+        layers, two, tokens, heads, width = self.block_shape
+        if dtype == torch.uint8:  # opaque: runs of `group` elements
+            width = width // elem.itemsize
+            if width * elem.itemsize != self.block_shape[-1]:
+                raise ConfigError(f"a row of {self.block_shape[-1]} bytes is not whole {elem} elements")
+            g = DEFAULT_GROUP if group is None else group
+            rows: tuple[int, ...] = (layers, tokens * heads)
+            self._plans = (_grouped(rows, width, g, k_fmt, "a key row"), _grouped(rows, width, g, v_fmt, "a value row"))
+        else:
+            rows = (layers, tokens, heads)
+            keys = (HalfPlan(k_fmt, (layers, tokens, heads, width), 1) if tokens >= MIN_CHANNEL_TOKENS
+                    else _grouped(rows, width, width, k_fmt, "a key head"))
+            self._plans = (keys, _grouped(rows, width, width, v_fmt, "a value head"))
+        self._elem_shape = (layers, two, tokens, heads, width)
+        self._meta_offsets = (0, self._plans[0].meta_bytes)
+        meta = sum(p.meta_bytes for p in self._plans)
+        self._code_offsets = (meta, meta + self._plans[0].code_bytes)
+        self.payload_bytes = meta + sum(p.code_bytes for p in self._plans)
+
+    def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of `t` (a block) as the element dtype, K and V apart; ValueError if its
+        strides allow no such view."""
+        view = t.view(self.element_dtype) if self.dtype != self.element_dtype else t
+        view = view.view(self._elem_shape)
+        return view[:, 0], view[:, 1]
+
+    def _spans(self, device: torch.device) -> list[tuple[int, int]]:
+        """Layer ranges processed together: on the CPU, few enough elements that torch runs
+        each op on the calling thread (its thread pool, shared with the engine, costs far
+        more than it saves on a block); on a device, all layers at once."""
+        layers = self._elem_shape[0]
+        per_layer = max(p.num_elements for p in self._plans) // layers
+        step = layers if device.type != "cpu" else max(1, (GRAIN - 1) // per_layer)
+        return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
+
+    def encode(self, src: torch.Tensor) -> bytearray | None:
+        try:
+            halves = self._halves(src.detach())
+        except RuntimeError:  # strides a dtype view cannot express
+            halves = self._halves(src.detach().contiguous())
+        limit = torch.finfo(self.element_dtype).max
+        buf = bytearray(self.payload_bytes)
+        layers = self._elem_shape[0]
+        for h, (plan, half) in enumerate(zip(self._plans, halves)):
+            n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
+            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
+            codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+            per_scale, per_code = plan.num_scales // layers, plan.code_bytes // layers
+            for lo, hi in self._spans(half.device):
+                x = half[lo:hi].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+                q = quantize(x.view(hi - lo, *plan.shape[1:]), plan.dim, plan.fmt)
+                if not float(peak(q, plan.fmt)) <= limit:  # not finite, or past the dtype once decoded
+                    return None
+                meta[lo * per_scale : hi * per_scale].copy_(q.scale.reshape(-1))
+                if q.zero is not None:
+                    meta[plan.num_scales + lo * per_scale : plan.num_scales + hi * per_scale].copy_(q.zero.reshape(-1))
+                codes[lo * per_code : hi * per_code].copy_(q.codes.reshape(-1))
+        return buf
+
+    def _meta(self, payload: memoryview | bytes | bytearray, h: int, device: torch.device) -> tuple[
+            torch.Tensor, torch.Tensor | None]:
+        plan = self._plans[h]
+        off, n = self._meta_offsets[h], plan.num_scales
+        raw = torch.frombuffer(bytearray(payload[off : off + plan.meta_bytes]), dtype=torch.bfloat16).float()
+        scale = raw[:n].view(plan.scale_shape)
+        zero = raw[n:].view(plan.scale_shape) if plan.fmt.has_zero else None
+        if not bool(torch.isfinite(raw).all()) or not bool((scale > 0).all()):
+            raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive")
+        return scale.to(device), None if zero is None else zero.to(device)
+
+    def decode(self, payload: memoryview | bytes | bytearray, dst: torch.Tensor) -> None:
+        self.check_length(payload, self.payload_bytes)
+        try:
+            halves, target = self._halves(dst), dst
+        except RuntimeError:
+            target = torch.empty(self.block_shape, dtype=self.dtype)
+            halves = self._halves(target)
+        layers = self._elem_shape[0]
+        for h, (plan, half) in enumerate(zip(self._plans, halves)):
+            scale, zero = self._meta(payload, h, half.device)
+            codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+            per_code = plan.code_bytes // layers
+            for lo, hi in self._spans(half.device):
+                part = codes[lo * per_code : hi * per_code]
+                if half.device.type == "cpu":
+                    values = codes_to_float(part, plan.fmt)
+                else:  # the encoded bytes cross to the device, not the decoded ones
+                    values = codes_to_float(torch.from_numpy(part.copy()).to(half.device), plan.fmt)
+                values = dequantize(values.view(hi - lo, *plan.shape[1:]), scale[lo:hi],
+                                    None if zero is None else zero[lo:hi])
+                half[lo:hi].copy_(values.view(half[lo:hi].shape))
+        if target is not dst:
+            dst.copy_(target)
+
+    def error_bound(self, src: torch.Tensor) -> torch.Tensor:
+        """The largest error each element of block `src` (finite) may have after a round
+        trip: float32, shaped as `src` viewed in the element dtype."""
+        out = torch.empty(self._elem_shape, dtype=torch.float32)
+        for h, (plan, half) in enumerate(zip(self._plans, self._halves(src.detach().cpu().contiguous()))):
+            x = half.to(torch.float32, copy=True).reshape(plan.shape)
+            out[:, h] = error_bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(half.shape)
+        return out
+

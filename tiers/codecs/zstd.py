@@ -1,0 +1,87 @@
+"""Lossless: the bytes of each element split into planes (all first bytes, then all second
+bytes, ...), then one zstd frame.
+
+KV in 16-bit floats barely compresses as it is: the low byte of each element is mantissa,
+close to random. Its high byte (sign and exponent) is skewed, and zstd's entropy coder packs
+it once the high bytes sit together. Decoding is bit-exact. Needs the `zstandard` package
+(`pip install 'kvstrata[codec]'`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from tiers.blockcopy import host_bytes
+from tiers.codecs.base import Codec, CodecKind
+from tiers.errors import ConfigError, CorruptRecordError
+
+LEVEL = 1  # zstd's level: 1 packs these planes as well as 3 and is twice as fast (docs/performance.md)
+EXTRA = "pip install 'kvstrata[codec]'  (the zstandard package)"
+
+
+def zstd_module() -> ModuleType:
+    """The `zstandard` module; `ConfigError` naming the extra to install if it is missing."""
+    try:
+        import zstandard
+    except ImportError:
+        raise ConfigError(f"the zstd codec needs the zstandard package: {EXTRA}") from None
+    return zstandard
+
+
+class ZstdCodec(Codec):
+    """Byte planes of `element_dtype`'s elements, compressed as one zstd frame (level `LEVEL`).
+
+    The frame states its decoded size; a frame that would not decode to exactly one block is
+    refused before any byte is decompressed.
+    """
+
+    kind = CodecKind.ZSTD
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+                 element_dtype: torch.dtype | None = None, group: int | None = None) -> None:
+        super().__init__(block_shape, dtype, element_dtype=element_dtype, group=group)
+        self._zstd = zstd_module()
+        self._width = self.element_dtype.itemsize  # bytes per element: the number of planes
+
+    def _planes(self, raw: np.ndarray) -> np.ndarray:
+        """`raw` (the block's bytes) with byte k of every element in plane k."""
+        if self._width == 1:
+            return raw
+        return np.ascontiguousarray(raw.reshape(-1, self._width).T)
+
+    def encode(self, src: torch.Tensor) -> bytes:
+        host = src.detach()
+        raw = host_bytes(host) if host.is_contiguous() else None
+        if raw is None:
+            host = host.to("cpu").contiguous()
+            raw = host_bytes(host)
+            assert raw is not None  # a contiguous host tensor has a byte view
+        frame: bytes = self._zstd.ZstdCompressor(level=LEVEL).compress(self._planes(raw.reshape(-1)))
+        return frame
+
+    def decode(self, payload: memoryview | bytes | bytearray, dst: torch.Tensor) -> None:
+        zstd = self._zstd
+        try:
+            size = zstd.frame_content_size(payload)
+        except zstd.ZstdError as exc:
+            raise CorruptRecordError(f"zstd payload has no readable frame header: {exc}") from None
+        if size != self.block_bytes:
+            raise CorruptRecordError(f"zstd frame decodes to {size} bytes, expected a block of {self.block_bytes}")
+        try:
+            planes = zstd.ZstdDecompressor().decompress(payload, max_output_size=self.block_bytes)
+        except zstd.ZstdError as exc:
+            raise CorruptRecordError(f"zstd payload does not decode: {exc}") from None
+        self.check_length(planes, self.block_bytes)
+        flat = np.frombuffer(planes, dtype=np.uint8)
+        src = flat if self._width == 1 else flat.reshape(self._width, -1).T
+        view = host_bytes(dst) if dst.is_contiguous() else None
+        target = dst if view is not None else torch.empty(self.block_shape, dtype=self.dtype)
+        if view is None:
+            view = host_bytes(target)
+            assert view is not None
+        np.copyto(view.reshape(src.shape[0], -1), src.reshape(src.shape[0], -1))
+        if target is not dst:
+            dst.copy_(target)

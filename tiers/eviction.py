@@ -1,0 +1,198 @@
+"""Eviction policies: the order in which a tier gives up its evictable blocks.
+
+A policy holds keys only (never bytes), and only the keys its tier may evict now: the tier
+takes a pinned block out (`remove`) and puts it back when unpinned. Every operation is O(1)
+amortised. Keys are any hashable value: a tier's `BlockHash`, or an int block id in the trace
+replay (`bench/trace_sim.py`), which drives these same classes.
+
+Two kinds of use reach a policy. `access` is a new use of a held key (a hit, or a request that
+stores it again); `refresh` is the same use seen again by another call of one request (the
+store reads a prefix, promotes it and stores it: three calls, one use). Frequency-counting
+policies count only `access`; both make the key recent. `bench trace --policy` measures every
+policy here against plain LRU and Belady's optimum on the Mooncake traces (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import ClassVar, Generic, TypeVar
+
+from tiers.errors import ConfigError
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+class EvictionKind(str, enum.Enum):
+    """The eviction policies a tier can run."""
+
+    LRU = "lru"  # least recently used first
+    S3FIFO = "s3fifo"  # a small probation FIFO, a main FIFO with reinsertion, ghosts of the small one
+    ARC = "arc"  # adaptive split between once-used and reused keys, steered by ghosts of both
+    LFU = "lfu"  # least frequently used first (saturating, aged counts), LRU among equals
+
+
+def parse_eviction(value: EvictionKind | str, name: str = "eviction") -> EvictionKind:
+    """`value` as an `EvictionKind`; `ConfigError` naming `name` and the choices otherwise."""
+    try:
+        return EvictionKind(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be one of {[k.value for k in EvictionKind]}, got {value!r}") from None
+
+
+class EvictionPolicy(abc.ABC, Generic[K]):
+    """The evictable keys of one tier, in the order they leave it.
+
+    Invariant: `len(self)` keys are held; a key is held from `insert` until `pop` or `remove`
+    returns it. Callers insert only keys not held, and access, refresh or remove only held
+    keys (a `KeyError` otherwise). `pop` may reorder keys on its way (second chances) and may
+    remember the key it returns (a ghost) to judge it when it is inserted again.
+    """
+
+    kind: ClassVar[EvictionKind]
+    counts_uses: ClassVar[bool] = True  # False where `access` and `refresh` are the same
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks <= 0:
+            raise ValueError(f"an eviction policy needs a capacity > 0, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of keys held."""
+
+    @abc.abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is held."""
+
+    @abc.abstractmethod
+    def insert(self, key: K) -> None:
+        """Hold a key not held (a block entering the tier, or returning from a pin)."""
+
+    @abc.abstractmethod
+    def access(self, key: K) -> None:
+        """A new use of a held key: counts towards its frequency and makes it recent."""
+
+    @abc.abstractmethod
+    def refresh(self, key: K) -> None:
+        """The same use of a held key seen again: makes it recent, counts nothing."""
+
+    def refresher(self) -> Callable[[K], None]:
+        """`refresh` as the cheapest callable this policy has (a bound C method for LRU), for
+        loops over many keys."""
+        return self.refresh
+
+    def inserter(self) -> Callable[[K], None]:
+        """`insert` as the cheapest callable this policy has."""
+        return self.insert
+
+    @abc.abstractmethod
+    def remove(self, key: K) -> None:
+        """Stop holding `key` without evicting it (a pin, a discard). A policy with a history
+        may keep the key's count in it, so that an unpinned key comes back as it left."""
+
+    @abc.abstractmethod
+    def pop(self) -> K:
+        """Stop holding and return the next key to evict. `IndexError` when none is held."""
+
+    def pop_many(self, num: int) -> list[K]:
+        """`pop` `num` times; the keys in the order popped."""
+        return [self.pop() for _ in range(num)]
+
+    @abc.abstractmethod
+    def restore(self, key: K) -> None:
+        """Undo the `pop` that returned `key`: held again, next to be evicted, with whatever
+        the pop remembered of it forgotten. Used when the eviction could not be carried out."""
+
+    @abc.abstractmethod
+    def order(self) -> Iterator[K]:
+        """The held keys, roughly in eviction order (the next to go first); changes nothing."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Forget every key, history included."""
+
+    @abc.abstractmethod
+    def check_integrity(self) -> None:
+        """Raise `RuntimeError` (a bug) if an internal invariant does not hold."""
+
+
+class LRUPolicy(EvictionPolicy[K]):
+    """Least recently used first: one ordered dict, the first key the oldest."""
+
+    kind = EvictionKind.LRU
+    counts_uses = False
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__(capacity_blocks)
+        self._order: OrderedDict[K, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order
+
+    def insert(self, key: K) -> None:
+        self._order[key] = None
+
+    def access(self, key: K) -> None:
+        self._order.move_to_end(key)
+
+    refresh = access
+
+    def refresher(self) -> Callable[[K], None]:
+        return self._order.move_to_end
+
+    def inserter(self) -> Callable[[K], None]:
+        return self._order.setdefault  # the key is not held: appended, most recent
+
+    def remove(self, key: K) -> None:
+        del self._order[key]
+
+    def pop(self) -> K:
+        if not self._order:
+            raise IndexError("pop from an empty LRU policy")
+        return self._order.popitem(last=False)[0]
+
+    def pop_many(self, num: int) -> list[K]:
+        if num > len(self._order):
+            raise IndexError(f"pop of {num} keys from an LRU policy holding {len(self._order)}")
+        popitem = self._order.popitem
+        return [popitem(False)[0] for _ in range(num)]
+
+    def restore(self, key: K) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
+    def order(self) -> Iterator[K]:
+        return iter(self._order)
+
+    def clear(self) -> None:
+        self._order.clear()
+
+    def check_integrity(self) -> None:
+        return None  # one ordered dict: nothing can disagree
+
+
+def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
+    """Drop the oldest entries of a ghost list until at most `limit` remain."""
+    while len(ghosts) > limit:
+        ghosts.popitem(last=False)
+
+
+def make_policy(kind: EvictionKind | str, capacity_blocks: int) -> EvictionPolicy[K]:
+    """A new, empty policy of `kind` for a tier of `capacity_blocks` blocks."""
+    from tiers.arc import ARCPolicy
+    from tiers.lfu import LFUPolicy
+    from tiers.s3fifo import S3FIFOPolicy
+
+    kind = parse_eviction(kind)
+    classes: dict[EvictionKind, type[EvictionPolicy[K]]] = {
+        EvictionKind.LRU: LRUPolicy, EvictionKind.S3FIFO: S3FIFOPolicy,
+        EvictionKind.ARC: ARCPolicy, EvictionKind.LFU: LFUPolicy,
+    }
+    return classes[kind](capacity_blocks)

@@ -1,0 +1,234 @@
+"""Calls to the remote server with a bound on their total time, and the health of each kind.
+
+redis-py bounds each socket operation by `socket_timeout`, not a call: a server that drips
+its reply one byte at a time keeps a call running for ever. Here every connection's socket
+consults the calling thread's deadline (`deadline()`): each send and receive may take the
+time left, and no more (a connect: at most `socket_connect_timeout`), and once it is gone the
+operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
+by itself: a large read may wait on a busy server as long as the whole call ends in time.
+redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
+half-read state.
+
+`Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
+writes never makes a read a miss), its circuit breaker and its rate-limited warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+from tiers.remote_url import UrlParts, parse
+
+logger = logging.getLogger("tiers.remote")
+
+PASSWORD_ENV = "KVSTRATA_REMOTE_PASSWORD"
+WARN_EVERY_S = 10.0
+_FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Bound every socket operation of this thread's redis calls in the block to end within
+    `seconds` from now, together."""
+    previous = getattr(_local, "deadline", None)
+    _local.deadline = time.monotonic() + seconds
+    try:
+        yield
+    finally:
+        _local.deadline = previous
+
+
+def _time_left() -> float | None:
+    """Seconds left before this thread's deadline (None: no deadline); `TimeoutError` (that is
+    `socket.timeout`, which redis-py turns into its own `TimeoutError`) if none are left."""
+    end: float | None = getattr(_local, "deadline", None)
+    if end is None:
+        return None
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("kvstrata: the call's deadline passed")  # socket.timeout
+    return left
+
+
+def _bounded(timeout: float | None, left: float | None) -> float | None:
+    """`timeout` cut to `left` (None: blocking; 0: a non-blocking poll, left as is)."""
+    if left is None or timeout == 0:
+        return timeout
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineSocket:
+    """A connected socket whose blocking operations end by the calling thread's deadline."""
+
+    def __init__(self, sock: Any, timeout: float | None) -> None:
+        self._sock = sock
+        self._timeout = timeout  # what redis-py asked for
+        self._armed = timeout  # what the socket has now
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = self._armed = timeout
+        self._sock.settimeout(timeout)
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _arm(self) -> None:
+        left = _time_left()
+        bound = self._timeout if left is None or self._timeout == 0 else left  # 0: redis-py polls
+        if bound != self._armed:  # a system call: skipped while the deadline is further off
+            self._sock.settimeout(bound)
+            self._armed = bound
+
+    def recv(self, size: int, *flags: int) -> bytes:
+        self._arm()
+        return self._sock.recv(size, *flags)  # type: ignore[no-any-return]
+
+    def recv_into(self, buffer: Any, *args: int) -> int:
+        self._arm()
+        return self._sock.recv_into(buffer, *args)  # type: ignore[no-any-return]
+
+    def sendall(self, data: Any, *flags: int) -> None:
+        self._arm()  # since Python 3.5 a timeout bounds the whole sendall
+        self._sock.sendall(data, *flags)
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        self._arm()
+        return self._sock.sendmsg(buffers, *args)  # type: ignore[no-any-return]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `sendmsg` works (not on TLS)."""
+        return not isinstance(self._sock, ssl.SSLSocket)
+
+    def __getattr__(self, name: str) -> Any:  # fileno, shutdown, close, getsockname, pending, ...
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    """Connects within the deadline and hands redis-py a `_DeadlineSocket`."""
+
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+
+    def _connect(self) -> Any:
+        left = _time_left()
+        saved = self.socket_connect_timeout, self.socket_timeout
+        if left is not None:
+            self.socket_connect_timeout = _bounded(saved[0], left)
+            self.socket_timeout = _bounded(saved[1], left)  # a TLS handshake
+        try:
+            sock = super()._connect()  # type: ignore[misc]
+        finally:
+            self.socket_connect_timeout, self.socket_timeout = saved
+        sock.settimeout(saved[1])
+        return _DeadlineSocket(sock, saved[1])
+
+    def deadline_socket(self) -> _DeadlineSocket:
+        """The connected socket (connecting first), for `tiers/remote_stream.py`'s own RESP."""
+        if getattr(self, "_sock", None) is None:
+            self.connect()  # type: ignore[attr-defined]
+        sock: _DeadlineSocket = self._sock  # type: ignore[attr-defined]
+        return sock
+
+
+def _connection_class(scheme: str) -> type:
+    from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+    base = UnixDomainSocketConnection if scheme == "unix" else SSLConnection if scheme.startswith("rediss") \
+        else Connection
+    return type(f"Deadline{base.__name__}", (_DeadlineMixin, base), {})
+
+
+def connect(url: str, timeout_s: float, parts: UrlParts | None = None) -> Any:
+    """A redis-py client for `url` whose calls honour `deadline()`: `Redis`, or `RedisCluster`
+    for a cluster URL (which contacts the cluster at once: call it within a deadline). The
+    password comes from the URL or `KVSTRATA_REMOTE_PASSWORD`. redis-py retries nothing."""
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    parts = parts or parse(url)
+    password = parts.password or os.environ.get(PASSWORD_ENV) or None
+    # Blocks are large: read in 1 MiB chunks (a socket with a timeout polls before each read).
+    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                              "socket_read_size": 1 << 20, "connection_class": _connection_class(parts.scheme)}
+    if not parts.scheme.endswith("+cluster"):
+        client = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
+        if password and not client.connection_pool.connection_kwargs.get("password"):
+            client.connection_pool.connection_kwargs["password"] = password
+        return client
+    from redis.connection import parse_url
+
+    # The query's options, typed as redis-py types them for a standalone URL.
+    query = urllib.parse.urlencode([(k, v) for k, v in parts.options if k not in ("password", "username", "db")])
+    options = {k: v for k, v in parse_url(  # type: ignore[no-untyped-call]  # redis-py's parse_url is unannotated
+        f"redis://x/?{query}").items() if k != "host"}
+    (host, port), *others = parts.hosts
+    # `url=` makes every node's pool take `connection_class` (the one that honours deadlines).
+    return RedisCluster(url=f"redis://{host}:{port}", startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]  # redis-py's ClusterNode is unannotated
+                        username=parts.username, password=password, require_full_coverage=False,
+                        retry=Retry(NoBackoff(), 1), **common, **options)
+
+
+class Health:
+    """The faults of one kind of call to the server (reads, or writes), and its breaker:
+    after `_FAILURES_TO_OPEN` consecutive faults no call of this kind is made for `cooldown_s`,
+    then calls are tried again. Thread-safe."""
+
+    def __init__(self, kind: str, cooldown_s: float) -> None:
+        self.kind = kind
+        self.num_errors = 0
+        self._cooldown_s = cooldown_s
+        self._failures = 0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+        self.warn = RateLimitedWarning()
+
+    def available(self) -> bool:
+        """Whether calls of this kind are made now (the breaker is closed)."""
+        return time.monotonic() >= self._open_until
+
+    def fault(self, message: str) -> None:
+        """Count a fault, open the breaker if they repeat, warn at most every `WARN_EVERY_S`."""
+        with self._lock:
+            self.num_errors += 1
+            self._failures += 1
+            if self._failures >= _FAILURES_TO_OPEN:
+                self._open_until = time.monotonic() + self._cooldown_s
+        self.warn(message)
+
+    def ok(self) -> None:
+        with self._lock:
+            self._failures = 0
+
+
+class RateLimitedWarning:
+    """Logs a warning at most every `WARN_EVERY_S`, saying how many were held back."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, message: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < WARN_EVERY_S:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        logger.warning("kvstrata: %s%s", message, f" ({held} more like it since the last warning)" if held else "")

@@ -1,0 +1,233 @@
+"""RESP (the Redis protocol, versions 2 and 3) on a connected socket, for large values.
+
+Commands are packed as lists of buffers: the values themselves are never copied into a
+command; `send_all` hands the whole list to the kernel with `sendmsg` (scatter-gather), one
+system call for many commands. `RespReader` parses replies from its own 64 KiB buffer, and
+reads a bulk reply's value with `recv_into` straight into a buffer the caller chooses (one
+copy, by the kernel), so a value is never assembled piecewise or copied again in Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+_SMALL = 4096  # arguments shorter than this are copied into the command's header bytes
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+_READ_SIZE = 1 << 16  # the reader's own buffer
+Buffer = bytes | bytearray | memoryview
+
+
+class Socket(Protocol):
+    """What the reader and `send_all` need of a connected socket."""
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, /) -> int: ...
+    def sendall(self, data: Any, /) -> None: ...
+    def sendmsg(self, buffers: Any, /) -> int: ...
+
+
+class ProtocolError(ConnectionError):
+    """The server sent something that is not the RESP reply expected: the connection's
+    state is unknown and it must be closed."""
+
+
+class ReplyError(Exception):
+    """An error reply (`-ERR ...`, `-OOM ...`, `-MOVED ...`): the command failed, the
+    connection is fine."""
+
+    @property
+    def is_redirect(self) -> bool:
+        """A cluster node answering for a slot it does not serve (MOVED or ASK)."""
+        return str(self).startswith(("MOVED ", "ASK "))
+
+
+class Oversized(int):
+    """In place of a bulk value longer than the caller accepts: its length. The value was
+    read and dropped, so the connection stays usable."""
+
+
+def command(*args: Buffer | str | int) -> list[Buffer]:
+    """The RESP array of `args` as buffers to send in order; arguments of at least 4 KiB
+    are referenced, not copied."""
+    out: list[Buffer] = []
+    head = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data: Buffer = b"%d" % arg if isinstance(arg, int) else arg.encode() if isinstance(arg, str) else arg
+        size = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        if size < _SMALL:
+            head.append(b"$%d\r\n%s\r\n" % (size, data))
+        else:
+            head.append(b"$%d\r\n" % size)
+            out += (b"".join(head), data)
+            head = [b"\r\n"]
+    out.append(b"".join(head))
+    return out
+
+
+def send_all(sock: Socket, buffers: Sequence[Buffer], *, gather: bool = True) -> None:
+    """Send `buffers` in order, whole: with `sendmsg` (many buffers a call) when `gather`,
+    else one `sendall` each (a TLS socket cannot gather)."""
+    if not gather:
+        for buf in buffers:
+            sock.sendall(buf)
+        return
+    views = [memoryview(b).cast("B") for b in buffers]
+    i = 0
+    while i < len(views):
+        sent = sock.sendmsg(views[i : i + _IOV_MAX])
+        while sent:
+            size = views[i].nbytes
+            if sent < size:
+                views[i] = views[i][sent:]
+                break
+            sent -= size
+            i += 1
+        while i < len(views) and not views[i].nbytes:
+            i += 1
+
+
+class RespReader:
+    """Replies from one connection, in order. Keeps bytes read past a reply for the next;
+    `idle` says whether it holds none (a connection may go back to a pool only then)."""
+
+    def __init__(self, sock: Socket) -> None:
+        self._sock = sock
+        self._buf = bytearray(_READ_SIZE)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    @property
+    def idle(self) -> bool:
+        return self._start == self._end
+
+    def _fill(self) -> None:
+        """Read more bytes after those held (moving them to the front when needed)."""
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):
+            if self._start == 0:
+                raise ProtocolError(f"a reply line longer than {_READ_SIZE} bytes")
+            held = self._end - self._start
+            self._view[:held] = self._view[self._start : self._end]
+            self._start, self._end = 0, held
+        n = self._sock.recv_into(self._view[self._end :])
+        if n == 0:
+            raise ConnectionError("the server closed the connection")
+        self._end += n
+
+    def _line(self) -> bytes:
+        while True:
+            j = self._buf.find(b"\r\n", self._start, self._end)
+            if j >= 0:
+                line = bytes(self._view[self._start : j])
+                self._start = j + 2
+                return line
+            self._fill()
+
+    def _exact(self, dst: memoryview) -> None:
+        """Fill `dst` with the next bytes of the stream: first those held, then straight
+        from the socket (through the own buffer only for short tails)."""
+        held = min(self._end - self._start, dst.nbytes)
+        dst[:held] = self._view[self._start : self._start + held]
+        self._start += held
+        pos = held
+        while pos < dst.nbytes:
+            if dst.nbytes - pos < _READ_SIZE // 2:
+                self._fill()
+                take = min(self._end - self._start, dst.nbytes - pos)
+                dst[pos : pos + take] = self._view[self._start : self._start + take]
+                self._start += take
+                pos += take
+                continue
+            n = self._sock.recv_into(dst[pos:])
+            if n == 0:
+                raise ConnectionError("the server closed the connection")
+            pos += n
+
+    def _crlf(self) -> None:
+        while self._end - self._start < 2:
+            self._fill()
+        if self._buf[self._start : self._start + 2] != b"\r\n":
+            raise ProtocolError("a bulk reply not ended by CRLF")
+        self._start += 2
+
+    def _skip(self, size: int) -> None:
+        scratch = memoryview(bytearray(min(size, 1 << 20)))
+        while size:
+            take = min(size, scratch.nbytes)
+            self._exact(scratch[:take])
+            size -= take
+
+    def reply(self) -> Any:
+        """The next reply, RESP3 push messages skipped: bytes (a simple or bulk string),
+        int, float, bool, None, a list (arrays, sets and maps flattened), or a `ReplyError`
+        (returned, not raised)."""
+        while True:
+            kind, value = self._any()
+            if kind != b">":
+                return value
+
+    def _any(self) -> tuple[bytes, Any]:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        try:
+            if kind == b"+":
+                return kind, rest
+            if kind == b"-":
+                return kind, ReplyError(rest.decode(errors="replace"))
+            if kind in (b":", b"("):
+                return kind, int(rest)
+            if kind in (b"$", b"=", b"!"):
+                size = int(rest)
+                if size < 0:
+                    return kind, None
+                data = bytearray(size)
+                self._exact(memoryview(data))
+                self._crlf()
+                return kind, ReplyError(data.decode(errors="replace")) if kind == b"!" else bytes(data)
+            if kind == b"_":
+                return kind, None
+            if kind == b"#":
+                return kind, rest == b"t"
+            if kind == b",":
+                return kind, float(rest)
+            if kind in (b"*", b"~", b">", b"%", b"|"):
+                count = int(rest) * (2 if kind in (b"%", b"|") else 1)
+                items = [self._any()[1] for _ in range(max(count, 0))]
+                return kind, None if count < 0 else items
+        except ValueError:
+            pass
+        raise ProtocolError(f"not a RESP reply: {line[:40]!r}")
+
+    def bulk_into(self, buffer_for: Callable[[int], memoryview | None]) -> memoryview | Oversized | ReplyError | None:
+        """The next reply, a bulk string, read into `buffer_for(length)` (a view of exactly
+        that many bytes; None: longer than wanted, read and dropped, `Oversized` returned).
+        None for a null reply; a `ReplyError` for an error; `ProtocolError` for anything else."""
+        while True:
+            line = self._line()
+            kind = line[:1]
+            if kind == b">":  # a push message before the reply: parse it whole and skip it
+                self._start -= len(line) + 2
+                self._any()
+                continue
+            break
+        if kind == b"$":
+            try:
+                size = int(line[1:])
+            except ValueError:
+                raise ProtocolError(f"bad bulk length: {line[:40]!r}") from None
+            if size < 0:
+                return None
+            dst = buffer_for(size)
+            if dst is None:
+                self._skip(size)
+                self._crlf()
+                return Oversized(size)
+            self._exact(dst)
+            self._crlf()
+            return dst
+        if kind == b"_":
+            return None
+        if kind == b"-":
+            return ReplyError(line[1:].decode(errors="replace"))
+        raise ProtocolError(f"expected a bulk string, got {line[:40]!r}")
