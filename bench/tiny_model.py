@@ -38,8 +38,7 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyLlamaSpec | None = 
     Idempotent: an existing build with the same spec is reused.
     """
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinyLlamaSpec()
     path = os.fspath(path)
@@ -67,18 +66,24 @@ def build_tiny_llama(path: str | os.PathLike[str], spec: TinyLlamaSpec | None = 
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
 
-    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
-    for i in range(3, spec.vocab_size):
-        vocab[f"{WORD_PREFIX}{i}"] = i
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(path)
+    save_word_tokenizer(path, spec.vocab_size)
     with open(stamp, "w") as f:
         json.dump(asdict(spec), f)
     return path
+
+
+def save_word_tokenizer(path: str, vocab_size: int) -> None:
+    """Save under `path` a word-level tokenizer: id `i >= 3` is the word `w<i>`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab_size):
+        vocab[f"{WORD_PREFIX}{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
 
 
 def words(token_ids: list[int]) -> str:

@@ -124,14 +124,14 @@ def test_planner_loads_the_hit_beyond_local_and_saves_new_full_blocks(tmp_path: 
     planner.on_alloc("r", tokens, num_external_tokens=8)
     ids = [40, 41, 42, 43, 44]
     # Step 1: vLLM reports 12 computed (4 local + 8 loaded) and schedules 7 more.
-    plan = planner.build([("r", 12, 7)], lambda _: ids)
+    plan = planner.build([("r", 12, 7)], lambda _: [ids])
     assert [(t.first_block, t.block_ids) for t in plan.loads] == [(1, (41, 42))]
     assert np.array_equal(plan.loads[0].token_ids, np.arange(10, 22, dtype=np.uint32))
     assert [(t.first_block, t.block_ids) for t in plan.saves] == [(3, (43,))]  # 19 // 4 = 4 blocks
     # Step 2: one more token completes block 4; nothing is saved twice.
-    plan = planner.build([("r", 19, 1)], lambda _: ids)
+    plan = planner.build([("r", 19, 1)], lambda _: [ids])
     assert plan.loads == [] and [(t.first_block, t.block_ids) for t in plan.saves] == [(4, (44,))]
-    assert planner.build([("r", 20, 1)], lambda _: ids).saves == []
+    assert planner.build([("r", 20, 1)], lambda _: [ids]).saves == []
     planner.forget("r")
     assert not planner.is_tracked("r")
 
@@ -213,11 +213,11 @@ def test_planner_keys_lookups_and_transfers_by_extra_keys(tmp_path: Path) -> Non
     assert planner.num_new_matched_tokens("b", tokens, 0, b) == 0  # another tenant: a miss
     assert planner.num_new_matched_tokens("a", tokens, 0, a) == 12
     planner.on_alloc("a", tokens, 12)
-    plan = planner.build([("a", 12, 8)], lambda _: [1, 2, 3, 4, 5])
+    plan = planner.build([("a", 12, 8)], lambda _: [[1, 2, 3, 4, 5]])
     assert plan.loads[0].extra_keys == a and plan.saves[0].extra_keys == a
     assert planner.num_new_matched_tokens("x", tokens, 0, None, cacheable=False) == 0
     planner.on_alloc("x", tokens, 0)
-    assert planner.build([("x", 0, 20)], lambda _: [1, 2, 3, 4, 5]).saves == []  # never saved
+    assert planner.build([("x", 0, 20)], lambda _: [[1, 2, 3, 4, 5]]).saves == []  # never saved
 
 
 # -- content-derived weights identity (correctness issue, item 2) --------------------------
@@ -305,7 +305,7 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
         return original(*args, **kwargs)
 
     store.retrieve_into = slow_retrieve_into  # type: ignore[method-assign]
-    load = BlockTransfer("r", tokens, 0, (5, 6, 7, 2))
+    load = BlockTransfer.single("r", tokens, 0, (5, 6, 7, 2))
     worker.load(StepPlan(async_loads=[load]))
     worker.load(StepPlan(delayed_frees=["r"]))  # vLLM aborted it meanwhile
     assert worker.get_finished({"r"}) == (None, None)  # still loading: nothing to report

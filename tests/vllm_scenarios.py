@@ -7,7 +7,9 @@ deployment would, so vLLM's process-global state never leaks between tests. Usag
 rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
 loras (name -> adapter directory; a prompt dict's "lora" names one),
 reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len,
-connector_name and module_path (how vLLM finds the connector: default "TierKVConnector" in
+llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size (null: vLLM's
+choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
+module_path (how vLLM finds the connector: default "TierKVConnector" in
 "engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers).
 """
 
@@ -47,15 +49,10 @@ def run(spec: dict) -> dict:
     loras = spec.get("loras") or {}  # name -> adapter directory
     if loras:
         kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=len(loras))
-    llm = LLM(
-        model=spec["model"],
-        enforce_eager=True,
-        block_size=32,
-        dtype="float32",
-        max_model_len=spec.get("max_model_len", 4096),
-        seed=0,
-        **kwargs,
-    )
+    kwargs = {"enforce_eager": True, "block_size": 32, "dtype": "float32", **kwargs, **(spec.get("llm") or {})}
+    if kwargs["block_size"] is None:
+        del kwargs["block_size"]
+    llm = LLM(model=spec["model"], max_model_len=spec.get("max_model_len", 4096), seed=0, **kwargs)
     params = SamplingParams(max_tokens=spec.get("max_tokens", 8), temperature=0.0)
     schedule = spec.get("rounds", 1)
     if isinstance(schedule, int):
@@ -90,6 +87,7 @@ def run(spec: dict) -> dict:
         if spec.get("reset_between"):
             llm.reset_prefix_cache()
     stats_path = (spec.get("connector") or {}).get("stats_path")
+    llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
     return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path)}
 

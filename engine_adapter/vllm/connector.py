@@ -9,18 +9,20 @@ entry point registers it, `plugin.py`), or by module path:
 
 One class per role does the work: `ConnectorScheduler` (scheduler_side.py) looks up the
 longest stored prefix beyond vLLM's own hit under the request's isolation keys, and plans per
-step which blocks to load and which newly completed blocks to save; `ConnectorWorker`
-(worker_side.py) copies whole blocks as bytes, synchronously, so nothing waits on
-`get_finished`. The namespace is `store_config.py`'s.
+step which blocks to load and which newly completed blocks to save; `GroupedWorker`
+(group_worker.py) copies whole blocks as bytes, one `ConnectorWorker` (worker_side.py) per
+KV cache group. There is one store per KV cache group and distinct tensor-parallel shard or
+pipeline stage (`store_config.py`); vLLM's hybrid KV cache manager is supported
+(`SupportsHMA`), and each group keeps the blocks its kind of attention needs (`groups.py`).
 
-Processes: when the scheduler and the worker share a process they share one store; when they
-do not (vLLM's default multiprocess mode), the scheduler opens a disk-only view of the same
-`disk_path` and sees what the worker wrote through to it.
+Processes: when the scheduler and the worker share a process they share the stores; when they
+do not (vLLM's default multiprocess mode, and always under tensor or pipeline parallelism),
+the scheduler opens disk-only views of every worker's stores under the same `disk_path`, sees
+what the workers wrote through to it, and calls a block a hit only where all of them hold it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,17 +32,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from engine_adapter.vllm.engine_metrics import KVStrataPromMetrics, KVStrataStats, hit_sources
+from engine_adapter.vllm.group_lookup import GroupLookup
+from engine_adapter.vllm.group_worker import GroupedWorker
 from engine_adapter.vllm.metrics_server import serve_metrics
+from engine_adapter.vllm.parallel import Place, this_worker
 from engine_adapter.vllm.scheduler_side import ConnectorScheduler
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
 from engine_adapter.vllm.stats import ConnectorStats
-from engine_adapter.vllm.store_config import store_config_for
+from engine_adapter.vllm.store_config import StorePlanner
 from engine_adapter.vllm.transfer_plan import StepPlan
-from engine_adapter.vllm.worker_side import ConnectorWorker
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
 
@@ -64,53 +70,75 @@ class TierConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
 
 
-class TierKVConnector(KVConnectorBase_V1):
-    """A prefix cache for vLLM in kvstrata's CPU and disk tiers; synchronous loads and saves."""
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """A prefix cache for vLLM in kvstrata's CPU, disk and remote tiers."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = ConnectorSettings.from_sources(self._kv_transfer_config.kv_connector_extra_config)
-        self.store_config = store_config_for(vllm_config, kv_cache_config, self.settings)
+        self.store_planner = StorePlanner(vllm_config, kv_cache_config, self.settings)
         self._stats = ConnectorStats(role.name.lower(), self.settings.stats_path)
-        self._store_key: StoreConfig | None = None
-        self._worker: ConnectorWorker | None = None
+        self._store_keys: list[StoreConfig] = []
+        self._worker: GroupedWorker | None = None
         self._scheduler: ConnectorScheduler | None = None
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # request -> its hit by source
+        # With several KV cache groups vLLM takes no failed block ids: every load runs in the
+        # background, and a failed one makes vLLM recompute the request whole.
+        several = len(kv_cache_config.kv_cache_groups) > 1
         if role == KVConnectorRole.WORKER:
-            layers = list(kv_cache_config.kv_cache_groups[0].layer_names)
-            store = self._open(self.store_config)
-            if self.settings.metrics_port is not None:
-                serve_metrics(store, self.settings.metrics_port, self.settings.metrics_host)
-            self._worker = ConnectorWorker(store, self.store_config, layers, kv_cache_config.num_blocks, self._stats,
-                                           async_saves=self.settings.async_saves)
+            place = this_worker(vllm_config)
+            self.store_planner.publish(place)
+            stores = self.store_planner.worker_stores(place)
+            if not stores:
+                raise ConfigError(f"kvstrata: worker {place} holds no KV cache layer")
+            opened = [(gs, self._open(gs.config)) for gs in stores]
+            primary = next((store for gs, store in opened if gs.group == self.store_planner.primary), opened[0][1])
+            self.store_config = primary.config
+            if self.settings.metrics_port is not None and place.rank == 0:  # one server per port
+                serve_metrics(primary, self.settings.metrics_port, self.settings.metrics_host)
+            self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
+                                         async_saves=self.settings.async_saves, fail_whole_requests=several)
         else:
-            self._scheduler = ConnectorScheduler(self._open_scheduler_store(), self.store_config.block_size,
-                                                 self._stats, async_saves=self.settings.async_saves,
-                                                 async_loads=self.settings.async_loads)
-        logger.info("kvstrata connector (%s) over %s", role.name, self.store_config.disk_path)
+            lookup = self._open_scheduler_stores()
+            self.store_config = lookup.stores[lookup.primary][0].config
+            if several and not self.settings.async_loads:
+                logger.warning("kvstrata: async_loads is off but this model has several KV cache groups: its loads "
+                               "run in the background anyway (vLLM can then recompute a failed one)")
+            self._scheduler = ConnectorScheduler(
+                lookup.stores[lookup.primary][0], self.store_planner.block_size, self._stats,
+                async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
+                async_only=several)
+        logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
+                    self.settings.disk_path, len(kv_cache_config.kv_cache_groups))
 
     def _open(self, config: StoreConfig) -> KVCacheStore:
-        self._store_key = config
+        self._store_keys.append(config)
         return acquire_store(config)
 
-    def _open_scheduler_store(self) -> KVCacheStore:
-        if find_store(self.store_config) is not None:  # the worker lives in this process: share its tiers
-            return self._open(self.store_config)
+    def _open_scheduler_stores(self) -> GroupLookup:
+        """The scheduler's stores: the worker's own where it lives in this process, else
+        disk-only views of every worker's stores."""
+        rules, primary = self.store_planner.rules, self.store_planner.primary
+        own = self.store_planner.worker_stores(Place(1, 0, 1, 0)) if len(self.store_planner.places) == 1 else []
+        if own and all(find_store(gs.config) is not None for gs in own):  # share the worker's tiers
+            stores: list[list[KVCacheStore]] = [[] for _ in rules]
+            for gs in own:
+                stores[gs.group].append(self._open(gs.config))
+            return GroupLookup(rules, stores, primary)
         if self.settings.disk_path is None:
             raise ConfigError(
-                "kvstrata: the vLLM scheduler runs in another process than the worker "
-                "(multiprocess mode); set disk_path so that both can reach the store, "
-                "or run with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+                "kvstrata: the vLLM scheduler runs in another process than the workers "
+                "(multiprocess mode, or tensor/pipeline parallelism); set disk_path so that it can see "
+                "what they store, or run one worker with VLLM_ENABLE_V1_MULTIPROCESSING=0"
             )
         if not self.settings.write_through:
-            logger.warning("kvstrata: scheduler and worker are in different processes and write_through is off: "
+            logger.warning("kvstrata: scheduler and workers are in different processes and write_through is off: "
                            "the scheduler sees blocks only once they reach disk")
-        # Only the worker's store publishes KV events: it is the one that stores.
-        return self._open(dataclasses.replace(self.store_config, cpu_bytes=0, write_through=False,
-                                              events_endpoint=None))
+        views = [[self._open(c) for c in configs] for configs in self.store_planner.every_shard()]
+        return GroupLookup(rules, views, primary)
 
     @property
-    def worker(self) -> ConnectorWorker:
+    def worker(self) -> GroupedWorker:
         if self._worker is None:
             raise RuntimeError("kvstrata: worker-side call on a scheduler connector (or after shutdown)")
         return self._worker
@@ -146,18 +174,27 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s two sets, and (several KV cache groups) the requests whose
+        background load failed among those it reports ended."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=self.worker.take_failed_loads(recving))
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose delayed free may happen now, requests whose background load ended)."""
         return self.worker.get_finished(finished_req_ids)
 
     def shutdown(self) -> None:
-        """Release the store (the last user in this process flushes and closes it)."""
+        """Release the stores (the last user of each in this process flushes and closes it)."""
         if self._worker is not None:
-            self._worker.flush()  # queued saves land before the store closes
-        if self._store_key is not None:
+            self._worker.flush()  # queued saves land before the stores close
+        if self._store_keys:
             self._stats.write()
-            release_store(self._store_key)
-            self._store_key = self._worker = self._scheduler = None
+            for config in self._store_keys:
+                release_store(config)
+            self._store_keys = []
+            self._worker = self._scheduler = None
 
     # ==============================  scheduler side  ==============================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -167,7 +204,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if blocks is not None else ()
-        self.scheduler.update_state_after_alloc(request, num_external_tokens, list(ids[0]) if ids else [])
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, [list(g) for g in ids])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return TierConnectorMetadata(self.scheduler.build_plan(scheduler_output))
@@ -175,6 +212,12 @@ class TierKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._hit_sources.pop(request.request_id, None)
         return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: the request finished in every KV cache group."""
+        self._hit_sources.pop(request.request_id, None)
+        return self.scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     # ==============================  vLLM's metrics and timing  ==============================
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

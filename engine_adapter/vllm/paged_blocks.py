@@ -3,7 +3,9 @@
 The engine's block contents are opaque here: whatever a layer tensor holds for one block
 (K and V, any head/token packing, any dtype) is copied as bytes, in the layer view's logical
 element order. A kvstrata block is those bytes for every layer, in layer order, shaped as
-the uint8 layout `[num_layers, 2, block_size, 1, bytes_per_layer // (2 * block_size)]`.
+the uint8 layout `[num_layers, 2, block_size, 1, slot // (2 * block_size)]`, where a layer's
+slot is its bytes rounded up to a multiple of `2 * block_size` (a recurrent state's size need
+not divide by the block's tokens); the rounding bytes are zeros.
 """
 
 from __future__ import annotations
@@ -18,13 +20,11 @@ from kvstore.errors import ConfigError, LayoutMismatchError
 
 
 def opaque_layout(num_layers: int, layer_block_bytes: int, block_size: int) -> KVLayout:
-    """The uint8 `KVLayout` whose block holds `layer_block_bytes` per layer."""
-    if layer_block_bytes % (2 * block_size):
-        raise ConfigError(
-            f"a layer's block of {layer_block_bytes} bytes does not split into K/V halves of "
-            f"{block_size} tokens"
-        )
-    return KVLayout(num_layers, 1, layer_block_bytes // (2 * block_size), torch.uint8)
+    """The uint8 `KVLayout` whose block holds `layer_block_bytes` per layer (each layer's
+    slot rounded up to a multiple of `2 * block_size` bytes)."""
+    if layer_block_bytes < 1:
+        raise ConfigError(f"a layer's block must hold at least one byte, got {layer_block_bytes}")
+    return KVLayout(num_layers, 1, -(-layer_block_bytes // (2 * block_size)), torch.uint8)
 
 
 class PagedKVBlocks:
@@ -57,6 +57,7 @@ class PagedKVBlocks:
         self.layer_block_bytes = kernel_bytes * self.kernel_per_block
         self.layout = opaque_layout(len(layers), self.layer_block_bytes, block_size)
         self.block_shape = self.layout.block_shape(block_size)
+        self._padded = self.layout.block_bytes(block_size) != len(layers) * self.layer_block_bytes
         self.device = first.device
 
     def _kernel_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -69,8 +70,10 @@ class PagedKVBlocks:
         return ids.to(self.device)
 
     def staging(self, num_blocks: int) -> torch.Tensor:
-        """A host buffer of `num_blocks` kvstrata blocks: `[num_blocks, *block_shape]` uint8."""
-        return torch.empty((num_blocks, *self.block_shape), dtype=torch.uint8)
+        """A host buffer of `num_blocks` kvstrata blocks: `[num_blocks, *block_shape]` uint8
+        (zeroed where layer slots are rounded up, so those bytes are always zeros)."""
+        make = torch.zeros if self._padded else torch.empty
+        return make((num_blocks, *self.block_shape), dtype=torch.uint8)
 
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy engine blocks `block_ids` into `out[:len(block_ids)]` (a `staging` buffer)."""
@@ -78,7 +81,7 @@ class PagedKVBlocks:
         if n == 0:
             return
         kidx = self._kernel_ids(block_ids)
-        flat = out.view(out.shape[0], len(self._views), -1)
+        flat = out.view(out.shape[0], len(self._views), -1)[:, :, : self.layer_block_bytes]
         for layer, view in enumerate(self._views):
             if view.device.type == "cpu":  # numpy: one thread (see tiers/blockcopy.py)
                 rows = np.take(view.numpy(), kidx.numpy(), axis=0)
@@ -92,7 +95,7 @@ class PagedKVBlocks:
         if n == 0:
             return
         kidx = self._kernel_ids(block_ids)
-        flat = src.view(src.shape[0], len(self._views), -1)
+        flat = src.view(src.shape[0], len(self._views), -1)[:, :, : self.layer_block_bytes]
         for layer, view in enumerate(self._views):
             rows = flat[:n, layer].reshape(kidx.numel(), *view.shape[1:])
             if view.device.type == "cpu":

@@ -7,10 +7,11 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine_adapter.vllm.group_lookup import GroupLookup
+from engine_adapter.vllm.groups import GroupKind, GroupRule
 from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
-from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
 from tiers.base import TierKind
 
@@ -22,11 +23,20 @@ logger = logging.getLogger(__name__)
 
 
 class ConnectorScheduler:
-    """Decides, for each request and step, what the worker copies; holds no KV."""
+    """Decides, for each request and step, what the worker copies; holds no KV.
+
+    `store` is the primary group's store (its load policy decides what is worth loading);
+    `lookup` finds hits across every group and shard (default: `store` alone, one full
+    attention group). With `async_only`, every load runs in the background, where vLLM can
+    be told of a failed one (with several KV cache groups it cannot take failed block ids).
+    """
 
     def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
-                 async_saves: bool = True, async_loads: bool = True) -> None:
+                 async_saves: bool = True, async_loads: bool = True, lookup: GroupLookup | None = None,
+                 async_only: bool = False) -> None:
         self.store = store
+        self.lookup = lookup or GroupLookup([GroupRule(GroupKind.FULL, block_size)], [[store]], 0)
+        self.async_only = async_only
         self.async_saves = async_saves
         self.async_loads = async_loads
         self._async_wanted: set[str] = set()  # told vLLM "asynchronous" for these lookups
@@ -35,32 +45,23 @@ class ConnectorScheduler:
         self._delayed: list[str] = []  # finished while loading: freed once the worker says so
         self.block_size = block_size
         self.stats = stats
-        self.planner = TransferPlanner(block_size, self._lookup)
+        self.planner = TransferPlanner(block_size, self._lookup, self.lookup.rules)
         self._finished: list[str] = []  # told to the worker with the next plan
         # Requests whose prefix was prefetched from disk/remote into the CPU tier when first seen
         # waiting (only where this process's store has a CPU tier: vLLM's single-process mode).
-        self._prefetch = any(t.kind.value == "cpu" for t in store.tiers) and any(
+        self._prefetch = len(self.lookup.every_store) == 1 and any(t.kind.value == "cpu" for t in store.tiers) and any(
             t.kind.value in ("disk", "remote") for t in store.tiers)
         self._prefetched: set[str] = set()
         self._kinds: list[TierKind] = []  # the tier of each block of the last lookup
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
-        """The planner's lookup: the cached prefix, cut by the load policy to the leading
+        """The planner's lookup: the prefix every group and shard holds (waiting first for
+        blocks this process's worker still has queued), cut by the load policy to the leading
         blocks worth loading (the worker in this process reports the prefill rate; until
-        then, all of them). Keeps each block's tier for `get_num_new_matched_tokens`."""
-        self._kinds = self._located(token_ids, extra_keys)
-        return self.store.load_policy.blocks_to_load(self._kinds) * self.block_size
-
-    def _located(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> list[TierKind]:
-        kinds = self.store.locate(token_ids, extra_keys=extra_keys)
-        hit = len(kinds) * self.block_size
-        if self.async_saves and hit + self.block_size <= len(token_ids) and PENDING.any(self.store):
-            # The next block may be on its way to the store (saved by this process's worker,
-            # queued in the background): wait for that write, then look again.
-            nxt = self.store.block_hashes(token_ids[: hit + self.block_size], extra_keys)[-1]
-            if PENDING.wait_for(self.store, nxt):
-                kinds = self.store.locate(token_ids, extra_keys=extra_keys)
-        return kinds
+        then, all of them) and back to a length every group can serve. Keeps each block's
+        tier for `get_num_new_matched_tokens`."""
+        self._kinds = self.lookup.locate(token_ids, extra_keys)
+        return self.lookup.cut(self.store.load_policy.blocks_to_load(self._kinds)) * self.block_size
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens kvstrata holds (and the load policy says to load) beyond vLLM's own
@@ -82,7 +83,8 @@ class ConnectorScheduler:
         )
         # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
         to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
-        slow = n > 0 and self.async_loads and any(k in (TierKind.DISK, TierKind.REMOTE) for k in to_load)
+        slow = n > 0 and (self.async_only or (self.async_loads and any(
+            k in (TierKind.DISK, TierKind.REMOTE) for k in to_load)))
         if slow:
             self._async_wanted.add(request.request_id)
         else:
@@ -93,7 +95,9 @@ class ConnectorScheduler:
         return n, slow
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int,
-                                 block_ids: Sequence[int] = ()) -> None:
+                                 block_ids: Sequence[Sequence[int]] = ()) -> None:
+        """Track the request vLLM allocated blocks for (`block_ids`: per KV cache group); a
+        load that runs in the background starts with the next step."""
         self.planner.on_alloc(request.request_id, request.all_token_ids, num_external_tokens)
         if request.request_id in self._async_wanted:
             self._async_wanted.discard(request.request_id)
@@ -122,9 +126,11 @@ class ConnectorScheduler:
             scheduled.append((req_id, cached.num_computed_tokens[i], num_new - len(spec.get(req_id, ()))))
         state = scheduler_output.kv_connector_block_state
 
-        def block_ids_of(req_id: str) -> list[int]:
+        num_groups = len(self.lookup.rules)
+
+        def block_ids_of(req_id: str) -> list[list[int]]:
             ids = state.get_block_ids(req_id) if state is not None else None
-            return list(ids[0]) if ids else []
+            return [list(g) for g in ids] if ids else [[] for _ in range(num_groups)]
 
         plan = self.planner.build(scheduled, block_ids_of)
         plan.num_prefill_tokens = sum(n for _, _, n in scheduled if n > 1)

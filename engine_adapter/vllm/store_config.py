@@ -1,17 +1,29 @@
-"""The `StoreConfig` a vLLM engine's connector opens: the namespace that identifies the model's
-KV on every host (content of the weights, effective config, dtypes, KV layout) and the tiers
-from the connector settings. Both roles derive it; they must agree exactly."""
+"""The stores a vLLM engine's connector opens: one per KV cache group and distinct shard.
+
+Every store's namespace identifies what its blocks hold, on every host: the engine and its
+version, the content of the weights and the effective model config (`model_identity`), the
+KV cache layout, the group's index and spec, the layers it covers, and which shard of a
+tensor-parallel group (none where every rank holds the same bytes, as MLA's latent). A worker
+opens its own groups' stores; the scheduler opens every worker's, to call a block a hit only
+where all of them hold it. Both derive the configs from vLLM's; they must agree exactly.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import TYPE_CHECKING
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from engine_adapter.vllm.groups import GroupRule, rule_for
 from engine_adapter.vllm.paged_blocks import opaque_layout
+from engine_adapter.vllm.parallel import Place, Shard, every_worker, publish_layers, read_layers, shard_of
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.weights_identity import weights_identity
 from kvstore import StoreConfig
 from kvstore.errors import ConfigError
+from tiers.codecs import CodecKind, parse_codec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,62 +52,160 @@ def model_identity(vllm_config: VllmConfig) -> dict[str, object]:
     }
 
 
-def store_config_for(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
-) -> StoreConfig:
-    """The `StoreConfig` both roles derive from vLLM's config (they must agree exactly)."""
-    import vllm
+def spec_identity(spec: Any) -> dict[str, object]:
+    """A vLLM KV cache spec as canonical data: its type and every field."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return {"type": type(spec).__name__, **{k: str(v) if not isinstance(v, (int, str, type(None))) else v
+                                            for k, v in sorted(fields.items())}}
 
-    parallel = vllm_config.parallel_config
-    if parallel.world_size != 1:
-        raise ConfigError(
-            f"TierKVConnector supports tensor/pipeline parallel size 1, got world size "
-            f"{parallel.world_size}"
+
+def _codecs(spec: Any, s: ConnectorSettings) -> dict[str, Any]:
+    """The slow tiers' codecs for one group: the settings' codecs on attention pages (a scale
+    per head vector of a token, in the pages' dtype). A state group (Mamba, linear attention)
+    never takes a lossy codec: its error would carry through every later token, so such a
+    group keeps raw bytes (a lossless codec still applies)."""
+    head = getattr(spec, "head_size", None)
+    if head is None:
+        return {"disk_codec": _lossless_only(s.disk_codec), "remote_codec": _lossless_only(s.remote_codec)}
+    return {"disk_codec": s.disk_codec, "remote_codec": s.remote_codec, "codec_dtype": spec.dtype,
+            "codec_group": head}
+
+
+def _lossless_only(codec: object) -> CodecKind:
+    """`codec` where it is exact, else the raw codec."""
+    kind = parse_codec(codec, "the connector's codec")
+    return CodecKind.NONE if kind.lossy else kind
+
+
+@dataclass(frozen=True)
+class GroupStore:
+    """One KV cache group's store as one worker holds it (`writer`: it saves the group)."""
+
+    group: int
+    rule: GroupRule
+    config: StoreConfig
+    layer_names: tuple[str, ...]
+    writer: bool
+
+
+class StorePlanner:
+    """Derives every store's `StoreConfig` from vLLM's config; refuses what it cannot key."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings) -> None:
+        import vllm
+
+        self.vllm_config, self.settings = vllm_config, settings
+        groups = kv_cache_config.kv_cache_groups
+        if not groups:
+            raise ConfigError("kvstrata: vLLM gave the connector no KV cache group")
+        for i, g in enumerate(groups):
+            if getattr(g, "is_eagle_group", False):
+                raise ConfigError(f"kvstrata cannot serve KV cache group {i}: it holds a speculative-decoding draft "
+                                  "model's layers, whose last block vLLM may rewrite")
+        self.specs = [g.kv_cache_spec for g in groups]
+        self.layer_names = [list(g.layer_names) for g in groups]
+        self.rules = [rule_for(spec, i) for i, spec in enumerate(self.specs)]
+        sizes = sorted({r.block_size for r in self.rules})
+        if len(sizes) != 1:
+            raise ConfigError(f"kvstrata needs one block size across KV cache groups, got {sizes}")
+        self.block_size = sizes[0]
+        self.places = every_worker(vllm_config)
+        self.deployment: dict[str, object] = {
+            "engine": "vllm",
+            "vllm": vllm.__version__,
+            "model": model_identity(vllm_config),
+            "layout": str(kv_cache_config.kv_cache_layout),
+            "user": settings.namespace,
+        }
+        # The group whose hit length the load policy and counters follow: the first full one.
+        full = [i for i, r in enumerate(self.rules) if r.kind.value == "full"]
+        self.primary = full[0] if full else 0
+
+    def _page(self, group: int) -> int:
+        """Bytes of one layer's block of `group` as vLLM's tensors expose it (without padding)."""
+        spec = self.specs[group]
+        return int(getattr(spec, "real_page_size_bytes", spec.page_size_bytes))
+
+    def _manifest_key(self) -> dict[str, object]:
+        """What names one deployment's pipeline-stage manifests (vLLM's layer partition too)."""
+        return {**self.deployment, "specs": [spec_identity(s) for s in self.specs],
+                "parallel": [self.places[-1].tp_size, self.places[-1].pp_size],
+                "partition": os.environ.get("VLLM_PP_LAYER_PARTITION")}
+
+    def _config(self, group: int, layers: list[str], shard: Shard, *, cpu_bytes: int,
+                events: bool, write_through: bool) -> StoreConfig:
+        spec, s = self.specs[group], self.settings
+        identity = {**self.deployment, "group": group, "groups": len(self.specs), "spec": spec_identity(spec),
+                    "layers": layers, "shard": shard.identity()}
+        return StoreConfig(
+            layout=opaque_layout(len(layers), self._page(group), self.block_size),
+            block_size=self.block_size,
+            namespace=json.dumps(identity, sort_keys=True, default=str),
+            cpu_bytes=cpu_bytes,
+            disk_path=s.disk_path,
+            disk_bytes=s.disk_bytes,
+            hash_algo=s.hash_algo,
+            verify_tokens=s.verify_tokens,
+            disk_sync=s.disk_sync,
+            write_through=write_through,
+            remote_url=s.remote_url,
+            **_codecs(spec, s),
+            events_endpoint=s.events_endpoint if events else None,
+            events_replay_endpoint=s.events_replay_endpoint if events else None,
+            events_topic=s.events_topic,
+            events_curve_cert=s.events_curve_cert,
+            events_curve_clients=s.events_curve_clients,
+            events_insecure=s.events_insecure,
+            events_connect=s.events_connect,
+            load_policy=s.load_policy,
+            instance_id=s.instance_id,
+            model_name=str(self.vllm_config.model_config.served_model_name)[:256] or None,
         )
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"TierKVConnector needs one KV cache group, got {len(groups)}")
-    spec = groups[0].kv_cache_spec
-    layer_names = list(groups[0].layer_names)
-    identity = {
-        "engine": "vllm",
-        "vllm": vllm.__version__,
-        "model": model_identity(vllm_config),
-        "layout": str(kv_cache_config.kv_cache_layout),
-        "spec": type(spec).__name__,
-        "num_kv_heads": spec.num_kv_heads,
-        "head_size": spec.head_size,
-        "head_size_v": getattr(spec, "head_size_v", spec.head_size),
-        "dtype": str(spec.dtype),
-        "block_size": spec.block_size,
-        "page_size_bytes": spec.page_size_bytes,
-        "layers": layer_names,
-        "user": settings.namespace,
-    }
-    return StoreConfig(
-        layout=opaque_layout(len(layer_names), spec.page_size_bytes, spec.block_size),
-        block_size=spec.block_size,
-        namespace=json.dumps(identity, sort_keys=True, default=str),
-        cpu_bytes=settings.cpu_bytes,
-        disk_path=settings.disk_path,
-        disk_bytes=settings.disk_bytes,
-        hash_algo=settings.hash_algo,
-        verify_tokens=settings.verify_tokens,
-        disk_sync=settings.disk_sync,
-        write_through=settings.write_through and settings.disk_path is not None,
-        remote_url=settings.remote_url,
-        disk_codec=settings.disk_codec,
-        remote_codec=settings.remote_codec,
-        codec_dtype=spec.dtype,  # the pages' bytes hold KV of this dtype
-        codec_group=spec.head_size,  # a scale per head vector of a token
-        events_endpoint=settings.events_endpoint,
-        events_replay_endpoint=settings.events_replay_endpoint,
-        events_topic=settings.events_topic,
-        events_curve_cert=settings.events_curve_cert,
-        events_curve_clients=settings.events_curve_clients,
-        events_insecure=settings.events_insecure,
-        events_connect=settings.events_connect,
-        load_policy=settings.load_policy,
-        instance_id=settings.instance_id,
-        model_name=str(vllm_config.model_config.served_model_name)[:256] or None,
-    )
+
+    def worker_stores(self, place: Place, layer_names: list[list[str]] | None = None) -> list[GroupStore]:
+        """The stores of the worker at `place` (the groups with layers there), the CPU tier
+        split between them by block size. Only the first worker's primary store publishes KV
+        events (one publisher per endpoint)."""
+        names = self.layer_names if layer_names is None else layer_names
+        s = self.settings
+        present = [g for g in range(len(self.specs)) if names[g]]
+        weights = {g: self._page(g) * len(names[g]) for g in present}
+        stores = []
+        for g in present:
+            share = s.cpu_bytes * weights[g] // sum(weights.values())
+            block = opaque_layout(len(names[g]), self._page(g), self.block_size).block_bytes(self.block_size)
+            if 0 < share < block:
+                raise ConfigError(f"kvstrata: cpu_bytes={s.cpu_bytes} leaves KV cache group {g} less than one "
+                                  f"block ({block} bytes); raise cpu_bytes or set it to 0")
+            shard = shard_of(self.specs[g], place)
+            config = self._config(g, names[g], shard, cpu_bytes=share, events=place.rank == 0 and g == self.primary,
+                                  write_through=s.write_through and s.disk_path is not None)
+            stores.append(GroupStore(g, self.rules[g], config, tuple(names[g]), shard.writer))
+        return stores
+
+    def publish(self, place: Place) -> None:
+        """Under pipeline parallelism, record this worker's layers for the scheduler."""
+        if place.pp_size > 1 and self.settings.disk_path is not None:
+            publish_layers(str(self.settings.disk_path), self._manifest_key(), place, self.layer_names)
+
+    def every_shard(self) -> list[list[StoreConfig]]:
+        """Per group, a disk-only view of every distinct shard's store (every stage, every
+        distinct tensor shard): what the scheduler checks in multiprocess mode."""
+        per_group: list[list[StoreConfig]] = [[] for _ in self.specs]
+        seen: set[str] = set()
+        for place in self.places:
+            names = self.layer_names
+            if place.pp_size > 1:
+                if self.settings.disk_path is None:
+                    raise ConfigError("kvstrata: pipeline parallelism needs disk_path (the scheduler reads every "
+                                      "stage's blocks there)")
+                names = read_layers(str(self.settings.disk_path), self._manifest_key(), place, len(self.specs))
+            for g in range(len(self.specs)):
+                if not names[g]:
+                    continue
+                config = self._config(g, names[g], shard_of(self.specs[g], place), cpu_bytes=0, events=False,
+                                      write_through=False)
+                if config.namespace not in seen:
+                    seen.add(config.namespace)
+                    per_group[g].append(config)
+        return per_group

@@ -2,22 +2,35 @@
 
 Pure Python over token ids and engine block ids, so it runs (and is tested) without the
 engine. Block `i` of a request covers tokens `[i * block_size, (i + 1) * block_size)` and
-lives in engine block `block_ids[i]`.
+lives, in KV cache group `g`, in engine block `block_ids[g][i]`. Each group's `GroupRule`
+says which of its blocks a hit needs: those are loaded, and after each step those a hit
+ending there would need are saved (every block for full attention).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine_adapter.vllm.groups import GroupKind, GroupRule
 from kvstore import ExtraKeys
 
 
 @dataclass(frozen=True)
+class GroupBlocks:
+    """Blocks `first_block .. first_block + len(block_ids) - 1` of a request in one KV cache
+    group, and the engine blocks they go to or come from."""
+
+    first_block: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class BlockTransfer:
-    """Copy blocks `first_block .. first_block + len(block_ids) - 1` of one request.
+    """Copy, in each KV cache group `g`, the blocks `groups[g]` names of one request.
 
     `token_ids` (uint32) cover every block up to the last one copied, so the worker can
     compute the chained keys.
@@ -25,9 +38,37 @@ class BlockTransfer:
 
     req_id: str
     token_ids: np.ndarray
-    first_block: int
-    block_ids: tuple[int, ...]
+    groups: tuple[GroupBlocks, ...]
     extra_keys: ExtraKeys | None = None
+
+    @classmethod
+    def single(cls, req_id: str, token_ids: np.ndarray, first_block: int, block_ids: tuple[int, ...],
+               extra_keys: ExtraKeys | None = None) -> BlockTransfer:
+        """A transfer in a model with one KV cache group."""
+        return cls(req_id, token_ids, (GroupBlocks(first_block, tuple(block_ids)),), extra_keys)
+
+    def _only(self) -> GroupBlocks:
+        if len(self.groups) != 1:
+            raise RuntimeError(f"transfer of {self.req_id} spans {len(self.groups)} KV cache groups (a bug)")
+        return self.groups[0]
+
+    @property
+    def first_block(self) -> int:
+        """The first block copied (a transfer of one group only)."""
+        return self._only().first_block
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        """The engine blocks copied (a transfer of one group only)."""
+        return self._only().block_ids
+
+    def group(self, g: int) -> BlockTransfer:
+        """The part of this transfer in group `g`, as a transfer of one group."""
+        return BlockTransfer(self.req_id, self.token_ids, (self.groups[g],), self.extra_keys)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g.block_ids) for g in self.groups)
 
 
 @dataclass
@@ -49,23 +90,48 @@ class StepPlan:
 
 @dataclass
 class _Request:
+    req_id: str
     token_ids: Sequence[int]  # a live view: grows as the request decodes
     num_saved_blocks: int  # leading blocks the store holds or a planned save will write
     load: tuple[int, int] | None  # block range to load in the next step
     extra_keys: ExtraKeys | None = None  # salt, adapter, multimodal inputs
     cacheable: bool = True  # False: nothing of it is saved (it cannot be keyed safely)
+    repeat_hit: int = 0  # the longest hit, in blocks, a repeat of its prompt can take
+
+
+def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ...], step_end: int) -> bool:
+    """Whether a block is saved: some hit ending at one of `hit_ends` needs it."""
+    return any(rule.savable(block, block_id, n, step_end) for n in hit_ends)
+
+
+def _last_run(blocks: range, block_ids: Sequence[int], keep: Callable[[int, int], bool]) -> GroupBlocks | None:
+    """The last run of consecutive `blocks` whose (block, engine block) `keep` accepts (the
+    blocks a group keeps are consecutive, and vLLM drops its oldest first), or None."""
+    end = min(blocks.stop, len(block_ids))
+    while end > blocks.start and not keep(end - 1, block_ids[end - 1]):
+        end -= 1
+    first = end
+    while first > blocks.start and keep(first - 1, block_ids[first - 1]):
+        first -= 1
+    if first == end:
+        return None
+    return GroupBlocks(first, tuple(block_ids[first:end]))
 
 
 class TransferPlanner:
     """Tracks requests from lookup to finish and turns each scheduled step into a `StepPlan`.
 
     Invariant: a tracked request's blocks `[0, num_saved_blocks)` are either held by the store
-    (as of its lookup) or part of a save already planned; each block is planned for saving at
-    most once while tracked, and only once the step computing its last token is scheduled.
+    (as of its lookup) or were considered by a save already planned; each block is planned for
+    saving at most once while tracked, and only once the step computing its last token is
+    scheduled. `rules` (one per KV cache group; default one full-attention group) say which
+    of a group's blocks are loaded and saved.
     """
 
-    def __init__(self, block_size: int, lookup: Callable[[Sequence[int], ExtraKeys | None], int]) -> None:
+    def __init__(self, block_size: int, lookup: Callable[[Sequence[int], ExtraKeys | None], int],
+                 rules: Sequence[GroupRule] | None = None) -> None:
         self.block_size = block_size
+        self.rules = list(rules) if rules is not None else [GroupRule(GroupKind.FULL, block_size)]
         self._lookup = lookup
         # req_id -> (local computed, store hit, extra keys, cacheable)
         self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool]] = {}
@@ -92,9 +158,18 @@ class TransferPlanner:
         return max(0, hit - num_computed)
 
     def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
-        """Start tracking a request the engine scheduled; plan its load if it has one."""
+        """Start tracking a request the engine scheduled; plan its load if it has one.
+
+        vLLM calls again, without a new lookup, once a background load has ended: the request
+        keeps its state (its keys above all). A request never looked up is never saved (its
+        keys are unknown)."""
         b = self.block_size
-        num_computed, hit, extra_keys, cacheable = self._pending.pop(req_id, (0, 0, None, True))
+        pending = self._pending.pop(req_id, None)
+        if pending is None:
+            if req_id in self._requests and num_external_tokens == 0:
+                return
+            pending = (0, 0, None, False)
+        num_computed, hit, extra_keys, cacheable = pending
         load = None
         if num_external_tokens > 0:
             end = num_computed + num_external_tokens
@@ -104,19 +179,32 @@ class TransferPlanner:
                     f"block-aligned store hit of {hit} tokens (a bug)"
                 )
             load = (num_computed // b, end // b)
-        self._requests[req_id] = _Request(token_ids, hit // b, load, extra_keys, cacheable)
+        self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable,
+                                          repeat_hit=max(0, len(token_ids) - 1) // b)
 
-    def take_load(self, req_id: str, block_ids: Sequence[int]) -> BlockTransfer | None:
+    def take_load(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> BlockTransfer | None:
         """The load `on_alloc` recorded for `req_id`, into `block_ids` (the request's engine
-        blocks), to run now instead of with the request's first scheduled step; None if it
-        has none."""
+        blocks, per group), to run now instead of with the request's first scheduled step;
+        None if it has none."""
         state = self._requests.get(req_id)
         if state is None or state.load is None:
             return None
-        first, end = state.load
+        load = self._load(state, block_ids)
         state.load = None
+        return load
+
+    def _load(self, state: _Request, block_ids: Sequence[Sequence[int]]) -> BlockTransfer:
+        """The blocks of `state.load` each group needs, from the first block not computed yet."""
+        assert state.load is not None
+        first, end = state.load
+        groups = []
+        for rule, ids in zip(self.rules, block_ids, strict=True):
+            needed = rule.needed(end)
+            wanted = range(max(first, needed.start), end)
+            run = _last_run(wanted, ids, rule.loadable)
+            groups.append(run or GroupBlocks(end, ()))
         tokens = np.asarray(state.token_ids[: end * self.block_size], dtype=np.uint32)
-        return BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end]), state.extra_keys)
+        return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)
 
     def forget(self, req_id: str) -> None:
         """Stop tracking a request (finished or preempted); unknown ids are ignored."""
@@ -129,14 +217,14 @@ class TransferPlanner:
     def build(
         self,
         scheduled: Sequence[tuple[str, int, int]],
-        block_ids_of: Callable[[str], Sequence[int]],
+        block_ids_of: Callable[[str], Sequence[Sequence[int]]],
     ) -> StepPlan:
         """The plan for one step.
 
         Args:
             scheduled: `(req_id, num_computed_tokens, num_new_tokens)` per scheduled request,
                 where the new tokens are those whose KV this step computes.
-            block_ids_of: a request's engine block ids (all of them, in order).
+            block_ids_of: a request's engine block ids per group (all of them, in order).
         """
         b = self.block_size
         plan = StepPlan()
@@ -146,20 +234,29 @@ class TransferPlanner:
                 continue
             block_ids = block_ids_of(req_id)
             if state.load is not None:
-                first, end = state.load
-                tokens = np.asarray(state.token_ids[: end * b], dtype=np.uint32)
-                plan.loads.append(
-                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:end]), state.extra_keys)
-                )
+                plan.loads.append(self._load(state, block_ids))
                 state.load = None
             if not state.cacheable:
                 continue
-            done = min((num_computed + num_new) // b, len(state.token_ids) // b, len(block_ids))
+            step_end = num_computed + num_new
+            done = min(step_end // b, len(state.token_ids) // b, *(len(ids) for ids in block_ids))
             if done > state.num_saved_blocks:
-                first = state.num_saved_blocks
-                tokens = np.asarray(state.token_ids[: done * b], dtype=np.uint32)
-                plan.saves.append(
-                    BlockTransfer(req_id, tokens, first, tuple(block_ids[first:done]), state.extra_keys)
-                )
+                save = self._save(state, block_ids, done, step_end)
+                if save.num_blocks:
+                    plan.saves.append(save)
                 state.num_saved_blocks = done
         return plan
+
+    def _save(self, state: _Request, block_ids: Sequence[Sequence[int]], done: int, step_end: int) -> BlockTransfer:
+        """The blocks in `[num_saved_blocks, done)` each group's rule keeps after this step:
+        those a hit of `done` blocks needs (a longer request continuing this one), and those
+        the longest hit of a repeat of the prompt needs (one block shorter when the prompt
+        fills its last block: a hit leaves one token to compute)."""
+        groups = []
+        hit_ends = (done, min(done, state.repeat_hit))
+        for rule, ids in zip(self.rules, block_ids, strict=True):
+            keep = functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)
+            run = _last_run(range(state.num_saved_blocks, done), ids, keep)
+            groups.append(run or GroupBlocks(done, ()))
+        tokens = np.asarray(state.token_ids[: done * self.block_size], dtype=np.uint32)
+        return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)

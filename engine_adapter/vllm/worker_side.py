@@ -88,6 +88,7 @@ class ConnectorWorker:
         self.stats = stats
         self.paged: PagedKVBlocks | None = None
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load left blocks unloaded
         self._chains: dict[str, BlockChain] = {}  # loads (this thread)
         # Saves: on the writer thread when asynchronous (with chains of their own).
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvstrata-save") if async_saves else None
@@ -149,6 +150,8 @@ class ConnectorWorker:
         paged = self._paged()
         bs = self.config.block_size
         n = len(load.block_ids)
+        if n == 0:  # nothing of this group to load (its blocks are vLLM's own already)
+            return
         staging = paged.staging(n)
         result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block,
                                           extra_keys=load.extra_keys, chain=chain)
@@ -158,6 +161,7 @@ class ConnectorWorker:
         if result.num_blocks < n:  # evicted since the lookup: vLLM recomputes these
             with self._load_lock:
                 self._load_errors.update(load.block_ids[result.num_blocks :])
+                self._failed_loads.add(load.req_id)
             self.stats.count("load_error_blocks", n - result.num_blocks)
 
     def _load_job(self, load: BlockTransfer) -> None:
@@ -167,6 +171,7 @@ class ConnectorWorker:
             logger.warning("kvstrata: background load of %s failed: %s: %s", load.req_id, type(exc).__name__, exc)
             with self._load_lock:
                 self._load_errors.update(load.block_ids)
+                self._failed_loads.add(load.req_id)
             self.stats.count("load_error_blocks", len(load.block_ids))
         finally:
             with self._load_lock:
@@ -249,6 +254,7 @@ class ConnectorWorker:
             return
         self.stats.count("save_blocks", len(save.block_ids))
         self.stats.count("save_new_blocks", written)
+        self.stats.count("save_new_bytes", written * self.config.block_bytes)
 
     def flush(self) -> None:
         """Wait until every background load has ended and every queued save is written
@@ -262,3 +268,9 @@ class ConnectorWorker:
         with self._load_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load (since the last call) left some of their blocks unloaded."""
+        with self._load_lock:
+            failed, self._failed_loads = self._failed_loads, set()
+        return failed

@@ -1,0 +1,106 @@
+"""The scheduler's lookup across KV cache groups and shards: the longest prefix every one of
+them can serve.
+
+A prefix of `n` blocks is a hit only if, for every group, every store of it (one per
+tensor-parallel shard and pipeline stage) holds each block the group's rule says a hit of
+`n` blocks needs: the whole prefix for full attention, the window or chunk before `n` for
+windowed attention, the state at `n` for a state group. Each store is asked once per run of
+consecutive blocks it holds, so a lookup costs one walk per store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from engine_adapter.vllm.groups import GroupKind, GroupRule
+from engine_adapter.vllm.worker_side import PENDING
+from kvstore import ExtraKeys, KVCacheStore
+from kvstore.hashing import BlockHash
+from tiers.base import TierKind
+
+PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued writes, in all
+
+
+class _Runs:
+    """Lazily, the length of the run of consecutive blocks a store holds from each block on."""
+
+    def __init__(self, store: KVCacheStore, hashes: list[BlockHash]) -> None:
+        self.store, self.hashes = store, hashes
+        self._run: dict[int, int] = {}
+
+    def from_block(self, i: int) -> int:
+        if i not in self._run:
+            with self.store.lock:
+                r = len(self.store.stack.locate(self.hashes[i:]))
+            for j in range(i, i + r + 1):  # inside a run, the rest of it; at its end, 0
+                self._run[j] = r - (j - i)
+        return self._run[i]
+
+
+class GroupLookup:
+    """Finds hits over `stores[g]`, every store that holds a part of group `g`'s blocks;
+    `primary` is the group whose tiers the load policy weighs (the first full-attention one)."""
+
+    def __init__(self, rules: Sequence[GroupRule], stores: Sequence[Sequence[KVCacheStore]], primary: int) -> None:
+        if len(rules) != len(stores) or not 0 <= primary < len(rules):
+            raise ValueError(f"{len(rules)} rules, {len(stores)} store lists, primary {primary}")
+        self.rules, self.stores, self.primary = list(rules), [list(s) for s in stores], primary
+        self.block_size = rules[0].block_size
+        self._runs: list[list[_Runs]] = []
+        self._limit = 0
+
+    @property
+    def every_store(self) -> list[KVCacheStore]:
+        return [s for group in self.stores for s in group]
+
+    def locate(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> list[TierKind]:
+        """The tier of each block of the longest hit (as the primary group's first store holds
+        it: in multiprocess mode every view is disk). A block still queued for writing in
+        this process is waited for first (read-your-writes). Remembers the walk for `cut`."""
+        self._runs = []
+        deadline = time.monotonic() + PENDING_WAIT_S
+        for group in self.stores:
+            runs = []
+            for store in group:
+                hashes = store.block_hashes(token_ids, extra_keys)
+                if PENDING.any(store):
+                    for h in hashes:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break  # a stuck writer costs a miss, never a hang
+                        PENDING.wait_for(store, h, left)
+                runs.append(_Runs(store, hashes))
+            self._runs.append(runs)
+        n = len(token_ids) // self.block_size
+        for rule, runs in zip(self.rules, self._runs):
+            if rule.kind is GroupKind.FULL:
+                for r in runs:
+                    n = min(n, r.from_block(0))
+        self._limit = n
+        n = self.cut(n)
+        primary = self.stores[self.primary]
+        if not primary or n == 0:
+            return [TierKind.DISK] * n
+        store = primary[0]
+        with store.lock:
+            tiers = store.stack.locate(self._runs[self.primary][0].hashes[:n])
+        kinds = [store.tiers[i].kind for i in tiers]
+        return kinds + [TierKind.DISK] * (n - len(kinds))  # evicted since: the load will tell
+
+    def cut(self, num_blocks: int) -> int:
+        """The longest hit of at most `num_blocks` blocks that every group can serve (after
+        `locate`, over its walk)."""
+        n = min(num_blocks, self._limit)
+        while n > 0 and not self._servable(n):
+            n -= 1
+        return n
+
+    def _servable(self, n: int) -> bool:
+        for rule, runs in zip(self.rules, self._runs):
+            if rule.kind is GroupKind.FULL:
+                continue  # the limit covers it
+            needed = rule.needed(n)
+            if needed and any(r.from_block(needed.start) < len(needed) for r in runs):
+                return False
+        return True
