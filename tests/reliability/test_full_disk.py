@@ -169,7 +169,7 @@ def test_file_size_limit(tmp_path: Path, figures: Figures) -> None:
 
 
 def test_close_on_a_nearly_full_disk_persists_what_fits(small_tmpfs: Path) -> None:
-    """Correctness issue, item 6: `close()` spilling a CPU tier larger than the free space
+    """`close()` spilling a CPU tier larger than the free space
     used to persist nothing (one put failing whole) and raised `DiskFullError` from
     `__exit__`. Now the most recently used blocks go first, the rest are counted, and close
     returns its report instead of raising."""
