@@ -2,7 +2,8 @@
 
 `register_metrics(store)` adds the store to its registry's one `StoreCollector` (the default
 registry unless given): every scrape reads each live store's `stats()` and its tiers'
-counters, so a store's hot path does no metric work beyond timing its calls into one latency
+counters (and, for a tier with tenant quotas, each tenant's share under a hashed `tenant`
+label), so a store's hot path does no metric work beyond timing its calls into one latency
 histogram. Labels: `namespace` (a short digest of the store's namespace seed), `store` (which
 store of the process: several may share a registry) and `tier` (`pool`, `cpu`, `disk`,
 `remote`). Names and example queries: `docs/metrics.md`.
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from kvstore.errors import ConfigError, StoreClosedError
-from tiers.base import TierStats
+from tiers.base import TenantStats, TierStats
 
 if TYPE_CHECKING:
     from kvstore.store import KVCacheStore, StoreStats
@@ -38,6 +39,14 @@ _PER_TIER: dict[str, tuple[str, str, Callable[[TierStats, int], int]]] = {
     "kvstrata_blocks": ("Blocks each tier holds now (0 where unknown: remote)", "gauge", lambda t, _: t.num_blocks),
     "kvstrata_used_bytes": ("Bytes each tier uses now", "gauge", lambda t, _: t.used_bytes),
     "kvstrata_capacity_bytes": ("Capacity of each tier in bytes", "gauge", lambda t, _: t.capacity_bytes),
+}
+# name -> (help, type, value of one tenant's share of a tier), labelled by the tenant's hash
+_PER_TENANT: dict[str, tuple[str, str, Callable[[TenantStats], int]]] = {
+    "kvstrata_tenant_blocks": ("Blocks each tenant holds in a tier with quotas", "gauge", lambda t: t.num_blocks),
+    "kvstrata_tenant_quota_blocks": ("Each tenant's quota in blocks", "gauge", lambda t: t.quota_blocks),
+    "kvstrata_tenant_hits": ("Blocks each tenant read from a tier", "counter", lambda t: t.num_hits),
+    "kvstrata_tenant_blocks_stored": ("Blocks each tenant wrote into a tier", "counter", lambda t: t.num_puts),
+    "kvstrata_tenant_blocks_evicted": ("Blocks of each tenant a tier evicted", "counter", lambda t: t.num_evictions),
 }
 # name -> (help, value of the store's stats)
 _PER_STORE: dict[str, tuple[str, Callable[[StoreStats], int]]] = {
@@ -162,12 +171,29 @@ class StoreCollector:
                 drops.add_metric(labels, float(tier.num_write_drops))
         yield errors
         yield drops
+        yield from self._tenant_families(snapshots)
         for metric, (doc, count) in _PER_STORE.items():
             family = CounterMetricFamily(metric, doc, labels=["namespace", "store"])
             for name, store, stats in snapshots:
                 family.add_metric([self.namespace(store), name], float(count(stats)))
             yield family
         yield from self.latency.collect()
+
+    def _tenant_families(self, snapshots: list[tuple[str, KVCacheStore, StoreStats]]) -> Iterator[Any]:
+        """Per-tenant shares of the tiers that keep quotas, labelled by the tenant's hash
+        (`tenant`: 16 hex digits, `default` for blocks without one), never its salt."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        labels = ["namespace", "store", "tier", "tenant"]
+        for metric, (doc, kind, value) in _PER_TENANT.items():
+            family: Any = (CounterMetricFamily(metric, doc, labels=labels) if kind == "counter"
+                           else GaugeMetricFamily(metric, doc, labels=labels))
+            for name, store, stats in snapshots:
+                for tier in stats.tiers:
+                    for tenant in tier.tenants:
+                        family.add_metric([self.namespace(store), name, tier.kind.value, tenant.label],
+                                          float(value(tenant)))
+            yield family
 
 
 _COLLECTORS: weakref.WeakKeyDictionary[Any, StoreCollector] = weakref.WeakKeyDictionary()

@@ -128,3 +128,40 @@ def test_the_connectors_metrics_port_binds_loopback_by_default(tmp_path: Path) -
         assert _listening_addresses(port) == {"127.0.0.1"}
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             assert b"kvstrata_blocks" in reply.read()
+
+
+def test_tenant_quotas_are_exported_per_tenant_under_hashed_labels() -> None:
+    """A CPU tier with tenant quotas exports each tenant's blocks, quota, hits, writes and
+    evictions under a label that is a hash of its cache salt, never the salt itself."""
+    from kvstore.hashing import ExtraKeys
+    from tiers.quota import tenant_label
+
+    registry = prometheus_client.CollectorRegistry()
+    block_bytes = LAYOUT.block_bytes(BLOCK)
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, namespace="tenants", cpu_bytes=8 * block_bytes,
+                      cpu_tenant_quota_bytes=4 * block_bytes)
+    with KVCacheStore(cfg) as store:
+        register_metrics(store, registry)
+        a = np.arange(3 * BLOCK, dtype=np.uint32)
+        store.store(a, make_kv(a, LAYOUT, BLOCK), extra_keys=ExtraKeys(cache_salt="secret-salt-a"))
+        store.retrieve(a, extra_keys=ExtraKeys(cache_salt="secret-salt-a"))
+        for start in range(0, 40 * BLOCK, 4 * BLOCK):  # tenant B floods the tier; A keeps using its blocks
+            b = np.arange(50_000 + start, 50_000 + start + 4 * BLOCK, dtype=np.uint32)
+            store.store(b, make_kv(b, LAYOUT, BLOCK), extra_keys=ExtraKeys(cache_salt="secret-salt-b"))
+            assert store.retrieve(a, extra_keys=ExtraKeys(cache_salt="secret-salt-a")).num_tokens == 3 * BLOCK
+        text = prometheus_client.generate_latest(registry).decode()
+        assert "secret" not in text
+        shares = {t.label: t for t in store.stats().tiers[0].tenants}
+        assert len(shares) == 2
+        held = {label: _value(text, "kvstrata_tenant_blocks", tier="cpu", tenant=label) for label in shares}
+        assert sorted(held.values()) == [3.0, 5.0]  # A keeps its 3 blocks within its quota of 4; B the rest
+        for label, share in shares.items():
+            assert held[label] == share.num_blocks
+            assert _value(text, "kvstrata_tenant_quota_blocks", tenant=label) == 4
+            assert _value(text, "kvstrata_tenant_blocks_stored_total", tenant=label) == share.num_puts
+        hits = sorted(_value(text, "kvstrata_tenant_hits_total", tenant=label) for label in shares)
+        assert hits == [0.0, 33.0]  # only A read: 11 times 3 blocks
+        evicted = sorted(_value(text, "kvstrata_tenant_blocks_evicted_total", tenant=label) for label in shares)
+        assert evicted == [0.0, 35.0]  # B's own flood, never A's blocks
+        assert all(len(label) == 16 for label in shares)
+        assert tenant_label(b"secret-salt-a") not in ("", "default")

@@ -156,8 +156,21 @@ class ScrubResult(NamedTuple):
 
 
 @dataclass(frozen=True)
+class TenantStats:
+    """A snapshot of one tenant's share of a tier, under its hashed label."""
+
+    label: str
+    num_blocks: int
+    quota_blocks: int
+    num_hits: int
+    num_puts: int
+    num_evictions: int
+
+
+@dataclass(frozen=True)
 class TierStats:
-    """A snapshot of one tier's occupancy and counters."""
+    """A snapshot of one tier's occupancy and counters (`tenants`: per-tenant shares, where
+    the tier keeps quotas)."""
 
     kind: TierKind
     num_blocks: int
@@ -170,6 +183,7 @@ class TierStats:
     num_corrupt: int
     num_errors: int = 0
     num_write_drops: int = 0
+    tenants: tuple[TenantStats, ...] = ()
 
 
 class Below(Protocol):
@@ -301,7 +315,11 @@ class Tier(abc.ABC):
         c = self.counters
         return TierStats(self.kind, *occupancy, num_hits=c.num_hits, num_puts=c.num_puts,
                          num_evictions=c.num_evictions, num_corrupt=c.num_corrupt, num_errors=self.num_errors,
-                         num_write_drops=self.num_write_drops)
+                         num_write_drops=self.num_write_drops, tenants=tuple(self.tenant_stats()))
+
+    def tenant_stats(self) -> list[TenantStats]:
+        """Per-tenant blocks and counters under hashed labels (empty: the tier keeps no quotas)."""
+        return []
 
     @abc.abstractmethod
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:

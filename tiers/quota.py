@@ -27,6 +27,7 @@ from typing import Generic
 
 import xxhash
 
+from tiers.base import TenantStats
 from tiers.eviction import EvictionPolicy, K
 
 NO_TENANT = b""
@@ -48,18 +49,6 @@ class TenantCounters:
     num_hits: int = 0
     num_puts: int = 0
     num_evictions: int = 0
-
-
-@dataclass(frozen=True)
-class TenantStats:
-    """A snapshot of one tenant's share of a tier, under its hashed label."""
-
-    label: str
-    num_blocks: int
-    quota_blocks: int
-    num_hits: int
-    num_puts: int
-    num_evictions: int
 
 
 class TenantBook(Generic[K]):
