@@ -9,12 +9,22 @@ import torch
 import xxhash
 
 from tiers.admission import Admission, AdmissionKind, AdmissionSpec, parse_admission
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
+from tiers.base import (
+    BlockHash,
+    BlockKey,
+    Occupancy,
+    TenantStats,
+    Tier,
+    TierCounters,
+    TierKind,
+    TierTraits,
+    count_held,
+    plan_put,
+)
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 from tiers.eviction import EvictionKind
-from tiers.quota import TenantStats
 from tiers.residency import Residency, key_parent, key_tenant
 
 _SPILL_CHUNK = 64  # blocks per lower-tier write when spilling

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Generic, Protocol
 
-from tiers.base import BlockHash, BlockKey
+from tiers.base import BlockHash, BlockKey, TenantStats
 from tiers.eviction import EvictionKind, EvictionPolicy, K, make_policy
-from tiers.quota import NO_TENANT, TenantBook, TenantStats
+from tiers.quota import NO_TENANT, TenantBook
 
 _NOT_SEEN = -1
 
