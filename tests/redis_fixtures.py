@@ -14,7 +14,7 @@ import pytest
 
 from bench import redis_servers
 from bench.redis_servers import RedisCluster, RedisServer
-from kvstore.settings import Settings
+from tests.switches import switches
 
 __all__ = ["RedisCluster", "RedisServer", "need_redis", "redis_cluster", "redis_server"]
 
@@ -23,7 +23,7 @@ def need_redis() -> str:
     """The redis-server binary's path; skips the test (fails under KVSTRATA_REQUIRE_REDIS=1) if none."""
     path = redis_servers.find_redis_binary()
     if path is None:
-        if Settings.from_sources().require_redis:
+        if switches().require_redis:
             pytest.fail("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
         pytest.skip("no redis-server or valkey-server installed")
     return path

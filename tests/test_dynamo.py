@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from bench.ports import free_port
-from kvstore.settings import Settings
+from tests.switches import switches
 from tests.conftest import BLOCK
 from tests.test_router import ROOT, Instance, doc, wait_for
 
@@ -66,7 +66,7 @@ class Indexer:
 @pytest.fixture
 def indexer(tmp_path: Path) -> Iterator[Indexer]:
     if not DYNAMO.exists():
-        if Settings.from_sources().require_dynamo:
+        if switches().require_dynamo:
             pytest.fail(f"{DYNAMO} is missing: run scripts/setup_dynamo.sh (KVSTRATA_REQUIRE_DYNAMO is set)")
         pytest.skip("Dynamo's indexer is not installed: bash scripts/setup_dynamo.sh")
     made = Indexer(tmp_path)

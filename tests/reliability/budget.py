@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.settings import Settings
+from tests.switches import switches
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Budget:
 
 
 def load_budget() -> Budget:
-    settings = Settings.from_sources()
+    settings = switches()
     return Budget(scale=settings.rel_scale, seed=int(settings.rel_seed or 0))
 
 
