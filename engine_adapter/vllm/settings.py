@@ -15,8 +15,16 @@ from kvstore.config import HashAlgo, KVLayout, StoreConfig, parse_hash_algo
 from kvstore.errors import ConfigError
 from kvstore.events_wire import check_events
 from kvstore.load_policy import LoadPolicyMode
-from kvstore.settings import (ENV_PREFIX, EnvSettings, LibrarySettings, parse_bool, parse_bytes, parse_optional_int,
-                              parse_path, parse_str)
+from kvstore.settings import (
+    ENV_PREFIX,
+    EnvSettings,
+    LibrarySettings,
+    parse_bool,
+    parse_bytes,
+    parse_optional_int,
+    parse_path,
+    parse_str,
+)
 from tiers.codecs import CodecKind, parse_codec
 from tiers.disk_durability import DiskSync
 
