@@ -213,17 +213,9 @@ def existing_file() -> click.Path:
 def check_environment() -> str | None:
     """What is wrong with the `KVSTRATA_*` variables (an unknown one, a bad value, a results
     directory that is a file), or None."""
-    from kvstore.errors import ConfigError
-    from kvstore.settings import Settings
+    from bench.settings import environment_problem
 
-    try:
-        settings = Settings.from_sources()
-    except ConfigError as exc:
-        return str(exc)
-    if "KVSTRATA_RESULTS" not in os.environ:
-        return None
-    problem = directory_problem(settings.results)
-    return None if problem is None else f"KVSTRATA_RESULTS: {problem}"
+    return environment_problem(directory_problem)
 
 
 class CommandFailed(click.ClickException):

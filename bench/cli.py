@@ -118,7 +118,7 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, modules=BENCHMARKS, summaries=_BENCH_SUMMARIES, context_settings=CONTEXT,
-             help="Benchmarks: each prints a table and writes JSON under results/ (KVSTRATA_RESULTS).")
+             help="Benchmarks: each prints a table and writes JSON under results/ (KVSTRATA_BENCH_RESULTS).")
 def bench() -> None:
     pass
 

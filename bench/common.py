@@ -13,20 +13,9 @@ from typing import Any
 
 import torch
 
-from kvstore.errors import ConfigError
-from kvstore.settings import Settings
+from bench.settings import results_dir
 
-
-def _results_dir() -> Path:
-    """`KVSTRATA_RESULTS` as the settings parse it; the default when the environment is bad
-    (the `kvstrata` command refuses to run then, with one line naming the problem)."""
-    try:
-        return Path(Settings.from_sources().results)
-    except ConfigError:
-        return Path(Settings.__dataclass_fields__["results"].default)  # type: ignore[arg-type]
-
-
-RESULTS_DIR = _results_dir()
+RESULTS_DIR = Path(results_dir())  # KVSTRATA_BENCH_RESULTS
 
 
 def timeit(fn: Callable[[], object], *, repeat: int = 5, setup: Callable[[], object] | None = None) -> float:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 from bench.ports import free_port
 from kvstore.errors import KVStoreError
+from kvstore.settings import remote_password
 
 
 class RedisServerError(KVStoreError, RuntimeError):
@@ -165,7 +166,7 @@ def check_server(url: str, option: str = "--url", timeout_s: float = 3.0) -> Non
             raise RedisServerError(f"{shown}: the port is not a number in 1-65535")
     client = None
     try:
-        client = connect(url, timeout_s)
+        client = connect(url, timeout_s, password=remote_password())
         client.ping()
     except redis.exceptions.AuthenticationError as exc:
         raise RedisServerError(f"{shown}: the server refused the password ({_first_sentence(exc)}): give it in the "

@@ -11,10 +11,12 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
+from kvstore.load_policy import LoadPolicyMode
 from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
 from tiers.codecs import CodecKind
 from tiers.disk_durability import DiskSync
 from tiers.eviction import EvictionKind, parse_eviction
+from tiers.gpu_pool import DemotionPolicy
 
 # dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
 _DTYPES: dict[str, torch.dtype] = {
@@ -161,15 +163,16 @@ class StoreConfig:
         pool_device: device of the pool's KV tensor (default: CUDA when present, else CPU). A
             pool that is larger than the device's memory, or a device that is absent, raises
             `ConfigError` when the store opens.
-        pool_demotion: "on_evict" (copy a block down when it is reused) or "write_through"
-            (copy it down when it is cached).
+        pool_demotion: `DemotionPolicy` or its name: "on_evict" (copy a block down when it is
+            reused) or "write_through" (copy it down when it is cached).
         remote_url: a Valkey/Redis server shared by many hosts, the slowest tier:
             `redis://[user:password@]host:port[/db]`, `rediss://` (TLS), `unix:///path.sock`,
-            or `redis+cluster://host:port[,host:port...]`; a password may also come from
-            `KVSTRATA_REMOTE_PASSWORD`. Every stored block is written to it in the background.
+            or `redis+cluster://host:port[,host:port...]`; without a password in the URL, the
+            store gives the tier `KVSTRATA_REMOTE_PASSWORD` (`kvstore.settings`). Every stored
+            block is written to it in the background.
         remote_ttl_s: expire remote records after this many seconds (None: the server's LRU).
         remote_timeout_s: bound on every remote call; a slower server is a miss.
-        load_policy: "auto" (load a cached prefix from a tier only where the measured load
+        load_policy: `LoadPolicyMode` or its name: "auto" (load a cached prefix from a tier only where the measured load
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
         disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
@@ -246,7 +249,7 @@ class StoreConfig:
     persist_on_close: bool = True
     pool_blocks: int = 0
     pool_device: str | None = None
-    pool_demotion: str = "on_evict"
+    pool_demotion: DemotionPolicy = DemotionPolicy.ON_EVICT
     cpu_checksums: bool = False
     cpu_eviction: EvictionKind = EvictionKind.LRU
     demote_admission: AdmissionSpec = ADMIT_ALL
@@ -256,7 +259,7 @@ class StoreConfig:
     remote_timeout_s: float = 0.5
     io_threads: int = 4
     result_buffer_bytes: int = 256 << 20
-    load_policy: str = "auto"
+    load_policy: LoadPolicyMode = LoadPolicyMode.AUTO
     disk_read_bps: int | None = None
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
@@ -287,10 +290,12 @@ class StoreConfig:
                     raise ValueError("meta tensors hold no data")
             except (RuntimeError, TypeError, ValueError) as exc:
                 raise ConfigError(f"StoreConfig.pool_device={self.pool_device!r} is not a device: {exc}") from None
-        if self.pool_demotion not in ("on_evict", "write_through"):
+        try:
+            object.__setattr__(self, "pool_demotion", DemotionPolicy(self.pool_demotion))
+        except ValueError:
             raise ConfigError(
                 f"StoreConfig.pool_demotion must be 'on_evict' or 'write_through', got {self.pool_demotion!r}"
-            )
+            ) from None
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
         try:
@@ -341,9 +346,7 @@ class StoreConfig:
                                   f"{self.block_bytes} bytes")
         require_int("StoreConfig.io_threads", self.io_threads, 1)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
-        from kvstore.load_policy import check_mode
-
-        check_mode(self.load_policy)
+        object.__setattr__(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "StoreConfig.load_policy"))
         if self.disk_read_bps is not None:
             require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
         if self.events_endpoint is not None:

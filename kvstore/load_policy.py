@@ -27,13 +27,13 @@ Two guards keep "auto" from locking itself out of a tier:
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Sequence
 
 from kvstore.errors import ConfigError
 from tiers.base import TierKind
 
-MODES = ("auto", "always", "never")
 _ALPHA = 0.3  # weight of a new measurement in the running averages
 # Faster than any engine prefills (1e15 FLOP/s at 2 FLOPs per parameter and token is 5e6
 # tokens/s for a 100M-parameter model): a sample this fast timed something else.
@@ -43,10 +43,20 @@ MAX_LOAD_BANDWIDTH = 1e13  # bytes per second
 PROBE_EVERY = 32  # decisions that recompute cached blocks, per probe that loads them
 
 
-def check_mode(mode: object) -> str:
-    if mode not in MODES:
-        raise ConfigError(f"load_policy must be one of {list(MODES)}, got {mode!r}")
-    return str(mode)
+class LoadPolicyMode(str, enum.Enum):
+    """Which cached blocks a store's engine loads rather than recomputes."""
+
+    AUTO = "auto"  # where loading beats recomputing at the measured rates (default)
+    ALWAYS = "always"  # every cached block
+    NEVER = "never"  # none from below the pool: a full-recompute baseline
+
+    @classmethod
+    def parse(cls, value: object, name: str = "load_policy") -> LoadPolicyMode:
+        """A `LoadPolicyMode` from itself or its name; `ConfigError` naming the bad value."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 class LoadPolicy:
@@ -54,9 +64,9 @@ class LoadPolicy:
 
     Thread-safe: the engine's worker reports measurements while its scheduler decides."""
 
-    def __init__(self, mode: str, block_size: int, block_bytes: int, *, probe_every: int = PROBE_EVERY,
+    def __init__(self, mode: LoadPolicyMode | str, block_size: int, block_bytes: int, *, probe_every: int = PROBE_EVERY,
                  free: frozenset[TierKind] = frozenset({TierKind.POOL})) -> None:
-        self.mode = check_mode(mode)
+        self.mode = LoadPolicyMode.parse(mode)
         self.free = free  # tiers whose blocks the engine uses in place (its own paged memory): no load
         if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 1:
             raise ConfigError(f"LoadPolicy.probe_every must be an int >= 1, got {probe_every!r}")
@@ -109,9 +119,9 @@ class LoadPolicy:
         from (prefix order); the rest are recomputed. Blocks of `free` tiers (the pool) cost
         nothing to use. In "auto", counts the decision towards the next probe when it
         recomputes cached blocks, and answers "all of them" when that decision is the probe."""
-        if self.mode == "always":
+        if self.mode is LoadPolicyMode.ALWAYS:
             return len(kinds)
-        if self.mode == "never":
+        if self.mode is LoadPolicyMode.NEVER:
             return next((i for i, k in enumerate(kinds) if k not in self.free), len(kinds))
         with self._lock:
             rate, bandwidth = self._prefill_rate, dict(self._bandwidth)

@@ -1,32 +1,41 @@
-"""Every setting kvstrata reads from outside code: one frozen, typed object, one parser.
+"""Settings read from outside code: the machinery every layer's settings share, and the library's own.
 
-A setting is either a *key*, given in the vLLM connector's `kv_connector_extra_config` or as
-the environment variable `KVSTRATA_<KEY upper-case>`, or *environment only*
-(`KVSTRATA_<NAME>`, never a connector key: secrets, benchmark and test switches). A key given
-in the extra config wins over its variable, which wins over the default. Unknown keys and
-unknown `KVSTRATA_*` variables are refused with a message naming the known ones, so a typo
-is never silently ignored. `docs/configuration.md` is the table (`Settings.table()` writes
-it; a test keeps the two equal).
+Each layer owns its settings and their variables (docs/configuration.md has a table per layer):
+- the library (`LibrarySettings`, here): environment only; the one home for secrets;
+- the vLLM connector (`engine_adapter.vllm.settings.ConnectorSettings`): the keys of
+  `kv_connector_extra_config`, each also the variable `KVSTRATA_<KEY upper-case>`;
+- the tests (`tests/switches.py`): the family `KVSTRATA_TEST_*`;
+- the benchmarks (`bench/settings.py`): the family `KVSTRATA_BENCH_*`.
+
+A layer's settings are a frozen `EnvSettings` dataclass. A key given in the extra config wins
+over its variable, which wins over the default. An unknown key, or an unknown variable of the
+layer's namespace (its prefix, less the families other layers own), is refused with a message
+naming the known ones, so a typo is never silently ignored.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, TypeVar
 
-from kvstore.config import HashAlgo, parse_hash_algo
 from kvstore.errors import ConfigError
-from kvstore.events_wire import check_events
-from tiers.codecs import CodecKind, parse_codec
-from tiers.disk_durability import DiskSync
 
 ENV_PREFIX = "KVSTRATA_"
+# Families of `KVSTRATA_*` owned by other layers: the library and connector leave them alone.
+TEST_PREFIX = ENV_PREFIX + "TEST_"
+BENCH_PREFIX = ENV_PREFIX + "BENCH_"
+OTHER_FAMILIES = (TEST_PREFIX, BENCH_PREFIX)
+# Variables that moved to a family: named in the refusal, so an old setup finds the new name.
+_MOVED = {ENV_PREFIX + old: family + old for family, names in (
+    (TEST_PREFIX, ("REQUIRE_REDIS", "REQUIRE_VLLM", "REQUIRE_DYNAMO", "REL_SCALE", "REL_SEED", "REL_REPORT")),
+    (BENCH_PREFIX, ("RESULTS", "WORKDIR"))) for old in names}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-_ENV = {"env_only": True}
+S = TypeVar("S", bound="EnvSettings")
 
 
 def parse_bytes(name: str, value: object) -> int:
@@ -43,6 +52,7 @@ def parse_bytes(name: str, value: object) -> int:
 
 
 def parse_bool(name: str, value: object) -> bool:
+    """A bool, or its text: true/false, 1/0, yes/no, on/off."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
@@ -50,9 +60,8 @@ def parse_bool(name: str, value: object) -> bool:
     raise ConfigError(f"{name} must be a bool (true/false/1/0), got {value!r}")
 
 
-def _optional_int(name: str, value: object, low: int, high: int) -> int | None:
-    if value is None:
-        return None
+def parse_int(name: str, value: object, low: int, high: int) -> int:
+    """An int in [low, high], or its text."""
     try:
         number = int(value)  # type: ignore[call-overload]
     except (TypeError, ValueError):
@@ -63,175 +72,78 @@ def _optional_int(name: str, value: object, low: int, high: int) -> int | None:
     return int(number)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """kvstrata's settings (see the module docstring for where each comes from).
+def parse_optional_int(name: str, value: object, low: int, high: int) -> int | None:
+    """None, or `parse_int`."""
+    return None if value is None else parse_int(name, value, low, high)
 
-    Attributes (connector keys):
-        cpu_bytes: CPU-tier capacity in the worker (0 disables it).
-        disk_path: LMDB directory; shared by every engine and process that names it. Needed
-            when vLLM's scheduler and worker run in different processes.
-        disk_bytes: disk-tier capacity.
-        hash_algo: `xxh3_128` (default) or `sha256`.
-        namespace: extra text mixed into every key (e.g. a checkpoint revision the model
-            path does not show).
-        write_through: write each saved block to disk at once (survives a killed engine, and
-            other processes see it at once); otherwise on CPU-tier eviction or shutdown.
-        disk_sync: durability of disk writes (only matters for power loss): `none` (the
-            kernel writes back when it likes; also `false`), `group` (synced in the background
-            every 0.2 s) or `commit` (synced before each save returns; also `true`).
-        verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
-        stats_path: if set, the worker keeps a JSON file of its load/save counters here.
-        remote_url: a Valkey/Redis server or cluster shared by engines on many hosts.
-        disk_codec: how the disk tier encodes blocks: "none", "zstd" (lossless, needs the
-            `codec` extra), or the lossy "int8", "fp8", "k8v4" (quantized as the attention's
-            KV dtype in runs of one head vector; docs/performance.md). A lossy codec gives
-            the engine's KV a namespace of its own: exact engines never read its blocks.
-        remote_codec: the same for the remote tier.
-        events_endpoint: publish the worker's KV events (vLLM's format) here for `kvstrata
-            router`, Dynamo or llm-d, e.g. `tcp://127.0.0.1:5590` (docs/routing.md).
-        events_replay_endpoint: where replay requests are answered (default: the next port).
-        events_topic: the ZeroMQ topic of the events (default ""; llm-d wants
-            `kv@<pod>@<model>`).
-        events_curve_cert: the events publisher's secret ZeroMQ certificate; with
-            `events_curve_clients` (a directory of readers' public certificates) readers are
-            authenticated and the events encrypted (docs/security.md).
-        events_curve_clients: see `events_curve_cert`.
-        events_insecure: allow an events endpoint other hosts can reach without CURVE (for
-            Dynamo and llm-d, which cannot speak it); refused otherwise.
-        events_connect: connect to `events_endpoint` instead of binding it (for a reader that
-            binds, as llm-d's indexer).
-        instance_id: this engine's name in its KV events (default `HOST:PID`).
-        async_saves: write saved blocks to the tiers on a background thread (the step only
-            copies them out of vLLM into buffers of their own).
-        async_loads: a hit that reads disk or a remote tier is loaded in the background while
-            the request waits outside vLLM's steps (other requests keep running); hits held
-            in memory are loaded in the step.
-        load_policy: "auto" (load a hit only where that beats recomputing it at the measured
-            rates; the worker reports vLLM's prefill rate), "always" or "never".
-        metrics_port: serve the worker store's Prometheus metrics on this port (needs the
-            `metrics` extra); None: none served.
-        metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
-            other hosts scrape it: the metrics carry no token ids and no authentication).
 
-    Attributes (environment only):
-        remote_password: the remote tier's password when the URL has none (never logged).
-        results: where benchmarks write their JSON and plots.
-        require_redis: tests: a missing `redis-server` fails the remote-tier tests (CI).
-        require_vllm: tests: a missing vLLM fails the connector's tests (CI).
-        require_dynamo: tests: a missing Dynamo indexer (`.venv-dynamo`) fails its tests (CI).
-        test_pool_device: tests: the block pool's device ("cuda" on a GPU machine).
-        rel_scale: tests: multiplies every count of the reliability suite.
-        rel_seed: tests: the reliability suite's random seed.
-    """
+def parse_str(name: str, value: object, *, empty: bool = True) -> str:
+    """`value` if it is a str (non-empty unless `empty`)."""
+    if not isinstance(value, str) or (not empty and not value):
+        raise ConfigError(f"{name} must be a{'' if empty else ' non-empty'} str, got {value!r}")
+    return value
 
-    cpu_bytes: int = 1 << 30
-    disk_path: str | None = None
-    disk_bytes: int = 8 << 30
-    hash_algo: HashAlgo = HashAlgo.XXH3_128
-    namespace: str = ""
-    write_through: bool = True
-    disk_sync: DiskSync = DiskSync.NONE
-    verify_tokens: bool = True
-    stats_path: str | None = None
-    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
-    disk_codec: CodecKind = CodecKind.NONE
-    remote_codec: CodecKind = CodecKind.NONE
-    events_endpoint: str | None = None
-    events_replay_endpoint: str | None = None
-    events_topic: str = ""
-    events_curve_cert: str | None = None
-    events_curve_clients: str | None = None
-    events_insecure: bool = False
-    events_connect: bool = False
-    instance_id: str | None = None
-    async_saves: bool = True
-    async_loads: bool = True
-    load_policy: str = "auto"
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    remote_password: str | None = field(default=None, repr=False, metadata=_ENV)
-    results: str = field(default="results", metadata=_ENV)
-    require_redis: bool = field(default=False, metadata=_ENV)
-    require_vllm: bool = field(default=False, metadata=_ENV)
-    require_dynamo: bool = field(default=False, metadata=_ENV)
-    test_pool_device: str = field(default="cpu", metadata=_ENV)
-    rel_scale: float = field(default=1.0, metadata=_ENV)
-    rel_seed: int = field(default=7, metadata=_ENV)
 
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
-        set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
-        set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        set_(self, "disk_sync", DiskSync.parse(self.disk_sync, "disk_sync"))
-        for name in ("disk_codec", "remote_codec"):
-            set_(self, name, parse_codec(getattr(self, name), name))
-        for name in ("write_through", "verify_tokens", "async_saves", "async_loads", "require_redis",
-                     "require_vllm", "require_dynamo", "events_insecure", "events_connect"):
-            set_(self, name, parse_bool(name, getattr(self, name)))
-        for name in ("disk_path", "stats_path"):
-            value = getattr(self, name)
-            if value is not None:
-                if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-                    raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
-                set_(self, name, os.fspath(value))
-        for name in ("namespace", "results", "test_pool_device"):
-            if not isinstance(getattr(self, name), str):
-                raise ConfigError(f"{name} must be a str, got {getattr(self, name)!r}")
-        if self.remote_url is not None and not isinstance(self.remote_url, str):
-            raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
-        if self.events_endpoint is not None:
-            check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
-                         self.events_curve_cert, self.events_curve_clients, self.events_insecure,
-                         connect=self.events_connect)
-        if self.instance_id is not None and (not isinstance(self.instance_id, str) or not self.instance_id):
-            raise ConfigError(f"instance_id must be a non-empty str, got {self.instance_id!r}")
-        set_(self, "metrics_port", _optional_int("metrics_port", self.metrics_port, 1, 65535))
-        host = self.metrics_host
-        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
-            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
-        from kvstore.load_policy import check_mode
+def parse_path(name: str, value: object) -> str | None:
+    """None, or a non-empty path as a str."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
+    return str(os.fspath(value))
 
-        check_mode(self.load_policy)
-        try:
-            set_(self, "rel_scale", float(self.rel_scale))
-        except (TypeError, ValueError):
-            set_(self, "rel_scale", -1.0)
-        if not self.rel_scale > 0:
-            raise ConfigError(f"rel_scale must be a number > 0, got {self.rel_scale!r}")
-        set_(self, "rel_seed", _optional_int("rel_seed", self.rel_seed, 0, 2**32 - 1))
-        if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
-            raise ConfigError("the connector enables no tier: set cpu_bytes > 0, disk_path or remote_url")
+
+class EnvSettings:
+    """Base of a layer's frozen settings dataclass: the parser and the docs table.
+
+    Class attributes: `PREFIX`, the layer's variables' prefix (a field `x` is `PREFIX + "X"`);
+    `FOREIGN`, prefixes inside `PREFIX` that other layers own (not checked here); `SHARED`,
+    other settings classes whose variables share this namespace (known here, parsed there);
+    `KEYS_NAME`, what the extra config's keys are called, or None where there are none (every
+    field is a variable only)."""
+
+    PREFIX: ClassVar[str] = ENV_PREFIX
+    FOREIGN: ClassVar[tuple[str, ...]] = OTHER_FAMILIES
+    SHARED: ClassVar[tuple[type[EnvSettings], ...]] = ()
+    KEYS_NAME: ClassVar[str | None] = None
 
     @classmethod
     def keys(cls) -> list[str]:
-        """Names accepted as connector keys."""
-        return [f.name for f in fields(cls) if not f.metadata.get("env_only")]
+        """Names accepted as extra-config keys."""
+        return [f.name for f in fields(cls)] if cls.KEYS_NAME else []  # type: ignore[arg-type]
 
     @classmethod
     def variables(cls) -> list[str]:
-        """Every `KVSTRATA_*` variable read."""
-        return [ENV_PREFIX + f.name.upper() for f in fields(cls)]
+        """This class's variables."""
+        return [cls.PREFIX + f.name.upper() for f in fields(cls)]  # type: ignore[arg-type]
 
     @classmethod
-    def from_sources(
-        cls, extra_config: Mapping[str, object] | None = None, environ: Mapping[str, str] | None = None
-    ) -> Settings:
-        """Merge `extra_config` over the `KVSTRATA_*` variables of `environ` (default
-        `os.environ`) over the defaults. Raises `ConfigError` naming an unknown key or
-        variable, or a bad value."""
+    def check_environ(cls, environ: Mapping[str, str]) -> None:
+        """Refuse any variable of this namespace that no class of it reads, naming the known ones."""
+        known = set(cls.variables()).union(*(other.variables() for other in cls.SHARED))
+        strange = sorted(k for k in environ if k.startswith(cls.PREFIX) and k not in known
+                         and not k.startswith(cls.FOREIGN))
+        if strange:
+            moved = [f"{k} is now {_MOVED[k]}" for k in strange if k in _MOVED]
+            raise ConfigError(f"unknown environment variables {strange}{' (' + '; '.join(moved) + ')' if moved else ''}"
+                              f"; known: {sorted(known)}"
+                              + "".join(f"; {p}* belong to the {'tests' if p == TEST_PREFIX else 'benchmarks'}"
+                                        for p in cls.FOREIGN))
+
+    @classmethod
+    def from_sources(cls: type[S], extra_config: Mapping[str, object] | None = None,
+                     environ: Mapping[str, str] | None = None) -> S:
+        """Merge `extra_config` over the variables of `environ` (default `os.environ`) over
+        the defaults. Raises `ConfigError` naming an unknown key or variable, or a bad value."""
         environ = os.environ if environ is None else environ
         extra = dict(extra_config or {})
         unknown = sorted(set(extra) - set(cls.keys()))
         if unknown:
-            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; known: {cls.keys()}")
-        strange = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in cls.variables())
-        if strange:
-            raise ConfigError(f"unknown environment variables {strange}; kvstrata reads: {cls.variables()}")
+            raise ConfigError(f"unknown {cls.KEYS_NAME or 'keys'} {unknown}; known: {cls.keys()}")
+        cls.check_environ(environ)
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            env = environ.get(ENV_PREFIX + f.name.upper())
+        for f in fields(cls):  # type: ignore[arg-type]
+            env = environ.get(cls.PREFIX + f.name.upper())
             if f.name in extra:
                 values[f.name] = extra[f.name]
             elif env is not None and env != "":
@@ -239,18 +151,56 @@ class Settings:
         return cls(**values)
 
     @classmethod
-    def table(cls) -> str:
-        """The Markdown table of every setting (docs/configuration.md)."""
+    def described(cls) -> dict[str, str]:
+        """Each field's entry (`name: text` under `Attributes:`) of the class docstring, one line."""
         doc = cls.__doc__ or ""
-        described: dict[str, str] = {}
-        for match in re.finditer(r"^\s{8}(\w+): (.*?)(?=^\s{8}\w+: |^\s*Attributes|\Z)", doc, re.M | re.S):
-            described[match.group(1)] = " ".join(match.group(2).split())
-        rows = ["| setting | connector key | environment variable | default | what it does |",
-                "| --- | --- | --- | --- | --- |"]
-        for f in fields(cls):
-            key = "-" if f.metadata.get("env_only") else f"`{f.name}`"
-            default = f.default.value if isinstance(f.default, (HashAlgo, DiskSync)) else f.default
-            default = default.label if isinstance(default, CodecKind) else default
-            rows.append(f"| {f.name} | {key} | `{ENV_PREFIX}{f.name.upper()}` | `{default!r}` | "
+        return {m.group(1): " ".join(m.group(2).split())
+                for m in re.finditer(r"^\s{8}(\w+): (.*?)(?=^\s{8}\w+: |^\s*Attributes|\Z)", doc, re.M | re.S)}
+
+    @classmethod
+    def table(cls) -> str:
+        """The Markdown table of this class's settings (docs/configuration.md): each field's
+        docstring entry (`name: text` under `Attributes:`) and default."""
+        described = cls.described()
+        with_keys = bool(cls.keys())
+        rows = ["| setting |" + (" key |" if with_keys else "") + " environment variable | default | what it does |",
+                "| --- |" + (" --- |" if with_keys else "") + " --- | --- | --- |"]
+        for f in fields(cls):  # type: ignore[arg-type]
+            default = f.default if f.default is not MISSING else None
+            shown = getattr(default, "label", default.value) if isinstance(default, enum.Enum) else default
+            key = f" `{f.name}` |" if with_keys else ""
+            rows.append(f"| {f.name} |{key} `{cls.PREFIX}{f.name.upper()}` | `{shown!r}` | "
                         f"{described.get(f.name, '')} |")
         return "\n".join(rows) + "\n"
+
+
+@dataclass(frozen=True)
+class LibrarySettings(EnvSettings):
+    """The library's own settings: environment only, read where the library needs them.
+
+    The library reads only its own variables: the rest of `KVSTRATA_*` is the connector's, which
+    refuses the unknown ones (the library cannot tell a connector key's variable from a typo).
+
+    Attributes:
+        remote_password: the remote tier's password when its URL has none (never logged).
+    """
+
+    remote_password: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.remote_password is not None:
+            parse_str("remote_password", self.remote_password, empty=False)
+
+    @classmethod
+    def check_environ(cls, environ: Mapping[str, str]) -> None:
+        """Nothing: the connector and `kvstrata` check the shared namespace."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> LibrarySettings:
+        """The library's variables of `environ` (default `os.environ`), read now."""
+        return cls.from_sources(None, environ)
+
+
+def remote_password(environ: Mapping[str, str] | None = None) -> str | None:
+    """`KVSTRATA_REMOTE_PASSWORD`: the one place any layer reads it."""
+    return LibrarySettings.from_environ(environ).remote_password

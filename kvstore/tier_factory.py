@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.settings import remote_password
 from tiers.base import BlockHash, Tier
 from tiers.codecs import CodecKind, CodecSpec, parse_codec
 from tiers.cpu import CPUTier
-from tiers.gpu_pool import BlockPool, DemotionPolicy
+from tiers.gpu_pool import BlockPool
 from tiers.lmdb import LMDBTier
 from tiers.remote import RemoteTier
 
@@ -23,7 +24,7 @@ def _pool(config: StoreConfig, seed: BlockHash) -> Tier | None:
         return None
     try:
         return BlockPool(config.pool_blocks, config.block_shape, config.layout.dtype, device=config.pool_device,
-                         verify_tokens=config.verify_tokens, demotion=DemotionPolicy(config.pool_demotion))
+                         verify_tokens=config.verify_tokens, demotion=config.pool_demotion)
     except (RuntimeError, AssertionError, ValueError) as exc:  # no such device, no memory
         raise ConfigError(
             f"StoreConfig.pool_blocks={config.pool_blocks} on pool_device={config.pool_device!r} "
@@ -62,7 +63,7 @@ def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:
         return None
     return RemoteTier(config.remote_url, config.block_shape, config.layout.dtype, namespace=seed,
                       verify_tokens=config.verify_tokens, ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
-                      codec=_codec(config, config.remote_codec))
+                      codec=_codec(config, config.remote_codec), password=remote_password())
 
 
 # Fastest first. The order is the tier stack's: demotion goes down it, promotion up.

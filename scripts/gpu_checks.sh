@@ -7,7 +7,7 @@
 #   bash scripts/gpu_checks.sh benches   # bench transfer, bench demotion
 #   bash scripts/gpu_checks.sh offload [LENGTHS]   # 32-layer Llama-3-8B shape, bf16
 #
-# Results (JSON, PNG) go to $KVSTRATA_RESULTS (default results/).
+# Results (JSON, PNG) go to $KVSTRATA_BENCH_RESULTS (default results/).
 set -uo pipefail
 PY=${PYTHON:-python3}
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd) PYTHONUNBUFFERED=1
@@ -24,7 +24,7 @@ benches)
     ;;
 offload)
     "$PY" -m bench.cli offload --layers 32 --dtype bfloat16 --docs 1 --questions 3 \
-        --lengths "${2:-8192,32768,131072}" --workdir "${KVSTRATA_WORKDIR:-/tmp}"
+        --lengths "${2:-8192,32768,131072}" --workdir "${KVSTRATA_BENCH_WORKDIR:-/tmp}"
     ;;
 *)
     echo "usage: $0 tests|benches|offload [LENGTHS]" >&2

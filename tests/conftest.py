@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from kvstore.settings import Settings
+from tests.switches import switches
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 BLOCK = 4
 # Device of the block pool in tests that have one (and of the runner's model): "cpu" by
 # default; `KVSTRATA_TEST_POOL_DEVICE=cuda` runs them with the pool on the GPU (pinned CPU
 # slab, side-stream demotion).
-POOL_DEVICE = Settings.from_sources().test_pool_device
+POOL_DEVICE = switches().pool_device
 
 
 def make_kv(num_tokens: int, seed: int = 0, layout: KVLayout = LAYOUT) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 `bench.redis_servers` (shipped with the `kvstrata` command) raises `RedisServerError` when no
 `redis-server`/`valkey-server` binary is installed; here that becomes a skip, except under
-`KVSTRATA_REQUIRE_REDIS=1` (CI), where it is a failure.
+`KVSTRATA_TEST_REQUIRE_REDIS=1` (CI), where it is a failure.
 """
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import pytest
 
 from bench import redis_servers
 from bench.redis_servers import RedisCluster, RedisServer
-from kvstore.settings import Settings
+from tests.switches import switches
 
 __all__ = ["RedisCluster", "RedisServer", "need_redis", "redis_cluster", "redis_server"]
 
 
 def need_redis() -> str:
-    """The redis-server binary's path; skips the test (fails under KVSTRATA_REQUIRE_REDIS=1) if none."""
+    """The redis-server binary's path; skips the test (fails under KVSTRATA_TEST_REQUIRE_REDIS=1) if none."""
     path = redis_servers.find_redis_binary()
     if path is None:
-        if Settings.from_sources().require_redis:
-            pytest.fail("KVSTRATA_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
+        if switches().require_redis:
+            pytest.fail("KVSTRATA_TEST_REQUIRE_REDIS=1 but no redis-server/valkey-server is installed")
         pytest.skip("no redis-server or valkey-server installed")
     return path
 

@@ -91,10 +91,10 @@ def test_results_dir_that_is_a_file_is_refused_before_running(
 ) -> None:
     target = tmp_path / "results.json"
     target.write_text("{}")
-    monkeypatch.setenv("KVSTRATA_RESULTS", str(target))
+    monkeypatch.setenv("KVSTRATA_BENCH_RESULTS", str(target))
     assert cli.main(["bench", "hashing", "--tokens", "64", "--repeat", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "KVSTRATA_RESULTS" in err[0] and "results.json" in err[0]
+    assert len(err) == 1 and "KVSTRATA_BENCH_RESULTS" in err[0] and "results.json" in err[0]
 
 
 @pytest.mark.parametrize(("argv", "own_option"), [

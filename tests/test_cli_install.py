@@ -45,7 +45,7 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     (hidden / "pytest").mkdir(parents=True)
     (hidden / "pytest" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'pytest'\")\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "KVSTRATA_"))}
-    env.update(PYTHONPATH=f"{hidden}{os.pathsep}{site}", KVSTRATA_RESULTS=str(tmp / "results"))
+    env.update(PYTHONPATH=f"{hidden}{os.pathsep}{site}", KVSTRATA_BENCH_RESULTS=str(tmp / "results"))
     return site / "bin" / "kvstrata", env
 
 

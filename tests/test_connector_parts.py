@@ -13,47 +13,10 @@ import torch
 
 from engine_adapter.vllm.keys import RequestKeys, request_keys
 from engine_adapter.vllm.paged_blocks import PagedKVBlocks, opaque_layout
-from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
 from engine_adapter.vllm.transfer_plan import TransferPlanner
 from engine_adapter.vllm.weights_identity import weights_identity
-from kvstore import ConfigError, ExtraKeys, HashAlgo, KVCacheStore, MultiModalInput, StoreConfig
-
-# -- settings ---------------------------------------------------------------------------
-
-
-def test_extra_config_wins_over_env_which_wins_over_defaults() -> None:
-    env = {
-        "KVSTRATA_CPU_BYTES": "2GiB",
-        "KVSTRATA_DISK_PATH": "/env/kv",
-        "KVSTRATA_HASH_ALGO": "sha256",
-    }
-    s = ConnectorSettings.from_sources({"disk_path": "/extra/kv", "write_through": "false"}, env)
-    assert s.disk_path == "/extra/kv"
-    assert s.cpu_bytes == 2 << 30
-    assert s.hash_algo is HashAlgo.SHA256
-    assert s.write_through is False
-    assert s.disk_bytes == ConnectorSettings().disk_bytes
-
-
-def test_settings_reject_unknown_keys_and_bad_values() -> None:
-    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['cpu_byte'\]"):
-        ConnectorSettings.from_sources({"cpu_byte": 1}, {})
-    with pytest.raises(ConfigError, match="cpu_bytes must be a byte count"):
-        ConnectorSettings.from_sources({}, {"KVSTRATA_CPU_BYTES": "lots"})
-    with pytest.raises(ConfigError, match="disk_sync must be a bool"):
-        ConnectorSettings.from_sources({"disk_sync": "maybe"}, {})
-    with pytest.raises(ConfigError, match="enables no tier"):
-        ConnectorSettings.from_sources({"cpu_bytes": 0}, {})
-
-
-@pytest.mark.parametrize(
-    ("text", "value"),
-    [("1048576", 1 << 20), ("512MiB", 512 << 20), ("4G", 4 << 30), ("3 KiB", 3 << 10), (7, 7)],
-)
-def test_parse_bytes(text: object, value: int) -> None:
-    assert parse_bytes("x", text) == value
-
+from kvstore import ConfigError, ExtraKeys, KVCacheStore, MultiModalInput, StoreConfig
 
 # -- paged block copies -----------------------------------------------------------------
 
@@ -244,38 +207,6 @@ def test_weights_identity_follows_content_not_paths_or_mtimes(tmp_path: Path, mo
         weights_identity("some-org/some-model-not-in-any-cache", "main")
     assert weights_identity("some-org/m", "0123456789abcdef0123456789abcdef01234567")[2] == (
         "0123456789abcdef0123456789abcdef01234567")
-
-
-def test_settings_table_in_the_docs_is_the_code() -> None:
-    from kvstore.settings import Settings
-
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
-    assert Settings.table() in doc, "docs/configuration.md is out of date: regenerate its table"
-
-
-def test_unknown_variables_and_keys_name_the_known_ones() -> None:
-    from kvstore.settings import Settings
-
-    with pytest.raises(ConfigError, match=r"KVSTRATA_CPU_BYTE.*KVSTRATA_CPU_BYTES"):
-        Settings.from_sources({}, {"KVSTRATA_CPU_BYTE": "1G"})
-    with pytest.raises(ConfigError, match="remote_password"):  # environment only: never a connector key
-        Settings.from_sources({"remote_password": "x"}, {})
-    with pytest.raises(ConfigError, match="metrics_port"):
-        Settings.from_sources({"metrics_port": 70000}, {})
-    s = Settings.from_sources({"metrics_port": "9400"}, {"KVSTRATA_EVENTS_ENDPOINT": "tcp://127.0.0.1:5557",
-                                                         "KVSTRATA_REMOTE_PASSWORD": "s3cret"})
-    assert s.metrics_port == 9400 and s.events_endpoint == "tcp://127.0.0.1:5557"
-    assert "s3cret" not in repr(s)
-
-
-def test_kvstrata_refuses_an_unknown_variable_in_one_line(monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import cli
-
-    monkeypatch.setenv("KVSTRATA_RESULT", "x")
-    assert cli.main(["bench", "hashing", "--tokens", "64"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "KVSTRATA_RESULT" in err[0] and "KVSTRATA_RESULTS" in err[0]
 
 
 def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: Path) -> None:

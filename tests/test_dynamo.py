@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from bench.ports import free_port
-from kvstore.settings import Settings
 from tests.conftest import BLOCK
+from tests.switches import switches
 from tests.test_router import ROOT, Instance, doc, wait_for
 
 pytestmark = pytest.mark.dynamo
@@ -66,8 +66,8 @@ class Indexer:
 @pytest.fixture
 def indexer(tmp_path: Path) -> Iterator[Indexer]:
     if not DYNAMO.exists():
-        if Settings.from_sources().require_dynamo:
-            pytest.fail(f"{DYNAMO} is missing: run scripts/setup_dynamo.sh (KVSTRATA_REQUIRE_DYNAMO is set)")
+        if switches().require_dynamo:
+            pytest.fail(f"{DYNAMO} is missing: run scripts/setup_dynamo.sh (KVSTRATA_TEST_REQUIRE_DYNAMO is set)")
         pytest.skip("Dynamo's indexer is not installed: bash scripts/setup_dynamo.sh")
     made = Indexer(tmp_path)
     yield made

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.settings import Settings
+from tests.switches import switches
 
-if Settings.from_sources().require_vllm:
+if switches().require_vllm:
     import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
 else:
     pytest.importorskip("vllm")

@@ -316,3 +316,13 @@ def test_password_from_url_or_environment_never_logged(monkeypatch: pytest.Monke
         with caplog.at_level("WARNING"), _store(server.url, cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
             assert store.lookup(t) == 0  # refused by the server: a miss, logged without the password
         assert "s3cret" not in caplog.text and "wrong" not in caplog.text
+        # the tier itself reads no environment: the store hands it the library's password
+        monkeypatch.setenv("KVSTRATA_REMOTE_PASSWORD", "s3cret")
+        for password, answers in ((None, False), ("s3cret", True)):
+            given = {} if password is None else {"password": password}
+            tier = RemoteTier(server.url, LAYOUT.block_shape(BLOCK), LAYOUT.dtype, namespace=b"password-test", **given)
+            try:
+                tier.match_prefix([b"\x00" * 16])
+                assert (tier.num_errors == 0) is answers, password
+            finally:
+                tier.close()

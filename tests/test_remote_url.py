@@ -141,8 +141,10 @@ def test_kv_events_and_the_routers_instances_carry_no_password() -> None:
 
 
 def test_configs_do_not_show_the_url_in_their_repr() -> None:
-    from kvstore.settings import Settings
+    from engine_adapter.vllm.settings import ConnectorSettings
+    from kvstore.settings import LibrarySettings
 
     url = f"redis://cache?password={SECRET}"
     assert SECRET not in repr(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, remote_url=url))
-    assert SECRET not in repr(Settings(remote_url=url))
+    assert SECRET not in repr(ConnectorSettings(remote_url=url))
+    assert SECRET not in repr(LibrarySettings(remote_password=SECRET))

@@ -360,7 +360,7 @@ def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, router
 
 
 def test_demo_fleet_router_placement_beats_round_robin(tmp_path: Path) -> None:
-    env_results = {"KVSTRATA_RESULTS": str(tmp_path)}
+    env_results = {"KVSTRATA_BENCH_RESULTS": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "bench.cli", "demo-fleet", "--engines", "2", "--docs", "3",
                            "--questions", "3", "--doc-tokens", "256"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**__import__("os").environ, **env_results})

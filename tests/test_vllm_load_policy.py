@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.settings import Settings
+from tests.switches import switches
 
-if Settings.from_sources().require_vllm:
+if switches().require_vllm:
     import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
 else:
     pytest.importorskip("vllm")

@@ -19,7 +19,6 @@ kind of call for `cooldown_s` after repeated faults of that kind, then tries aga
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,12 +29,12 @@ from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierK
 from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError
 from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
-from tiers.remote_client import PASSWORD_ENV, Health, RateLimitedWarning, connect, deadline
+from tiers.remote_client import Health, RateLimitedWarning, connect, deadline
 from tiers.remote_stream import Op, Oversized, Streams, command
 from tiers.remote_url import SCHEMES, check_url, identity, parse, redacted, scrub
 from tiers.remote_writer import Record, WriteQueue
 
-__all__ = ["PASSWORD_ENV", "SCHEMES", "RemoteTier", "check_url", "connect", "redacted"]
+__all__ = ["SCHEMES", "RemoteTier", "check_url", "connect", "redacted"]
 
 _BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), each with its deadline
 _WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote_stream.py)
@@ -50,6 +49,7 @@ class RemoteTier(Tier):
     record's checksum, key, namespace, layout and token ids are checked); anything else is
     deleted and reported as absent. A round trip moving n bytes must end within
     `timeout_s + n / min_rate_bps` (connect, send and the whole reply), else it is a fault.
+    `password` authenticates where the URL has none (the tier reads no environment variable).
     """
 
     kind = TierKind.REMOTE
@@ -58,10 +58,12 @@ class RemoteTier(Tier):
     def __init__(self, url: str, block_shape: tuple[int, ...], dtype: torch.dtype, *, namespace: bytes,
                  verify_tokens: bool = True, ttl_s: int | None = None, timeout_s: float = 0.5,
                  max_pending_bytes: int = 256 << 20, cooldown_s: float = 5.0,
-                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None) -> None:
+                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None,
+                 password: str | None = None) -> None:
         self._parts = parse(url)
         self._url = url
-        self._secrets = self._parts.secrets + [s for s in (os.environ.get(PASSWORD_ENV),) if s]
+        self._password = password  # used where the URL has none
+        self._secrets = self._parts.secrets + [s for s in (password,) if s]
         self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._prefix = b"kvstrata:" + namespace.hex()[:32].encode() + b":"
         self._ttl_s = ttl_s
@@ -96,7 +98,7 @@ class RemoteTier(Tier):
         with self._client_lock:
             if self._client is None:
                 with deadline(self._timeout_s):
-                    self._client = connect(self._url, self._timeout_s, self._parts)
+                    self._client = connect(self._url, self._timeout_s, self._parts, self._password)
                 self._streams = Streams(self._client, _WINDOW_BYTES)
             return self._client
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import ssl
 import threading
 import time
@@ -30,7 +29,6 @@ from tiers.remote_url import UrlParts, parse
 
 logger = logging.getLogger("tiers.remote")
 
-PASSWORD_ENV = "KVSTRATA_REMOTE_PASSWORD"
 WARN_EVERY_S = 10.0
 _FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
 _local = threading.local()
@@ -152,17 +150,17 @@ def _connection_class(scheme: str) -> type:
     return type(f"Deadline{base.__name__}", (_DeadlineMixin, base), {})
 
 
-def connect(url: str, timeout_s: float, parts: UrlParts | None = None) -> Any:
+def connect(url: str, timeout_s: float, parts: UrlParts | None = None, password: str | None = None) -> Any:
     """A redis-py client for `url` whose calls honour `deadline()`: `Redis`, or `RedisCluster`
     for a cluster URL (which contacts the cluster at once: call it within a deadline). The
-    password comes from the URL or `KVSTRATA_REMOTE_PASSWORD`. redis-py retries nothing."""
+    password is the URL's, else `password`. redis-py retries nothing."""
     from redis import Redis
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.retry import Retry
 
     parts = parts or parse(url)
-    password = parts.password or os.environ.get(PASSWORD_ENV) or None
+    password = parts.password or password or None
     # Blocks are large: read in 1 MiB chunks (a socket with a timeout polls before each read).
     common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                               "socket_read_size": 1 << 20, "connection_class": _connection_class(parts.scheme)}

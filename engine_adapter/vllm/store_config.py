@@ -19,11 +19,10 @@ from typing import TYPE_CHECKING, Any
 from engine_adapter.vllm.groups import GroupRule, rule_for
 from engine_adapter.vllm.paged_blocks import opaque_layout
 from engine_adapter.vllm.parallel import Place, Shard, every_worker, publish_layers, read_layers, shard_of
-from engine_adapter.vllm.settings import ConnectorSettings
+from engine_adapter.vllm.settings import ConnectorSettings, store_config
 from engine_adapter.vllm.weights_identity import weights_identity
 from kvstore import StoreConfig
 from kvstore.errors import ConfigError
-from tiers.codecs import CodecKind, parse_codec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,24 +56,6 @@ def spec_identity(spec: Any) -> dict[str, object]:
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
     return {"type": type(spec).__name__, **{k: str(v) if not isinstance(v, (int, str, type(None))) else v
                                             for k, v in sorted(fields.items())}}
-
-
-def _codecs(spec: Any, s: ConnectorSettings) -> dict[str, Any]:
-    """The slow tiers' codecs for one group: the settings' codecs on attention pages (a scale
-    per head vector of a token, in the pages' dtype). A state group (Mamba, linear attention)
-    never takes a lossy codec: its error would carry through every later token, so such a
-    group keeps raw bytes (a lossless codec still applies)."""
-    head = getattr(spec, "head_size", None)
-    if head is None:
-        return {"disk_codec": _lossless_only(s.disk_codec), "remote_codec": _lossless_only(s.remote_codec)}
-    return {"disk_codec": s.disk_codec, "remote_codec": s.remote_codec, "codec_dtype": spec.dtype,
-            "codec_group": head}
-
-
-def _lossless_only(codec: object) -> CodecKind:
-    """`codec` where it is exact, else the raw codec."""
-    kind = parse_codec(codec, "the connector's codec")
-    return CodecKind.NONE if kind.lossy else kind
 
 
 @dataclass(frozen=True)
@@ -133,34 +114,15 @@ class StorePlanner:
                 "partition": os.environ.get("VLLM_PP_LAYER_PARTITION")}
 
     def _config(self, group: int, layers: list[str], shard: Shard, *, cpu_bytes: int,
-                events: bool, write_through: bool) -> StoreConfig:
+                events: bool, saves: bool) -> StoreConfig:
         spec, s = self.specs[group], self.settings
         identity = {**self.deployment, "group": group, "groups": len(self.specs), "spec": spec_identity(spec),
                     "layers": layers, "shard": shard.identity()}
-        return StoreConfig(
-            layout=opaque_layout(len(layers), self._page(group), self.block_size),
-            block_size=self.block_size,
-            namespace=json.dumps(identity, sort_keys=True, default=str),
-            cpu_bytes=cpu_bytes,
-            disk_path=s.disk_path,
-            disk_bytes=s.disk_bytes,
-            hash_algo=s.hash_algo,
-            verify_tokens=s.verify_tokens,
-            disk_sync=s.disk_sync,
-            write_through=write_through,
-            remote_url=s.remote_url,
-            **_codecs(spec, s),
-            events_endpoint=s.events_endpoint if events else None,
-            events_replay_endpoint=s.events_replay_endpoint if events else None,
-            events_topic=s.events_topic,
-            events_curve_cert=s.events_curve_cert,
-            events_curve_clients=s.events_curve_clients,
-            events_insecure=s.events_insecure,
-            events_connect=s.events_connect,
-            load_policy=s.load_policy,
-            instance_id=s.instance_id,
-            model_name=str(self.vllm_config.model_config.served_model_name)[:256] or None,
-        )
+        return store_config(
+            s, layout=opaque_layout(len(layers), self._page(group), self.block_size), block_size=self.block_size,
+            namespace=json.dumps(identity, sort_keys=True, default=str), cpu_bytes=cpu_bytes, saves=saves,
+            publishes=events, head_size=getattr(spec, "head_size", None), kv_dtype=getattr(spec, "dtype", None),
+            model_name=str(self.vllm_config.model_config.served_model_name)[:256] or None)
 
     def worker_stores(self, place: Place, layer_names: list[list[str]] | None = None) -> list[GroupStore]:
         """The stores of the worker at `place` (the groups with layers there), the CPU tier
@@ -179,7 +141,7 @@ class StorePlanner:
                                   f"block ({block} bytes); raise cpu_bytes or set it to 0")
             shard = shard_of(self.specs[g], place)
             config = self._config(g, names[g], shard, cpu_bytes=share, events=place.rank == 0 and g == self.primary,
-                                  write_through=s.write_through and s.disk_path is not None)
+                                  saves=True)
             stores.append(GroupStore(g, self.rules[g], config, tuple(names[g]), shard.writer))
         return stores
 
@@ -204,7 +166,7 @@ class StorePlanner:
                 if not names[g]:
                     continue
                 config = self._config(g, names[g], shard_of(self.specs[g], place), cpu_bytes=0, events=False,
-                                      write_through=False)
+                                      saves=False)
                 if config.namespace not in seen:
                     seen.add(config.namespace)
                     per_group[g].append(config)

@@ -1,7 +1,7 @@
-"""The one typed home of the reliability suite's knobs (environment variables `KVSTRATA_REL_*`).
+"""The reliability suite's counts, scaled by its knobs (`KVSTRATA_TEST_REL_*`, in `tests/switches.py`).
 
 The defaults keep the whole suite near two minutes on two cores, which is what CI runs. A longer
-manual run scales every count at once, e.g. `KVSTRATA_REL_SCALE=10 pytest tests/reliability`;
+manual run scales every count at once, e.g. `KVSTRATA_TEST_REL_SCALE=10 pytest tests/reliability`;
 `docs/reliability.md` gives the figures of such a run.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvstore.settings import Settings
+from tests.switches import switches
 
 
 @dataclass(frozen=True)
@@ -17,8 +17,8 @@ class Budget:
     """Counts of the reliability suite, each the CI default times `scale`.
 
     Attributes:
-        scale: KVSTRATA_REL_SCALE, multiplies every count below (default 1).
-        seed: KVSTRATA_REL_SEED, the root of every random choice (default 7).
+        scale: KVSTRATA_TEST_REL_SCALE, multiplies every count below (default 1).
+        seed: KVSTRATA_TEST_REL_SEED, the root of every random choice (default 7).
     """
 
     scale: float
@@ -69,7 +69,7 @@ class Budget:
 
 
 def load_budget() -> Budget:
-    settings = Settings.from_sources()
+    settings = switches()
     return Budget(scale=settings.rel_scale, seed=int(settings.rel_seed or 0))
 
 

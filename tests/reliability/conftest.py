@@ -1,18 +1,19 @@
 """Figures of the reliability suite: every test adds its counts; the session prints and saves them.
 
-The JSON goes to `KVSTRATA_REL_REPORT` (default `results/reliability.json`, not committed);
+The JSON goes to `KVSTRATA_TEST_REL_REPORT` (default `results/reliability.json`, not committed);
 `docs/reliability.md` quotes a run of it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.switches import switches
 
 from .budget import BUDGET
 
@@ -40,7 +41,7 @@ def figures(request: pytest.FixtureRequest) -> Iterator[Figures]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _FIGURES:
         return
-    path = Path(os.environ.get("KVSTRATA_REL_REPORT", "results/reliability.json"))
+    path = Path(switches().rel_report)
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"scale": BUDGET.scale, "seed": BUDGET.seed, "tests": _FIGURES}
     path.write_text(json.dumps(report, indent=1, sort_keys=True))

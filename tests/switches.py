@@ -1,0 +1,63 @@
+"""The tests' switches: the family `KVSTRATA_TEST_*` (docs/configuration.md has the table).
+
+Read once per process (`switches()`); an unknown `KVSTRATA_TEST_*` variable (a typo) or a bad
+value fails the run with one error naming it and the known variables.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvstore.errors import ConfigError
+from kvstore.settings import TEST_PREFIX, EnvSettings, parse_bool, parse_int, parse_str
+
+
+@dataclass(frozen=True)
+class Switches(EnvSettings):
+    """Switches of the test suite (variables only).
+
+    Attributes:
+        require_redis: a missing `redis-server` fails the remote-tier tests instead of
+            skipping them (CI).
+        require_vllm: a missing vLLM fails the connector's tests instead of skipping them (CI).
+        require_dynamo: a missing Dynamo indexer (`.venv-dynamo`) fails its tests (CI).
+        pool_device: the block pool's device in tests that have one ("cuda" on a GPU machine:
+            pinned CPU slab, side-stream demotion).
+        rel_scale: multiplies every count of the reliability suite (tests/reliability).
+        rel_seed: the reliability suite's random seed.
+        rel_report: where the reliability suite writes its figures (JSON).
+    """
+
+    PREFIX: ClassVar[str] = TEST_PREFIX
+    FOREIGN: ClassVar[tuple[str, ...]] = ()
+
+    require_redis: bool = False
+    require_vllm: bool = False
+    require_dynamo: bool = False
+    pool_device: str = "cpu"
+    rel_scale: float = 1.0
+    rel_seed: int = 7
+    rel_report: str = "results/reliability.json"
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        for name in ("require_redis", "require_vllm", "require_dynamo"):
+            set_(self, name, parse_bool(name, getattr(self, name)))
+        parse_str("pool_device", self.pool_device, empty=False)
+        parse_str("rel_report", self.rel_report, empty=False)
+        try:
+            scale = float(self.rel_scale)
+        except (TypeError, ValueError):
+            scale = -1.0
+        if not scale > 0:
+            raise ConfigError(f"rel_scale must be a number > 0, got {self.rel_scale!r}")
+        set_(self, "rel_scale", scale)
+        set_(self, "rel_seed", parse_int("rel_seed", self.rel_seed, 0, 2**32 - 1))
+
+
+@functools.cache
+def switches() -> Switches:
+    """The switches of `os.environ`, parsed on first use."""
+    return Switches.from_sources()
