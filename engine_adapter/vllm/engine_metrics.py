@@ -62,7 +62,7 @@ class KVStrataStats(KVConnectorStats):
     pickles from the worker and travels as msgpack to the front end)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVStrataStats:
         """Add `other`'s increases to these (the worker's and the scheduler's, or intervals)."""

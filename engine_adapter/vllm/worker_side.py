@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -42,13 +43,13 @@ class PendingSaves:
         self._cond = threading.Condition()
         self._blocks: dict[int, dict[bytes, int]] = {}  # id(store) -> block hash -> saves queued
 
-    def add(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+    def add(self, store: KVCacheStore, hashes: Sequence[bytes]) -> None:
         with self._cond:
             held = self._blocks.setdefault(id(store), {})
             for h in hashes:
                 held[h] = held.get(h, 0) + 1
 
-    def done(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+    def done(self, store: KVCacheStore, hashes: Sequence[bytes]) -> None:
         with self._cond:
             held = self._blocks.get(id(store), {})
             for h in hashes:
@@ -233,7 +234,7 @@ class ConnectorWorker:
             accepted = policy.observe_prefill(num_tokens, seconds)
             self.stats.count("prefill_samples" if accepted else "prefill_samples_rejected", 1)
 
-    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, hashes: list[bytes]) -> None:
+    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, hashes: Sequence[bytes]) -> None:
         try:
             self._write(save, staging)
         except Exception as exc:  # a background fault is a lost save (a later miss), never a hang
