@@ -38,6 +38,12 @@ class _Runs:
         return self._run[i]
 
 
+def unlocated_kind(store: KVCacheStore) -> TierKind:
+    """The tier a block is taken to load from when the walk found it but the primary store no
+    longer does: its fastest tier outside memory (disk, remote), else its slowest tier."""
+    return next((t.kind for t in store.tiers if not t.traits.memory), store.tiers[-1].kind)
+
+
 class GroupLookup:
     """Finds hits over `stores[g]`, every store that holds a part of group `g`'s blocks;
     `primary` is the group whose tiers the load policy weighs (the first full-attention one)."""
@@ -81,12 +87,12 @@ class GroupLookup:
         n = self.cut(n)
         primary = self.stores[self.primary]
         if not primary or n == 0:
-            return [TierKind.DISK] * n
+            return []  # no store to load from: a miss
         store = primary[0]
         with store.lock:
             tiers = store.stack.locate(self._runs[self.primary][0].hashes[:n])
         kinds = [store.tiers[i].kind for i in tiers]
-        return kinds + [TierKind.DISK] * (n - len(kinds))  # evicted since: the load will tell
+        return kinds + [unlocated_kind(store)] * (n - len(kinds))  # evicted since: the load will tell
 
     def cut(self, num_blocks: int) -> int:
         """The longest hit of at most `num_blocks` blocks that every group can serve (after

@@ -47,10 +47,14 @@ class ConnectorScheduler:
         self.stats = stats
         self.planner = TransferPlanner(block_size, self._lookup, self.lookup.rules)
         self._finished: list[str] = []  # told to the worker with the next plan
-        # Requests whose prefix was prefetched from disk/remote into the CPU tier when first seen
-        # waiting (only where this process's store has a CPU tier: vLLM's single-process mode).
-        self._prefetch = len(self.lookup.every_store) == 1 and any(t.kind.value == "cpu" for t in store.tiers) and any(
-            t.kind.value in ("disk", "remote") for t in store.tiers)
+        # Tiers whose hits load from memory (synchronously, in the step): every other is slow.
+        self._memory_kinds = frozenset(t.kind for s in self.lookup.every_store for t in s.tiers if t.traits.memory)
+        # Requests whose prefix was prefetched from slow tiers (disk, remote) into a memory tier
+        # below the pool when first seen waiting (only where this process's store has one: vLLM's
+        # single-process mode).
+        self._prefetch = len(self.lookup.every_store) == 1 and any(
+            t.traits.memory and not t.traits.engine_memory for t in store.tiers) and any(
+            not t.traits.memory for t in store.tiers)
         self._prefetched: set[str] = set()
         self._kinds: list[TierKind] = []  # the tier of each block of the last lookup
 
@@ -84,7 +88,7 @@ class ConnectorScheduler:
         # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
         to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
         slow = n > 0 and (self.async_only or (self.async_loads and any(
-            k in (TierKind.DISK, TierKind.REMOTE) for k in to_load)))
+            k not in self._memory_kinds for k in to_load)))
         if slow:
             self._async_wanted.add(request.request_id)
         else:
