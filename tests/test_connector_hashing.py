@@ -18,7 +18,7 @@ import kvstore.keying
 from engine_adapter.vllm.paged_blocks import opaque_layout
 from engine_adapter.vllm.scheduler_side import ConnectorScheduler
 from engine_adapter.vllm.stats import ConnectorStats
-from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
+from engine_adapter.vllm.transfer_plan import BlockTransfer, GroupBlocks, StepPlan
 from engine_adapter.vllm.worker_side import ConnectorWorker
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.settings import Settings
@@ -48,8 +48,8 @@ def test_an_asynchronous_save_hashes_each_block_once(monkeypatch: pytest.MonkeyP
     worker.register_kv_caches({"l0": layer})
     tokens = np.arange(10, 34, dtype=np.uint32)  # 6 blocks, saved over two steps
     hashed = _count_hashed_blocks(monkeypatch)
-    worker.save(StepPlan(saves=[BlockTransfer.single("r", tokens[:16], 0, (1, 2, 3, 4))]))
-    worker.save(StepPlan(saves=[BlockTransfer.single("r", tokens, 4, (5, 6))]))
+    worker.save(StepPlan(saves=[BlockTransfer("r", tokens[:16], (GroupBlocks(0, (1, 2, 3, 4)),))]))
+    worker.save(StepPlan(saves=[BlockTransfer("r", tokens, (GroupBlocks(4, (5, 6)),))]))
     worker.flush()
     assert sum(hashed) == 6
     monkeypatch.undo()
