@@ -66,6 +66,11 @@ class BlockAPI:
         return pool
 
     @property
+    def pool_kind(self) -> TierKind:
+        """The block pool's tier kind (its name in `blocks_per_tier`); `ConfigError` without one."""
+        return self._pool.kind
+
+    @property
     def observe_latency(self) -> Callable[[str, float], None] | None:
         return self.store.observe_latency
 

@@ -300,6 +300,14 @@ class BlockChain:
             self._hashed += block_tokens.tobytes()
         return self.hashes
 
+    def prefix(self, num_blocks: int) -> BlockChain:
+        """A new chain holding the keys of this one's first `num_blocks` blocks (hashes nothing):
+        for another thread to use while this one grows."""
+        copy = BlockChain(self.seed, self.block_size, self.algo, self.extra_keys)
+        n = min(num_blocks, len(self.hashes))
+        copy.hashes, copy._hashed = self.hashes[:n], self._hashed[: n * self.block_size * 4]
+        return copy
+
     def hashes_of(self, arr: np.ndarray) -> list[BlockHash]:
         """Keys of every full block of `arr` (validated uint32 tokens), hashing only new blocks."""
         num_full = len(arr) // self.block_size

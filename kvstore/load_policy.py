@@ -65,9 +65,11 @@ class LoadPolicy:
     Thread-safe: the engine's worker reports measurements while its scheduler decides."""
 
     def __init__(self, mode: LoadPolicyMode | str, block_size: int, block_bytes: int, *, probe_every: int = PROBE_EVERY,
-                 free: frozenset[TierKind] = frozenset({TierKind.POOL})) -> None:
+                 free: frozenset[TierKind] = frozenset()) -> None:
         self.mode = LoadPolicyMode.parse(mode)
-        self.free = free  # tiers whose blocks the engine uses in place (its own paged memory): no load
+        # Tiers whose blocks the engine uses in place (its own paged memory): no load. The
+        # store names those whose traits say so (`TierTraits.engine_memory`).
+        self.free = free
         if not isinstance(probe_every, int) or isinstance(probe_every, bool) or probe_every < 1:
             raise ConfigError(f"LoadPolicy.probe_every must be an int >= 1, got {probe_every!r}")
         self.block_size, self.block_bytes = block_size, block_bytes

@@ -139,9 +139,10 @@ class KVCacheStore:
         return generation == self._generation
 
     # -- hashing -----------------------------------------------------------------------------
-    def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None) -> list[BlockHash]:
-        """The chained keys of `tokens`' full blocks in this store's namespace."""
-        return self._keyer.hashes(tokens, extra_keys)[1]
+    def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None,
+                     chain: BlockChain | None = None) -> list[BlockHash]:
+        """The chained keys of `tokens`' full blocks here (through `chain`: only new blocks)."""
+        return self._keyer.hashes(tokens, extra_keys, chain)[1]
 
     def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
         """A `BlockChain` in this store's namespace: pass it as `chain=` to `store_blocks` /
@@ -264,10 +265,11 @@ class KVCacheStore:
         return self.blocks.load(tokens, dsts, first_block=first_block, extra_keys=extra_keys, chain=chain)
 
     # -- background work: prefetch and the asyncio API ---------------------------------------
-    def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> Future[int]:
+    def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
+                 chain: BlockChain | None = None) -> Future[int]:
         """Bring the longest cached prefix of `tokens` from tiers outside memory (disk, remote)
         into the slowest memory tier (the CPU tier; the pool without one), in the background.
-        The future resolves to the leading tokens then held in memory tiers.
+        The future resolves to the leading tokens then held in memory tiers (`chain`: as in `block_hashes`).
 
         Bad input raises here, at once, as does `StoreClosedError` once `close()` has begun.
         The slow reads run without the store's lock (other calls proceed meanwhile); only the
@@ -275,7 +277,7 @@ class KVCacheStore:
         prefetch that `close()` finds queued or running resolves to 0 (never cancelled).
         """
         self.check_open()
-        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        arr, hashes = self._keyer.hashes(tokens, extra_keys, chain)
         keys = self._keyer.keys(arr, hashes, extra_keys)
         return self._work.submit(self._prefetch, keys)
 

@@ -1,17 +1,19 @@
 """One factory from `StoreConfig` to the ordered tiers, fastest first.
 
-A new tier is one file under `tiers/` plus one entry in `_BUILDERS`: a function that opens it
-from the config, or returns None when the config does not enable it.
+A new tier is one file under `tiers/` plus one entry in `_BUILDERS`: its class (whose `kind`
+and `traits` say what it is, see `known_tiers`) and a function that opens it from the config,
+or returns None when the config does not enable it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.settings import remote_password
-from tiers.base import BlockHash, Tier
+from tiers.base import BlockHash, Tier, TierKind, TierTraits
 from tiers.codecs import CodecKind, CodecSpec, parse_codec
 from tiers.cpu import CPUTier
 from tiers.gpu_pool import BlockPool
@@ -66,8 +68,20 @@ def _remote(config: StoreConfig, seed: BlockHash) -> Tier | None:
                       codec=_codec(config, config.remote_codec), password=remote_password())
 
 
+class _Builder(NamedTuple):
+    tier: type[Tier]  # the class it opens
+    build: Callable[[StoreConfig, BlockHash], Tier | None]
+
+
 # Fastest first. The order is the tier stack's: demotion goes down it, promotion up.
-_BUILDERS: tuple[Callable[[StoreConfig, BlockHash], Tier | None], ...] = (_pool, _cpu, _disk, _remote)
+_BUILDERS: tuple[_Builder, ...] = (
+    _Builder(BlockPool, _pool), _Builder(CPUTier, _cpu), _Builder(LMDBTier, _disk), _Builder(RemoteTier, _remote))
+
+
+def known_tiers() -> dict[TierKind, TierTraits]:
+    """The kind and traits of every tier this factory can open, fastest first (whether or not
+    a config enables it): for labels that must exist before any store does."""
+    return {b.tier.kind: b.tier.traits for b in _BUILDERS}
 
 
 def engine_pool(tiers: list[Tier]) -> BlockPool | None:
@@ -81,8 +95,8 @@ def build_tiers(config: StoreConfig, seed: BlockHash) -> list[Tier]:
     opened and re-raises (a failed open leaks nothing)."""
     opened: list[Tier] = []
     try:
-        for build in reversed(_BUILDERS):  # the slowest first: the disk refuses bad paths cheaply
-            tier = build(config, seed)
+        for builder in reversed(_BUILDERS):  # the slowest first: the disk refuses bad paths cheaply
+            tier = builder.build(config, seed)
             if tier is not None:
                 opened.insert(0, tier)
     except BaseException:

@@ -216,7 +216,7 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
     import threading
 
     from engine_adapter.vllm.stats import ConnectorStats
-    from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
+    from engine_adapter.vllm.transfer_plan import BlockTransfer, GroupBlocks, StepPlan
     from engine_adapter.vllm.worker_side import ConnectorWorker
 
     layout = opaque_layout(1, 64, 4)
@@ -236,7 +236,7 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
         return original(*args, **kwargs)
 
     store.retrieve_into = slow_retrieve_into  # type: ignore[method-assign]
-    load = BlockTransfer.single("r", tokens, 0, (5, 6, 7, 2))
+    load = BlockTransfer("r", tokens, (GroupBlocks(0, (5, 6, 7, 2)),))
     worker.load(StepPlan(async_loads=[load]))
     worker.load(StepPlan(delayed_frees=["r"]))  # vLLM aborted it meanwhile
     assert worker.get_finished({"r"}) == (None, None)  # still loading: nothing to report

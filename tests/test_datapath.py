@@ -97,7 +97,7 @@ def test_load_policy_keeps_the_blocks_whose_loading_saves_time() -> None:
     from kvstore.load_policy import LoadPolicy
 
     cpu, disk, pool = TierKind.CPU, TierKind.DISK, TierKind.POOL
-    policy = LoadPolicy("auto", block_size=16, block_bytes=1 << 20)
+    policy = LoadPolicy("auto", block_size=16, block_bytes=1 << 20, free=frozenset({pool}))
     kinds = [pool, cpu, cpu, disk, disk, disk]
     assert policy.blocks_to_load(kinds) == 6  # nothing measured yet: load (and measure)
     policy.observe_prefill(16_000, 1.0)  # 1 ms to recompute a block
@@ -111,7 +111,7 @@ def test_load_policy_keeps_the_blocks_whose_loading_saves_time() -> None:
     policy.observe_load(disk, 100 << 20, 0.01)
     assert policy.blocks_to_load(kinds) == 6
     assert LoadPolicy("always", 16, 1 << 20).blocks_to_load(kinds) == 6
-    assert LoadPolicy("never", 16, 1 << 20).blocks_to_load(kinds) == 1  # the pool block costs nothing
+    assert LoadPolicy("never", 16, 1 << 20, free=frozenset({pool})).blocks_to_load(kinds) == 1  # the pool: free
     with pytest.raises(Exception, match="load_policy"):
         StoreConfig(LAYOUT, load_policy="sometimes")
 

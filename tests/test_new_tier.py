@@ -119,7 +119,8 @@ def _free_port() -> int:
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[KVCacheStore]:
     # The one factory line: the dict tier goes below the CPU tier.
-    monkeypatch.setattr(tier_factory, "_BUILDERS", (*tier_factory._BUILDERS[:2], _dict, *tier_factory._BUILDERS[2:]))
+    line = tier_factory._Builder(DictTier, _dict)
+    monkeypatch.setattr(tier_factory, "_BUILDERS", (*tier_factory._BUILDERS[:2], line, *tier_factory._BUILDERS[2:]))
     config = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * LAYOUT.block_bytes(BLOCK),
                          events_endpoint=f"tcp://127.0.0.1:{_free_port()}", load_policy="always")
     with KVCacheStore(config) as s:

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 import xxhash
 
-from tiers.codecs import Codec, CodecKind, CodecSpec, build_codec, codec_of_id
+from tiers.codecs import Codec, CodecKind, CodecSpec
 from tiers.codecs.scaled import ScaledCodec
 from tiers.disk_files import slot_bytes_for
 from tiers.disk_index import CODEC_RAW, Entry
-from tiers.errors import ConfigError, CorruptRecordError
-from tiers.lmdb_record import UnverifiableRecordError
+from tiers.errors import CorruptRecordError, UnverifiableRecordError
+from tiers.record_checks import LayoutCodecs
 
 _SECTOR = 512
 _PAGES_FROM = 64 << 10  # payloads from this size take whole pages (at most 6% of slack)
@@ -58,26 +58,19 @@ class DiskCodec:
     built (codecs keep no state between calls)."""
 
     def __init__(self, spec: CodecSpec | None, block_shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.spec = spec or CodecSpec()
+        self._codecs = LayoutCodecs(spec, block_shape, dtype)
+        self.spec = self._codecs.spec
         self._shape, self._dtype = tuple(block_shape), dtype
         self.block_bytes = int(np.prod(block_shape)) * dtype.itemsize
         self.raw_slot_bytes = slot_bytes_for(self.block_bytes)
         self.raw_layout = xxhash.xxh32_intdigest(f"{dtype}:{list(block_shape)}".encode())
-        self._codecs: dict[CodecKind, Codec] = {}
-        self._writer = None if self.spec.kind is CodecKind.NONE else self._codec(self.spec.kind)  # ConfigError
+        self._writer = None if self.spec.kind is CodecKind.NONE else self._codecs.get(self.spec.kind)  # ConfigError
         fixed = self._writer.payload_bytes if isinstance(self._writer, ScaledCodec) else None
         slot = None if fixed is None else encoded_slot_bytes(fixed)
         self._fixed_slot = slot if slot is not None and slot < self.raw_slot_bytes else None
         self._write_layout = 0 if self._writer is None else self._tag(self._writer)
         # the slot most blocks take (capacity estimates)
         self.slot_bytes = self._fixed_slot or self.raw_slot_bytes
-
-    def _codec(self, kind: CodecKind) -> Codec:
-        codec = self._codecs.get(kind)
-        if codec is None:
-            codec = self._codecs[kind] = build_codec(kind, self._shape, self._dtype,
-                                                     element_dtype=self.spec.element_dtype, group=self.spec.group)
-        return codec
 
     def _tag(self, codec: Codec) -> int:
         group = codec.group if codec.lossy else None
@@ -102,21 +95,11 @@ class DiskCodec:
             if e.layout != self.raw_layout or e.length != self.block_bytes or e.slot_bytes != self.raw_slot_bytes:
                 raise CorruptRecordError("entry layout differs from this tier's")
             return
-        kind = codec_of_id(e.codec)
-        if kind is None:
-            raise UnverifiableRecordError(f"payload of codec id {e.codec}, unknown to this reader")
-        if not self.spec.accepts(kind):
-            raise UnverifiableRecordError(f"payload of the lossy codec {kind.label}, which this reader does not accept")
-        try:
-            codec = self._codec(kind)
-        except ConfigError as exc:
-            raise UnverifiableRecordError(f"payload this reader cannot decode: {exc}") from None
+        codec = self._codecs.reader(e.codec, "payload")
         if e.layout != self._tag(codec):
-            raise UnverifiableRecordError(f"{kind.label} payload encoded with another element dtype or group")
+            raise UnverifiableRecordError(f"{codec.kind.label} payload encoded with another element dtype or group")
 
     def decode(self, e: Entry, payload: np.ndarray, dst: torch.Tensor) -> None:
         """Decode a checked, verified encoded payload into `dst`; `CorruptRecordError` if it
         does not decode (`dst` may then hold part of the block)."""
-        kind = codec_of_id(e.codec)
-        assert kind is not None  # `check` passed
-        self._codec(kind).decode(payload.data, dst)
+        self._codecs.reader(e.codec, "payload").decode(payload.data, dst)  # `check` passed: known

@@ -29,9 +29,8 @@ from tiers.disk_index import (
 )
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import payload_sum
-from tiers.errors import ConfigError, CorruptRecordError
+from tiers.errors import ConfigError, CorruptRecordError, UnverifiableRecordError
 from tiers.lmdb_env import _ENVS, begin
-from tiers.lmdb_record import UnverifiableRecordError
 
 unpack = unpack_entry
 _BE_TICK = 8

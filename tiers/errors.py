@@ -34,3 +34,8 @@ class CorruptRecordError(KVStoreError):
 
     Tiers raise it internally; the store turns it into a miss and deletes the record.
     """
+
+
+class UnverifiableRecordError(CorruptRecordError):
+    """A sound record this reader cannot check or decode (no token ids, a codec it does not
+    know, cannot load or does not accept): a miss, not deleted."""

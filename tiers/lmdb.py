@@ -55,9 +55,9 @@ from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
 from tiers.disk_scan import summarize
 from tiers.disk_writer import DiskWriter, Layout
-from tiers.errors import CorruptRecordError, DiskFullError, StoreClosedError
+from tiers.errors import CorruptRecordError, DiskFullError, StoreClosedError, UnverifiableRecordError
 from tiers.lmdb_env import acquire_env, begin, release_env
-from tiers.lmdb_record import UnverifiableRecordError
+from tiers.record_checks import check_tokens
 
 __all__ = ["DiskSync", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
 logger = logging.getLogger(__name__)
@@ -204,10 +204,7 @@ class LMDBTier(Tier):
 
     def _check_entry(self, e: Entry, key: BlockKey) -> None:
         self._codec.check(e)
-        if self._verify_tokens and key.tokens and e.tokens != key.tokens:
-            if not e.tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
-                raise UnverifiableRecordError("entry carries no token ids to verify")
-            raise CorruptRecordError("token ids differ (hash collision or damage)")
+        check_tokens(self._verify_tokens, key.tokens, e.tokens, "entry")
 
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, int]:
         """Blocks delivered into `dsts`, and the bytes of their payloads as stored."""

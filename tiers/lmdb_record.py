@@ -27,16 +27,13 @@ import xxhash
 
 from tiers.base import BlockHash, BlockKey
 from tiers.blockcopy import copy_block
-from tiers.codecs import Codec, CodecKind, CodecSpec, build_codec, codec_of_id
-from tiers.errors import ConfigError, CorruptRecordError
+from tiers.codecs import CodecKind, CodecSpec
+from tiers.errors import CorruptRecordError
+from tiers.record_checks import LayoutCodecs, check_tokens
 
 FORMAT_VERSION = 1
 _MAGIC = b"KVS1"
 _PREFIX = struct.Struct("<4sI")
-
-
-class UnverifiableRecordError(CorruptRecordError):
-    """A sound record without the token ids this reader verifies: a miss, not deleted."""
 
 
 class Payload(NamedTuple):
@@ -59,17 +56,9 @@ class RecordCodec:
         self._block_bytes = int(np.prod(block_shape)) * torch.empty((), dtype=dtype).element_size()
         self._verify_tokens = verify_tokens
         self._namespace = bytes(namespace)
-        self._spec = codec or CodecSpec()
-        self._codecs: dict[CodecKind, Codec] = {}
-        self._writer = None if self._spec.kind is CodecKind.NONE else self._codec(self._spec.kind)
-
-    def _codec(self, kind: CodecKind) -> Codec:
-        """This layout's codec `kind` (built once; `ConfigError` if it cannot be)."""
-        codec = self._codecs.get(kind)
-        if codec is None:
-            codec = self._codecs[kind] = build_codec(kind, tuple(self._shape), self._dtype,
-                                                     element_dtype=self._spec.element_dtype, group=self._spec.group)
-        return codec
+        self._codecs = LayoutCodecs(codec, tuple(block_shape), dtype)
+        self._spec = self._codecs.spec
+        self._writer = None if self._spec.kind is CodecKind.NONE else self._codecs.get(self._spec.kind)
 
     @property
     def namespace(self) -> bytes:
@@ -175,22 +164,9 @@ class RecordCodec:
                 codec_id == 0 and len(payload) != self._block_bytes):
             raise CorruptRecordError("record layout differs from this tier's")
         tokens = hdr["tok"]
-        if self._verify_tokens and key.tokens and tokens != key.tokens:
-            if not tokens:  # written without token ids (verify_tokens=False): sound, unverifiable
-                raise UnverifiableRecordError("record carries no token ids to verify")
-            raise CorruptRecordError("token ids differ (hash collision or damage)")
+        assert isinstance(tokens, bytes)  # `parse` checked it
+        check_tokens(self._verify_tokens, key.tokens, tokens, "record")
         return Payload(payload, codec_id)
-
-    def _decoder(self, codec_id: int) -> Codec:
-        kind = codec_of_id(codec_id)
-        if kind is None:
-            raise UnverifiableRecordError(f"record of codec id {codec_id}, unknown to this reader")
-        if not self._spec.accepts(kind):
-            raise UnverifiableRecordError(f"record of the lossy codec {kind.label}, which this reader does not accept")
-        try:
-            return self._codec(kind)
-        except ConfigError as exc:
-            raise UnverifiableRecordError(f"record this reader cannot decode: {exc}") from None
 
     @staticmethod
     def _read_header(value: memoryview | bytes) -> dict[str, object] | None:
@@ -225,7 +201,7 @@ class RecordCodec:
         its library, or lossy for a reader that does not accept it (`dst` may then hold part
         of the block)."""
         if payload.codec_id:
-            self._decoder(payload.codec_id).decode(payload.data, dst)
+            self._codecs.reader(payload.codec_id, "record").decode(payload.data, dst)
             return
         src = np.frombuffer(payload.data, dtype=np.uint8)
         target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)

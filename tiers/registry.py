@@ -59,7 +59,7 @@ class ProcessRegistry(Generic[K, V]):
             entry = self._entries.get(key)
             return None if entry is None else entry.value
 
-    def release(self, key: K, close_fn: Callable[[V], None]) -> None:
+    def release(self, key: K, close_fn: Callable[[V], object]) -> None:
         """Drop one reference; the last one removes the value and passes it to `close_fn`."""
         with self._lock:
             entry = self._entries.get(key)

@@ -27,8 +27,8 @@ import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
 from tiers.codecs import CodecSpec
-from tiers.errors import CorruptRecordError, StoreClosedError
-from tiers.lmdb_record import RecordCodec, UnverifiableRecordError
+from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.lmdb_record import RecordCodec
 from tiers.remote_client import Health, RateLimitedWarning, connect, deadline
 from tiers.remote_stream import Op, Oversized, Streams, command
 from tiers.remote_url import SCHEMES, check_url, identity, parse, redacted, scrub

@@ -208,7 +208,7 @@ class KVCacheManager:
                 req.blocks.extend(computed.pool_blocks)
                 req.num_cached_blocks = len(computed.pool_blocks)
                 if computed.pool_blocks:
-                    per_tier[TierKind.POOL] = len(computed.pool_blocks)
+                    per_tier[self.blocks.pool_kind] = len(computed.pool_blocks)
                 req.num_computed_tokens = len(computed.pool_blocks) * self.block_size
                 lower = computed.lower_plan
             first = len(req.blocks)

@@ -247,7 +247,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0:
             return {}
         if sum(sources.values()) != num_external_tokens:
-            return super().get_external_cache_hit_sources(request, num_external_tokens)
+            fallback: dict[CacheHitSource, int] = super().get_external_cache_hit_sources(request, num_external_tokens)
+            return fallback
         return sources
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

@@ -19,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tiers.base import TierKind
+from kvstore.tier_factory import known_tiers
+from tiers.base import TierKind, TierTraits
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 PREFIX = "vllm:kvstrata_"
-TIERS = tuple(k.value for k in TierKind if k is not TierKind.POOL)
+# The tiers a load reads from (every one but the engine's own paged memory), by name.
+TIERS = tuple(kind.value for kind, traits in known_tiers().items() if not traits.engine_memory)
 # Counters kept per tier: `<family>_<tier>` in the connector's stats, `tier` label in Prometheus.
 TIERED = {
     "load_tokens": "Prompt tokens whose KV kvstrata copied into vLLM's blocks, by the tier read.",
@@ -47,13 +49,24 @@ COUNTERS = {
     "prefill_samples": "Forward passes timed for the load policy's prefill rate.",
     "prefill_samples_rejected": "Forward-pass timings the load policy rejected as impossible.",
 }
-# Where vLLM's `prompt_tokens_cached_by_source` puts a hit from each tier.
-SOURCE_OF_TIER = {
-    TierKind.POOL: CacheHitSource.DEVICE,
-    TierKind.CPU: CacheHitSource.HOST,
-    TierKind.DISK: CacheHitSource.DISK,
-    TierKind.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's label for a remote store
-}
+
+
+def source_of(traits: TierTraits) -> CacheHitSource:
+    """Where vLLM's `prompt_tokens_cached_by_source` puts a hit from a tier with `traits`: the
+    engine's own memory is the device, other memory the host, a tier shared across hosts is
+    external (vLLM's label for a remote store), a local persistent one the disk."""
+    if traits.engine_memory:
+        return CacheHitSource.DEVICE
+    if traits.shared:
+        return CacheHitSource.EXTERNAL_UNSPECIFIED
+    if traits.memory:
+        return CacheHitSource.HOST
+    if traits.persistent:
+        return CacheHitSource.DISK
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+SOURCE_OF_TIER = {kind: source_of(traits) for kind, traits in known_tiers().items()}
 
 
 @dataclass
@@ -62,7 +75,7 @@ class KVStrataStats(KVConnectorStats):
     pickles from the worker and travels as msgpack to the front end)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, int] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVStrataStats:
         """Add `other`'s increases to these (the worker's and the scheduler's, or intervals)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +43,8 @@ class _CudaClock:
         self.device = device
 
     def mark(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        new_event: Callable[..., Any] = torch.cuda.Event  # torch leaves it unannotated
+        event = new_event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 

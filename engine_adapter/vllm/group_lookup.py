@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from engine_adapter.vllm.groups import GroupKind, GroupRule
 from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
-from kvstore.hashing import BlockHash
+from kvstore.hashing import BlockChain, BlockHash
 from tiers.base import TierKind
 
 PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued writes, in all
@@ -38,6 +38,12 @@ class _Runs:
         return self._run[i]
 
 
+def unlocated_kind(store: KVCacheStore) -> TierKind:
+    """The tier a block is taken to load from when the walk found it but the primary store no
+    longer does: its fastest tier outside memory (disk, remote), else its slowest tier."""
+    return next((t.kind for t in store.tiers if not t.traits.memory), store.tiers[-1].kind)
+
+
 class GroupLookup:
     """Finds hits over `stores[g]`, every store that holds a part of group `g`'s blocks;
     `primary` is the group whose tiers the load policy weighs (the first full-attention one)."""
@@ -49,6 +55,9 @@ class GroupLookup:
         self.block_size = rules[0].block_size
         self._runs: list[list[_Runs]] = []
         self._limit = 0
+        # The chain `locate` hashed the primary group's first store's keys with: a caller that
+        # reads the same tokens from that store passes it on instead of hashing them again.
+        self.primary_chain: BlockChain | None = None
 
     @property
     def every_store(self) -> list[KVCacheStore]:
@@ -59,11 +68,15 @@ class GroupLookup:
         it: in multiprocess mode every view is disk). A block still queued for writing in
         this process is waited for first (read-your-writes). Remembers the walk for `cut`."""
         self._runs = []
+        self.primary_chain = None
         deadline = time.monotonic() + PENDING_WAIT_S
-        for group in self.stores:
-            runs = []
+        for g, group in enumerate(self.stores):
+            runs: list[_Runs] = []
             for store in group:
-                hashes = store.block_hashes(token_ids, extra_keys)
+                chain = None
+                if g == self.primary and not runs:
+                    chain = self.primary_chain = store.chain(extra_keys)
+                hashes = store.block_hashes(token_ids, extra_keys, chain)
                 if PENDING.any(store):
                     for h in hashes:
                         left = deadline - time.monotonic()
@@ -81,12 +94,12 @@ class GroupLookup:
         n = self.cut(n)
         primary = self.stores[self.primary]
         if not primary or n == 0:
-            return [TierKind.DISK] * n
+            return []  # no store to load from: a miss
         store = primary[0]
         with store.lock:
             tiers = store.stack.locate(self._runs[self.primary][0].hashes[:n])
         kinds = [store.tiers[i].kind for i in tiers]
-        return kinds + [TierKind.DISK] * (n - len(kinds))  # evicted since: the load will tell
+        return kinds + [unlocated_kind(store)] * (n - len(kinds))  # evicted since: the load will tell
 
     def cut(self, num_blocks: int) -> int:
         """The longest hit of at most `num_blocks` blocks that every group can serve (after

@@ -13,6 +13,7 @@ from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from kvstore import ExtraKeys, KVCacheStore
+from kvstore.hashing import BlockChain
 from tiers.base import TierKind
 
 if TYPE_CHECKING:
@@ -47,12 +48,17 @@ class ConnectorScheduler:
         self.stats = stats
         self.planner = TransferPlanner(block_size, self._lookup, self.lookup.rules)
         self._finished: list[str] = []  # told to the worker with the next plan
-        # Requests whose prefix was prefetched from disk/remote into the CPU tier when first seen
-        # waiting (only where this process's store has a CPU tier: vLLM's single-process mode).
-        self._prefetch = len(self.lookup.every_store) == 1 and any(t.kind.value == "cpu" for t in store.tiers) and any(
-            t.kind.value in ("disk", "remote") for t in store.tiers)
+        # Tiers whose hits load from memory (synchronously, in the step): every other is slow.
+        self._memory_kinds = frozenset(t.kind for s in self.lookup.every_store for t in s.tiers if t.traits.memory)
+        # Requests whose prefix was prefetched from slow tiers (disk, remote) into a memory tier
+        # below the pool when first seen waiting (only where this process's store has one: vLLM's
+        # single-process mode).
+        self._prefetch = len(self.lookup.every_store) == 1 and any(
+            t.traits.memory and not t.traits.engine_memory for t in store.tiers) and any(
+            not t.traits.memory for t in store.tiers)
         self._prefetched: set[str] = set()
         self._kinds: list[TierKind] = []  # the tier of each block of the last lookup
+        self._chain: BlockChain | None = None  # the keys the last lookup hashed in `store`
 
     def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
         """The planner's lookup: the prefix every group and shard holds (waiting first for
@@ -61,6 +67,7 @@ class ConnectorScheduler:
         then, all of them) and back to a length every group can serve. Keeps each block's
         tier for `get_num_new_matched_tokens`."""
         self._kinds = self.lookup.locate(token_ids, extra_keys)
+        self._chain = self.lookup.primary_chain
         return self.lookup.cut(self.store.load_policy.blocks_to_load(self._kinds)) * self.block_size
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -76,7 +83,7 @@ class ConnectorScheduler:
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
         may_load = not (skip() if callable(skip) else False)
-        self._kinds = []
+        self._kinds, self._chain = [], None
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load,
@@ -84,14 +91,15 @@ class ConnectorScheduler:
         # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
         to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
         slow = n > 0 and (self.async_only or (self.async_loads and any(
-            k in (TierKind.DISK, TierKind.REMOTE) for k in to_load)))
+            k not in self._memory_kinds for k in to_load)))
         if slow:
             self._async_wanted.add(request.request_id)
         else:
             self._async_wanted.discard(request.request_id)
             if self._prefetch and keys.cacheable and may_load and request.request_id not in self._prefetched:
                 self._prefetched.add(request.request_id)
-                self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys)  # in the background
+                # In the background, with the keys the lookup hashed (if it ran).
+                self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys, chain=self._chain)
         return n, slow
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int,

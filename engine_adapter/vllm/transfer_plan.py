@@ -9,6 +9,7 @@ ending there would need are saved (every block for full attention).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,12 +42,6 @@ class BlockTransfer:
     groups: tuple[GroupBlocks, ...]
     extra_keys: ExtraKeys | None = None
 
-    @classmethod
-    def single(cls, req_id: str, token_ids: np.ndarray, first_block: int, block_ids: tuple[int, ...],
-               extra_keys: ExtraKeys | None = None) -> BlockTransfer:
-        """A transfer in a model with one KV cache group."""
-        return cls(req_id, token_ids, (GroupBlocks(first_block, tuple(block_ids)),), extra_keys)
-
     def _only(self) -> GroupBlocks:
         if len(self.groups) != 1:
             raise RuntimeError(f"transfer of {self.req_id} spans {len(self.groups)} KV cache groups (a bug)")
@@ -64,7 +59,7 @@ class BlockTransfer:
 
     def group(self, g: int) -> BlockTransfer:
         """The part of this transfer in group `g`, as a transfer of one group."""
-        return BlockTransfer(self.req_id, self.token_ids, (self.groups[g],), self.extra_keys)
+        return dataclasses.replace(self, groups=(self.groups[g],))
 
     @property
     def num_blocks(self) -> int:
@@ -197,14 +192,8 @@ class TransferPlanner:
         """The blocks of `state.load` each group needs, from the first block not computed yet."""
         assert state.load is not None
         first, end = state.load
-        groups = []
-        for rule, ids in zip(self.rules, block_ids, strict=True):
-            needed = rule.needed(end)
-            wanted = range(max(first, needed.start), end)
-            run = _last_run(wanted, ids, rule.loadable)
-            groups.append(run or GroupBlocks(end, ()))
-        tokens = np.asarray(state.token_ids[: end * self.block_size], dtype=np.uint32)
-        return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)
+        return self._transfer(state, block_ids, end,
+                              lambda rule: (range(max(first, rule.needed(end).start), end), rule.loadable))
 
     def forget(self, req_id: str) -> None:
         """Stop tracking a request (finished or preempted); unknown ids are ignored."""
@@ -252,11 +241,18 @@ class TransferPlanner:
         those a hit of `done` blocks needs (a longer request continuing this one), and those
         the longest hit of a repeat of the prompt needs (one block shorter when the prompt
         fills its last block: a hit leaves one token to compute)."""
-        groups = []
         hit_ends = (done, min(done, state.repeat_hit))
+        return self._transfer(state, block_ids, done, lambda rule: (
+            range(state.num_saved_blocks, done), functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)))
+
+    def _transfer(self, state: _Request, block_ids: Sequence[Sequence[int]], end: int,
+                  wanted: Callable[[GroupRule], tuple[range, Callable[[int, int], bool]]]) -> BlockTransfer:
+        """The one place a transfer is built: `state`'s tokens up to block `end` and, in each
+        group, the last run of the blocks `wanted(rule)` names that its test keeps (none: an
+        empty run at `end`)."""
+        groups = []
         for rule, ids in zip(self.rules, block_ids, strict=True):
-            keep = functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)
-            run = _last_run(range(state.num_saved_blocks, done), ids, keep)
-            groups.append(run or GroupBlocks(done, ()))
-        tokens = np.asarray(state.token_ids[: done * self.block_size], dtype=np.uint32)
+            blocks, keep = wanted(rule)
+            groups.append(_last_run(blocks, ids, keep) or GroupBlocks(end, ()))
+        tokens = np.asarray(state.token_ids[: end * self.block_size], dtype=np.uint32)
         return BlockTransfer(state.req_id, tokens, tuple(groups), state.extra_keys)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -42,13 +43,13 @@ class PendingSaves:
         self._cond = threading.Condition()
         self._blocks: dict[int, dict[bytes, int]] = {}  # id(store) -> block hash -> saves queued
 
-    def add(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+    def add(self, store: KVCacheStore, hashes: Sequence[bytes]) -> None:
         with self._cond:
             held = self._blocks.setdefault(id(store), {})
             for h in hashes:
                 held[h] = held.get(h, 0) + 1
 
-    def done(self, store: KVCacheStore, hashes: list[bytes]) -> None:
+    def done(self, store: KVCacheStore, hashes: Sequence[bytes]) -> None:
         with self._cond:
             held = self._blocks.get(id(store), {})
             for h in hashes:
@@ -100,8 +101,8 @@ class ConnectorWorker:
         self._delayed: set[str] = set()  # frees vLLM waits for: reported once their load ended
         self._told_finished: set[str] = set()  # requests vLLM said finished (get_finished)
         self.timer = ForwardTimer()  # the forward pass of each step, for the load policy
-        self._save_chains: dict[str, BlockChain] = {}  # the writer thread's
-        self._submit_chains: dict[str, BlockChain] = {}  # this thread's, to name queued blocks
+        # Asynchronous saves: this thread's chains; each job takes a copy of the keys it needs.
+        self._save_chains: dict[str, BlockChain] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Remember vLLM's paged KV tensors; check that their blocks match the store layout."""
@@ -195,11 +196,7 @@ class ConnectorWorker:
         the store (in the background with `async_saves`, else now)."""
         self._time_forward(plan)
         for req_id in plan.finished:
-            self._submit_chains.pop(req_id, None)
-            if self._writer is not None:
-                self._writer.submit(self._save_chains.pop, req_id, None)  # after the request's saves
-            else:
-                self._save_chains.pop(req_id, None)
+            self._save_chains.pop(req_id, None)
         if not plan.saves:
             return
         paged = self._paged()
@@ -207,11 +204,15 @@ class ConnectorWorker:
             staging = paged.staging(len(save.block_ids))  # the job's own buffer
             paged.gather(save.block_ids, staging)
             if self._writer is None:
-                self._write(save, staging)
+                self._write(save, staging, self._chain(save))
                 continue
-            hashes = self._chain(save, self._submit_chains).hashes_of(save.token_ids)[save.first_block:]
+            # Hashed once, here: the job gets the keys (a copy of the chain) and names its
+            # blocks as queued with them.
+            chain = self._chain(save, self._save_chains)
+            hashes = chain.hashes_of(save.token_ids)[save.first_block:]
             PENDING.add(self.store, hashes)
-            self._writer.submit(self._write_job, save, staging, hashes)
+            job_chain = chain.prefix(len(save.token_ids) // self.config.block_size)
+            self._writer.submit(self._write_job, save, staging, job_chain, hashes)
         if self._writer is None:
             self.stats.write()
 
@@ -233,9 +234,10 @@ class ConnectorWorker:
             accepted = policy.observe_prefill(num_tokens, seconds)
             self.stats.count("prefill_samples" if accepted else "prefill_samples_rejected", 1)
 
-    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, hashes: list[bytes]) -> None:
+    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, chain: BlockChain,
+                   hashes: Sequence[bytes]) -> None:
         try:
-            self._write(save, staging)
+            self._write(save, staging, chain)
         except Exception as exc:  # a background fault is a lost save (a later miss), never a hang
             logger.warning("kvstrata: background save of %s failed: %s: %s", save.req_id, type(exc).__name__, exc)
             self.stats.count("save_failed_blocks", len(save.block_ids))
@@ -243,11 +245,10 @@ class ConnectorWorker:
             PENDING.done(self.store, hashes)
             self.stats.write()
 
-    def _write(self, save: BlockTransfer, staging: torch.Tensor) -> None:
-        chains = self._save_chains if self._writer is not None else None
+    def _write(self, save: BlockTransfer, staging: torch.Tensor, chain: BlockChain) -> None:
         try:
             written = self.store.store_blocks(save.token_ids, list(staging), first_block=save.first_block,
-                                              extra_keys=save.extra_keys, chain=self._chain(save, chains))
+                                              extra_keys=save.extra_keys, chain=chain)
         except DiskFullError as exc:  # a cache: a refused write is a later miss
             logger.warning("kvstrata: save refused: %s", exc)
             self.stats.count("save_refused_blocks", len(save.block_ids))
