@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from bench.redis_servers import find_redis_binary
+from cli.redis_servers import find_redis_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top-level packages the wheel installs, as pyproject.toml lists them.
