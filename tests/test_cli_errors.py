@@ -119,6 +119,23 @@ def test_every_command_and_benchmark_has_its_own_help(capsys: pytest.CaptureFixt
         assert "--help" in out
 
 
+def test_the_command_imports_a_benchmark_only_when_it_runs() -> None:
+    """`cli` names the benchmarks by module string: the commands of its own (help included)
+    leave `bench` unimported; `kvstrata bench hashing --help` imports exactly that module."""
+    probe = ("import sys; from cli.main import main; main(sys.argv[1:]); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))")
+    loaded = {}
+    for args in (["--help"], ["demo", "--help"], ["inspect", "--help"], ["router", "--help"],
+                 ["bench", "hashing", "--help"]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded[" ".join(args)] = proc.stdout.strip().splitlines()[-1]
+    assert loaded["bench hashing --help"] != "[]" and "'bench.hashing'" in loaded["bench hashing --help"]
+    assert "'bench.trace'" not in loaded["bench hashing --help"]
+    assert all(v == "[]" for k, v in loaded.items() if not k.startswith("bench")), loaded
+
+
 def test_shell_completion_offers_commands_and_benchmarks() -> None:
     import os
     import subprocess
