@@ -24,7 +24,7 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
     if peer.lmcache_python(None) is not None:
         pytest.skip("LMCache is importable here: the full comparison would run")
     assert kvstrata.main(["bench", "peer", "--prompts", "1", "--prompt-tokens", "256", "--lookup-tokens", "256",
-                     "--rounds", "1", "--workdir", str(tmp_path)]) == 0
+                          "--rounds", "1", "--workdir", str(tmp_path)]) == 0
     assert "LMCache is not installed here" in capsys.readouterr().out
     data = json.loads((results_dir / "peer.json").read_text())
     side = data["results"]["kvstrata"][0]

@@ -20,7 +20,7 @@ def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def test_demo_store_runs_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc = kvstrata.main(["demo-store", "--tokens", "1024", "--layers", "1", "--cpu-mib", "1",
-                   "--disk-path", str(tmp_path / "demo")])
+                        "--disk-path", str(tmp_path / "demo")])
     out = capsys.readouterr().out
     assert rc == 0
     assert "retrieve after reopen" in out and " NO" not in out
@@ -48,7 +48,7 @@ def test_vllm_reference_chain_matches_its_definition() -> None:
 
 def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
     kvstrata.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path),
-              "--lookup-tokens", "256", "--long-tokens", "256"])
+                   "--lookup-tokens", "256", "--long-tokens", "256"])
     data = json.loads((results_dir / "tiers.json").read_text())
     r = data["sizes"]["16K"]
     for k in ("memcpy_gbps", "cpu_store_gbps", "cpu_retrieve_gbps", "disk_fill_commit_gbps", "disk_reuse_none_gbps",
@@ -75,7 +75,7 @@ def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_bench_router_measures_memory_and_lookups(results_dir: Path) -> None:
     assert kvstrata.main(["bench", "router", "--blocks", "5000", "--instances", "3", "--lookups", "50",
-                     "--http-lookups", "20", "--query-tokens", "256"]) == 0
+                          "--http-lookups", "20", "--query-tokens", "256"]) == 0
     data = json.loads((results_dir / "router.json").read_text())
     assert data["memory"]["shared"]["entries"] == 5000 and data["memory"]["disjoint"]["entries"] == 15000
     lookup = data["lookup"]["lookup (validate + hash + match + score)"]
