@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import click
 import torch
 
-from bench.args import CONTEXT, invoke
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, invoke
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 
 BLOCK_SIZE = 16
 SUFFIX = 32  # new tokens after the cached prefix (a question after a document)

@@ -29,8 +29,8 @@ from pathlib import Path
 import click
 import torch
 
-from bench.args import CONTEXT, invoke, positive
-from bench.common import machine, print_table, write_results
+from cli.args import CONTEXT, invoke, positive
+from cli.output import machine, print_table, write_results
 
 SHAPE = (32, 2, 16, 8, 128)
 CODECS = ("none", "zstd", "int8", "fp8", "k8v4")
@@ -112,7 +112,7 @@ def projection(ratios: dict[str, float], decode_gbps: dict[str, float]) -> list[
 
 
 def run(num_blocks: int, rounds: int, codecs: list[str]) -> dict[str, object]:
-    from bench.redis_servers import redis_binary, redis_server
+    from cli.redis_servers import redis_binary, redis_server
 
     srcs = blocks(num_blocks)
     raw_bytes = num_blocks * srcs[0].numel() * 2

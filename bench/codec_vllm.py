@@ -25,9 +25,9 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke
-from bench.common import print_table, write_results
 from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
+from cli.args import CONTEXT, invoke
+from cli.output import print_table, write_results
 
 BLOCK = 32
 SUFFIX = 32

@@ -1,21 +1,14 @@
-"""Shared benchmark plumbing: timing, tables, JSON results, machine description."""
+"""Shared benchmark plumbing: timing, the page cache, plots. Tables and JSON results are
+`cli.output`'s (the demos print them too)."""
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
-
-from bench.settings import results_dir
-
-RESULTS_DIR = Path(results_dir())  # KVSTRATA_BENCH_RESULTS
 
 
 def timeit(fn: Callable[[], object], *, repeat: int = 5, setup: Callable[[], object] | None = None) -> float:
@@ -28,42 +21,6 @@ def timeit(fn: Callable[[], object], *, repeat: int = 5, setup: Callable[[], obj
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def machine() -> dict[str, object]:
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
-def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    """Print an aligned plain-text table."""
-    cells = [[_fmt(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    print(f"\n{title}")
-    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
-    print("  ".join("-" * w for w in widths))
-    for r in cells:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-
-
-def _fmt(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return str(value)
-
-
-def write_results(name: str, payload: dict[str, object]) -> Path:
-    """Write `payload` plus the machine description to results/<name>.json; return the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
-    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2, default=str))
-    print(f"\nresults written to {path}")
-    return path
 
 
 def drop_file_cache(path: str | Path) -> bool:

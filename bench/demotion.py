@@ -16,8 +16,9 @@ import time
 import click
 import torch
 
-from bench.args import CONTEXT, invoke, positive
-from bench.common import print_table, timeit, write_results
+from bench.common import timeit
+from cli.args import CONTEXT, invoke, positive
+from cli.output import print_table, write_results
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 

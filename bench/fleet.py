@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from bench.common import print_table
-from bench.progress import tqdm
-from bench.redis_servers import server_url
 from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, infinite_hits, serve_request
+from cli.output import print_table
+from cli.progress import tqdm
+from cli.redis_servers import server_url
 from kvstore import KVCacheStore, StoreConfig
 from tiers.base import TierKind
 

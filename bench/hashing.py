@@ -15,8 +15,9 @@ from collections.abc import Callable
 import click
 import numpy as np
 
-from bench.args import CONTEXT, invoke, positive
-from bench.common import print_table, timeit, write_results
+from bench.common import timeit
+from cli.args import CONTEXT, invoke, positive
+from cli.output import print_table, write_results
 from kvstore.hashing import block_hashes
 
 

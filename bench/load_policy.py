@@ -21,9 +21,9 @@ from pathlib import Path
 import click
 import numpy as np
 
-from bench.args import CONTEXT, invoke, positive
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, invoke, positive
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 
 BLOCK_SIZE = 16
 MODES = ("never", "always", "auto")
@@ -31,7 +31,7 @@ MODES = ("never", "always", "auto")
 
 def trial(mode: str, doc_tokens: int, disk_bps: int, workdir: Path) -> dict[str, object]:
     """One fresh store, the placement built by real traffic, then the timed question."""
-    from bench.demo import DEMO_MODEL
+    from cli.demo import DEMO_MODEL
     from engine_adapter.runner.model import LlamaModel
     from engine_adapter.runner.runner import KVStrataLLM
     from engine_adapter.runner.weights import init_random_weights

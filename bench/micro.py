@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from bench import hashing, tiers, transfer
-from bench.args import CONTEXT, Choices, Directory, invoke, positive
-from bench.common import print_table, write_results
+from cli.args import CONTEXT, Choices, Directory, invoke, positive
+from cli.output import print_table, write_results
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.hashing import block_hashes
 

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import print_table, write_results
+from cli.output import print_table, write_results
 
 _RUN = ("import importlib, sys; m = importlib.import_module('bench.micro'); "
         "sys.exit(m.main(sys.argv[1:]))")

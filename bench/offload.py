@@ -24,10 +24,11 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Device, Directory, IntList, invoke, positive
-from bench.common import RESULTS_DIR, drop_file_cache, print_table, pyplot, save_plot, write_results
+from bench.common import drop_file_cache, pyplot, save_plot
 from bench.model_speed import llama3_8b_shape
-from bench.progress import tqdm
+from cli.args import CONTEXT, Device, Directory, IntList, invoke, positive
+from cli.output import RESULTS_DIR, print_table, write_results
+from cli.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.runner import KVStrataLLM
 from engine_adapter.runner.weights import init_random_weights

@@ -32,8 +32,8 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, Directory, IntList, invoke, positive
-from bench.common import print_table, write_results
+from cli.args import CONTEXT, Directory, IntList, invoke, positive
+from cli.output import print_table, write_results
 
 _WORKER = Path(__file__).with_name("peer_lmcache.py")
 

@@ -35,10 +35,10 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Choices, invoke, positive
-from bench.common import print_table, write_results
-from bench.progress import tqdm
-from bench.redis_servers import RedisServer, check_server, redis_binary, redis_cluster
+from cli.args import CONTEXT, Choices, invoke, positive
+from cli.output import print_table, write_results
+from cli.progress import tqdm
+from cli.redis_servers import RedisServer, check_server, redis_binary, redis_cluster
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.remote import connect
 

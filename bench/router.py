@@ -22,9 +22,9 @@ from collections.abc import Callable
 import click
 import numpy as np
 
-from bench.args import CONTEXT, invoke, nonneg, positive
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, invoke, nonneg, positive
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 from router.decode import Stored
 from router.fleet import FleetView, Limits
 from router.index import KVIndex

@@ -20,9 +20,9 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, invoke
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, invoke
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 LAYOUT = KVLayout(1, 1, 1, torch.float16)

@@ -25,10 +25,11 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Choices, Directory, IntList, invoke, positive
-from bench.common import print_table, timeit, write_results
-from bench.progress import tqdm
+from bench.common import timeit
 from bench.tiers_disk import disk_rows, lookup_rows
+from cli.args import CONTEXT, Choices, Directory, IntList, invoke, positive
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 TOKEN_KV_HEADS, TOKEN_HEAD_DIM = 8, 128  # a Llama-3-8B-like head shape: 4 KiB/token/layer in bf16

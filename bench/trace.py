@@ -33,9 +33,10 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Choices, existing_file, invoke, nonneg, positive
-from bench.common import RESULTS_DIR, print_table, pyplot, save_plot, write_results
-from bench.progress import tqdm
+from bench.common import pyplot, save_plot
+from cli.args import CONTEXT, Choices, existing_file, invoke, nonneg, positive
+from cli.output import RESULTS_DIR, print_table, write_results
+from cli.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
 from tiers.admission import parse_admission

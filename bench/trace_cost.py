@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from bench.common import print_table
 from bench.trace import _LAYOUT, TRACE_BLOCK_TOKENS, tokens_for
 from bench.trace_policy import NAMES, Trace
+from cli.output import print_table
 from kvstore import KVCacheStore, StoreConfig
 
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from bench.common import print_table
-from bench.progress import tqdm
 from bench.trace_policy import NAMES, Trace
 from bench.trace_sim import SimTier, Stack
+from cli.output import print_table
+from cli.progress import tqdm
 
 
 def replay_fleet(trace: Trace, hosts: int, capacity: int, remote_capacity: int | None, policy: str,

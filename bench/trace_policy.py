@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from bench.common import RESULTS_DIR, print_table, pyplot, save_plot
-from bench.progress import tqdm
+from bench.common import pyplot, save_plot
 from bench.trace import TRACE_BLOCK_TOKENS, infinite_hits, load_trace
 from bench.trace_sim import SimTier, Stack, belady_hit_blocks, parents_of
+from cli.output import RESULTS_DIR, print_table
+from cli.progress import tqdm
 from tiers.admission import AdmissionSpec
 from tiers.eviction import EvictionKind
 

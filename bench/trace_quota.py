@@ -14,9 +14,9 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from bench.common import print_table
 from bench.trace_policy import NAMES, Trace
 from bench.trace_sim import SimTier, Stack
+from cli.output import print_table
 
 TENANT_A = b"tenant-a"
 TENANT_B = b"tenant-b"

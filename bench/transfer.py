@@ -14,10 +14,10 @@ from collections.abc import Callable
 import click
 import torch
 
-from bench.args import CONTEXT, Choices, invoke, positive
-from bench.common import print_table, write_results
-from bench.progress import tqdm
 from bench.tiers import SIZES, TOKEN_HEAD_DIM, TOKEN_KV_HEADS
+from cli.args import CONTEXT, Choices, invoke, positive
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.blockcopy import copy_block

@@ -30,8 +30,8 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, positive
-from bench.common import RESULTS_DIR, machine, print_table
+from cli.args import CONTEXT, positive
+from cli.output import RESULTS_DIR, machine, print_table
 
 _SHM = "/dev/shm/vllm_dist_*"
 _CHUNKED = {"VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE": "1"}

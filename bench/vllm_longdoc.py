@@ -25,7 +25,8 @@ from typing import Any
 
 import click
 
-from bench.args import (
+from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
+from cli.args import (
     CONTEXT,
     VLLM_INSTALL,
     VLLM_PACKAGES,
@@ -35,7 +36,6 @@ from bench.args import (
     positive,
     require_packages,
 )
-from bench.tiny_model import TinyLlamaSpec, build_tiny_llama
 
 BLOCK = 32
 MODEL = TinyLlamaSpec(

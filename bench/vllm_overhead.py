@@ -30,9 +30,9 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, VLLM_INSTALL, VLLM_PACKAGES, invoke, positive, require_packages
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, VLLM_INSTALL, VLLM_PACKAGES, invoke, positive, require_packages
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 
 
 class Engine:

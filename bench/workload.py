@@ -61,9 +61,9 @@ from typing import Any, NamedTuple, cast
 import click
 import numpy as np
 
-from bench.args import CONTEXT, Choices, Directory, invoke
-from bench.common import print_table, write_results
-from bench.progress import tqdm
+from cli.args import CONTEXT, Choices, Directory, invoke
+from cli.output import print_table, write_results
+from cli.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.model_config import LlamaConfig
 from engine_adapter.runner.runner import KVStrataLLM

@@ -5,7 +5,7 @@ Each layer owns its settings and their variables (docs/configuration.md has a ta
 - the vLLM connector (`engine_adapter.vllm.settings.ConnectorSettings`): the keys of
   `kv_connector_extra_config`, each also the variable `KVSTRATA_<KEY upper-case>`;
 - the tests (`tests/switches.py`): the family `KVSTRATA_TEST_*`;
-- the benchmarks (`bench/settings.py`): the family `KVSTRATA_BENCH_*`.
+- the `kvstrata` command and its benchmarks (`cli/settings.py`): the family `KVSTRATA_BENCH_*`.
 
 A layer's settings are a frozen `EnvSettings` dataclass. A key given in the extra config wins
 over its variable, which wins over the default. An unknown key, or an unknown variable of the

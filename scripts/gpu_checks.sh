@@ -19,11 +19,11 @@ tests)
     KVSTRATA_TEST_POOL_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider -m "not vllm" -rs "${@:2}"
     ;;
 benches)
-    "$PY" -m bench.cli bench transfer --mib 256 --repeat 5
-    "$PY" -m bench.cli bench demotion --requests 400 --layers 32
+    "$PY" -m cli.main bench transfer --mib 256 --repeat 5
+    "$PY" -m cli.main bench demotion --requests 400 --layers 32
     ;;
 offload)
-    "$PY" -m bench.cli offload --layers 32 --dtype bfloat16 --docs 1 --questions 3 \
+    "$PY" -m cli.main offload --layers 32 --dtype bfloat16 --docs 1 --questions 3 \
         --lengths "${2:-8192,32768,131072}" --workdir "${KVSTRATA_BENCH_WORKDIR:-/tmp}"
     ;;
 *)

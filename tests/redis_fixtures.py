@@ -1,6 +1,6 @@
 """Loopback `redis-server` processes for the tests, skipped where none is installed.
 
-`bench.redis_servers` (shipped with the `kvstrata` command) raises `RedisServerError` when no
+`cli.redis_servers` (shipped with the `kvstrata` command) raises `RedisServerError` when no
 `redis-server`/`valkey-server` binary is installed; here that becomes a skip, except under
 `KVSTRATA_TEST_REQUIRE_REDIS=1` (CI), where it is a failure.
 """
@@ -12,8 +12,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench import redis_servers
-from bench.redis_servers import RedisCluster, RedisServer
+from cli import redis_servers
+from cli.redis_servers import RedisCluster, RedisServer
 from tests.switches import switches
 
 __all__ = ["RedisCluster", "RedisServer", "need_redis", "redis_cluster", "redis_server"]

@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, common, peer
+from bench import peer
+from cli import main as kvstrata
+from cli import output
 
 
 @pytest.fixture
 def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(output, "RESULTS_DIR", tmp_path / "results")
     return tmp_path / "results"
 
 
@@ -21,8 +23,8 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     if peer.lmcache_python(None) is not None:
         pytest.skip("LMCache is importable here: the full comparison would run")
-    assert cli.main(["bench", "peer", "--prompts", "1", "--prompt-tokens", "256", "--lookup-tokens", "256",
-                     "--rounds", "1", "--workdir", str(tmp_path)]) == 0
+    assert kvstrata.main(["bench", "peer", "--prompts", "1", "--prompt-tokens", "256", "--lookup-tokens", "256",
+                          "--rounds", "1", "--workdir", str(tmp_path)]) == 0
     assert "LMCache is not installed here" in capsys.readouterr().out
     data = json.loads((results_dir / "peer.json").read_text())
     side = data["results"]["kvstrata"][0]
@@ -31,5 +33,5 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
 
 
 def test_peer_refuses_bad_token_counts(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["bench", "peer", "--prompt-tokens", "300"]) == 2
+    assert kvstrata.main(["bench", "peer", "--prompt-tokens", "300"]) == 2
     assert "multiples of 256" in capsys.readouterr().err

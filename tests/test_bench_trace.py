@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import common, trace
+from bench import trace
+from cli import output
 
 TRACE = trace.DEFAULT_TRACE  # packaged with kvstrata: these tests never skip
 
@@ -45,7 +46,7 @@ def test_replay_with_unbounded_pool_equals_the_ceiling(tmp_path: Path) -> None:
 
 
 def test_trace_benchmark_orders_configurations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(output, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(trace, "RESULTS_DIR", tmp_path)
     trace.main(["--trace", str(TRACE), "--limit", "400", "--fractions", "1/16"])
     data = json.loads((tmp_path / "trace_conversation_trace.json").read_text())

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import cli, common, workload
+from bench import workload
+from cli import main as kvstrata
+from cli import output
 
 
 def test_every_workload_at_tiny_size(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
-    cli.main(["bench", "workload", "--size", "tiny", "--workdir", str(tmp_path)])
+    monkeypatch.setattr(output, "RESULTS_DIR", tmp_path / "results")
+    kvstrata.main(["bench", "workload", "--size", "tiny", "--workdir", str(tmp_path)])
     data = json.loads((tmp_path / "results" / "workload.json").read_text())
     assert data["size"] == "tiny" and set(data["workloads"]) == set(workload.WORKLOADS)
     for name, r in data["workloads"].items():

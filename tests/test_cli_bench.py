@@ -7,18 +7,20 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli, common, hashing
+from bench import hashing
+from cli import main as kvstrata
+from cli import output
 
 
 @pytest.fixture(autouse=True)
 def results_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setattr(output, "RESULTS_DIR", tmp_path / "results")
     return tmp_path / "results"
 
 
 def test_demo_store_runs_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["demo-store", "--tokens", "1024", "--layers", "1", "--cpu-mib", "1",
-                   "--disk-path", str(tmp_path / "demo")])
+    rc = kvstrata.main(["demo-store", "--tokens", "1024", "--layers", "1", "--cpu-mib", "1",
+                        "--disk-path", str(tmp_path / "demo")])
     out = capsys.readouterr().out
     assert rc == 0
     assert "retrieve after reopen" in out and " NO" not in out
@@ -26,7 +28,7 @@ def test_demo_store_runs_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_bench_hashing_writes_results(results_dir: Path) -> None:
-    cli.main(["bench", "hashing", "--tokens", "2048", "--repeat", "1"])
+    kvstrata.main(["bench", "hashing", "--tokens", "2048", "--repeat", "1"])
     data = json.loads((results_dir / "hashing.json").read_text())
     rows = data["rows"]
     assert {r["algo"] for r in rows} == {"xxh3_128", "sha256"}
@@ -45,8 +47,8 @@ def test_vllm_reference_chain_matches_its_definition() -> None:
 
 
 def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
-    cli.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path),
-              "--lookup-tokens", "256", "--long-tokens", "256"])
+    kvstrata.main(["bench", "tiers", "--mib", "1", "--sizes", "16K", "--repeat", "1", "--workdir", str(tmp_path),
+                   "--lookup-tokens", "256", "--long-tokens", "256"])
     data = json.loads((results_dir / "tiers.json").read_text())
     r = data["sizes"]["16K"]
     for k in ("memcpy_gbps", "cpu_store_gbps", "cpu_retrieve_gbps", "disk_fill_commit_gbps", "disk_reuse_none_gbps",
@@ -57,7 +59,7 @@ def test_bench_tiers_writes_ratios(results_dir: Path, tmp_path: Path) -> None:
 
 
 def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = cli.main(["demo", "--doc-tokens", "512", "--question-tokens", "8", "--disk-path", str(tmp_path / "d")])
+    rc = kvstrata.main(["demo", "--doc-tokens", "512", "--question-tokens", "8", "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     assert rc == 0, out
     lines = {line.strip().split("  ")[0]: line for line in out.splitlines() if line.strip().startswith("Q")}
@@ -72,8 +74,8 @@ def test_runner_demo_serves_every_tier(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_bench_router_measures_memory_and_lookups(results_dir: Path) -> None:
-    assert cli.main(["bench", "router", "--blocks", "5000", "--instances", "3", "--lookups", "50",
-                     "--http-lookups", "20", "--query-tokens", "256"]) == 0
+    assert kvstrata.main(["bench", "router", "--blocks", "5000", "--instances", "3", "--lookups", "50",
+                          "--http-lookups", "20", "--query-tokens", "256"]) == 0
     data = json.loads((results_dir / "router.json").read_text())
     assert data["memory"]["shared"]["entries"] == 5000 and data["memory"]["disjoint"]["entries"] == 15000
     lookup = data["lookup"]["lookup (validate + hash + match + score)"]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.demo_dir import MARKER, DemoDirError, prepare
+from cli import main as kvstrata
+from cli.demo_dir import MARKER, DemoDirError, prepare
 from tests.redis_fixtures import need_redis
 
 TINY = {
@@ -41,7 +41,7 @@ def test_user_files_in_the_disk_path_survive_every_demo_and_reruns_work(
     root = tmp_path / "my-folder"
     files = _user_files(root)
     for _ in range(2):  # the rerun replaces the demo's own folder, and works
-        rc = cli.main([*TINY[demo], "--disk-path", str(root)])
+        rc = kvstrata.main([*TINY[demo], "--disk-path", str(root)])
         out = capsys.readouterr().out
         assert rc == 0, out
         assert " NO" not in out
@@ -52,8 +52,8 @@ def test_user_files_in_the_disk_path_survive_every_demo_and_reruns_work(
 
 @pytest.mark.slow
 def test_demo_store_keep_reuses_its_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main([*TINY["demo-store"], "--disk-path", str(tmp_path)]) == 0
-    assert cli.main([*TINY["demo-store"], "--disk-path", str(tmp_path), "--keep"]) == 0
+    assert kvstrata.main([*TINY["demo-store"], "--disk-path", str(tmp_path)]) == 0
+    assert kvstrata.main([*TINY["demo-store"], "--disk-path", str(tmp_path), "--keep"]) == 0
     assert "retrieve after reopen" in capsys.readouterr().out
     assert (tmp_path / "demo-store" / "data.mdb").is_file()
 
@@ -84,7 +84,7 @@ def test_a_folder_kvstrata_did_not_make_is_refused_and_left_alone(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for demo, disk_path, survivor in _refusals(tmp_path):
         before = survivor.read_text()
-        rc = cli.main([*TINY[demo], "--disk-path", str(disk_path)])
+        rc = kvstrata.main([*TINY[demo], "--disk-path", str(disk_path)])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2, (demo, disk_path, err)
         assert len(err) == 1 and f"kvstrata {demo}: error:" in err[0] and str(disk_path / demo) in err[0], err
@@ -96,10 +96,10 @@ def test_a_folder_kvstrata_did_not_make_is_refused_and_left_alone(
 def test_default_folders_are_one_per_demo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
-    assert cli.main(TINY["demo"]) == 0
+    assert kvstrata.main(TINY["demo"]) == 0
     demo_db = tmp_path / "kvstrata_data" / "demo" / "data.mdb"
     stamp = demo_db.stat().st_mtime_ns, demo_db.read_bytes()
-    assert cli.main(TINY["demo-store"]) == 0  # must neither reuse nor wipe the main demo's folder
+    assert kvstrata.main(TINY["demo-store"]) == 0  # must neither reuse nor wipe the main demo's folder
     capsys.readouterr()
     assert (demo_db.stat().st_mtime_ns, demo_db.read_bytes()) == stamp
     assert (tmp_path / "kvstrata_data" / "demo-store" / "data.mdb").is_file()

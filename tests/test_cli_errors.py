@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import cli
-from bench.ports import free_port
+from cli import main as kvstrata
+from cli.ports import free_port
 from tests.redis_fixtures import redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ def _cases(tmp_path: Path) -> list[tuple[list[str], str]]:
 
 def test_user_mistakes_get_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv, bad in _cases(tmp_path):
-        rc = cli.main(argv)
+        rc = kvstrata.main(argv)
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
         assert rc == 2, (argv, rc, out, err)
@@ -92,7 +92,7 @@ def test_results_dir_that_is_a_file_is_refused_before_running(
     target = tmp_path / "results.json"
     target.write_text("{}")
     monkeypatch.setenv("KVSTRATA_BENCH_RESULTS", str(target))
-    assert cli.main(["bench", "hashing", "--tokens", "64", "--repeat", "1"]) == 2
+    assert kvstrata.main(["bench", "hashing", "--tokens", "64", "--repeat", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "KVSTRATA_BENCH_RESULTS" in err[0] and "results.json" in err[0]
 
@@ -105,18 +105,35 @@ def test_results_dir_that_is_a_file_is_refused_before_running(
     (["demo", "--help"], "--doc-tokens"),
 ])
 def test_each_command_has_its_own_help(argv: list[str], own_option: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(argv) == 0
+    assert kvstrata.main(argv) == 0
     out = capsys.readouterr().out
     assert own_option in out and f"kvstrata {' '.join(a for a in argv if a != '--help')}" in out
 
 
 def test_every_command_and_benchmark_has_its_own_help(capsys: pytest.CaptureFixture[str]) -> None:
-    paths = [[c] for c in cli.COMMANDS] + [["bench", b] for b in cli.BENCHMARKS]
+    paths = [[c] for c in kvstrata.COMMANDS] + [["bench", b] for b in kvstrata.BENCHMARKS]
     for path in paths:
-        assert cli.main([*path, "--help"]) == 0, path
+        assert kvstrata.main([*path, "--help"]) == 0, path
         out = capsys.readouterr().out
         assert f"Usage: kvstrata {' '.join(path)} [OPTIONS]" in out, (path, out[:200])
         assert "--help" in out
+
+
+def test_the_command_imports_a_benchmark_only_when_it_runs() -> None:
+    """`cli` names the benchmarks by module string: the commands of its own (help included)
+    leave `bench` unimported; `kvstrata bench hashing --help` imports exactly that module."""
+    probe = ("import sys; from cli.main import main; main(sys.argv[1:]); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench'))")
+    loaded = {}
+    for args in (["--help"], ["demo", "--help"], ["inspect", "--help"], ["router", "--help"],
+                 ["bench", "hashing", "--help"]):
+        proc = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        loaded[" ".join(args)] = proc.stdout.strip().splitlines()[-1]
+    assert loaded["bench hashing --help"] != "[]" and "'bench.hashing'" in loaded["bench hashing --help"]
+    assert "'bench.trace'" not in loaded["bench hashing --help"]
+    assert all(v == "[]" for k, v in loaded.items() if not k.startswith("bench")), loaded
 
 
 def test_shell_completion_offers_commands_and_benchmarks() -> None:
@@ -126,7 +143,7 @@ def test_shell_completion_offers_commands_and_benchmarks() -> None:
 
     def complete(words: str, cword: int) -> list[str]:
         env = dict(os.environ, COMP_WORDS=words, COMP_CWORD=str(cword), _KVSTRATA_COMPLETE="bash_complete")
-        proc = subprocess.run([sys.executable, "-c", "from bench.cli import main; main()"], env=env,
+        proc = subprocess.run([sys.executable, "-c", "from cli.main import main; main()"], env=env,
                               capture_output=True, text=True, timeout=60)
         return [line.split(",", 1)[1] for line in proc.stdout.splitlines() if "," in line]
 
@@ -138,7 +155,7 @@ def test_shell_completion_offers_commands_and_benchmarks() -> None:
 def test_demo_remote_without_redis_server_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "bin").mkdir()
     env = {**os.environ, "PATH": str(tmp_path / "bin"), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "demo-remote", "--disk-path", str(tmp_path / "d")],
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "demo-remote", "--disk-path", str(tmp_path / "d")],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
@@ -149,14 +166,14 @@ def test_demo_remote_without_redis_server_is_one_line(tmp_path: Path) -> None:
 def test_demo_remote_names_a_bad_database_or_password(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with redis_server() as plain, redis_server("--requirepass", "s3cret") as locked:
         for url, bad in ((f"{plain.url}/99", "/99"), (f"{plain.url}/x", "'x'"), (locked.url, "password")):
-            rc = cli.main(["demo-remote", "--url", url, "--tokens", "64", "--disk-path", str(tmp_path / "d")])
+            rc = kvstrata.main(["demo-remote", "--url", url, "--tokens", "64", "--disk-path", str(tmp_path / "d")])
             err = capsys.readouterr().err.strip().splitlines()
             assert rc == 2 and len(err) == 1 and bad in err[0] and url.split("/")[2] in err[0], (url, err)
 
 
 def test_each_no_in_the_demo_remote_table_says_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with redis_server("--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as full:  # every write fails
-        rc = cli.main(["demo-remote", "--url", full.url, "--tokens", "256", "--disk-path", str(tmp_path / "d")])
+        rc = kvstrata.main(["demo-remote", "--url", full.url, "--tokens", "256", "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("host ")]
     assert rc == 1 and len(rows) == 3, out
@@ -168,7 +185,7 @@ def test_each_no_in_the_demo_remote_table_says_why(tmp_path: Path, capsys: pytes
 
 
 def test_offload_help_names_one_default_device(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["offload", "--help"]) == 0
+    assert kvstrata.main(["offload", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "cuda when present, else cpu" in text and "default: cpu]" not in text and "default: cuda]" not in text
 
@@ -180,7 +197,7 @@ def test_a_disk_path_that_cannot_be_written_is_refused_before_running(
     locked.mkdir()
     locked.chmod(0o500)
     try:
-        assert cli.main(["demo-store", "--tokens", "64", "--disk-path", str(locked / "sub")]) == 2
+        assert kvstrata.main(["demo-store", "--tokens", "64", "--disk-path", str(locked / "sub")]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "locked" in err[0] and "writable" in err[0], err
         assert list(locked.iterdir()) == []

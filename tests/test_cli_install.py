@@ -3,7 +3,7 @@
 The project is installed with pip into a scratch folder (no dependencies: this Python has
 them), and its `kvstrata` script runs from another directory with pytest made unimportable,
 so shipped code that imports a test-only package, or that works only from a checkout, fails
-here. The commands are the ones that use `bench/redis_servers.py`.
+here. The commands are the ones that use `cli/redis_servers.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from bench.redis_servers import find_redis_binary
+from cli.redis_servers import find_redis_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 # The top-level packages the wheel installs, as pyproject.toml lists them.
@@ -56,12 +56,13 @@ def _run(installed: tuple[Path, dict[str, str]], cwd: Path, *args: str) -> subpr
 
 def test_the_installed_copy_is_the_one_that_runs(installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     script, env = installed
-    probe = subprocess.run([sys.executable, "-c", "import bench, pytest"], cwd=tmp_path, env=env,
+    probe = subprocess.run([sys.executable, "-c", "import cli, bench, pytest"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120)
     assert "No module named 'pytest'" in probe.stderr
-    where = subprocess.run([sys.executable, "-c", "import bench; print(bench.__file__)"], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=120)
-    assert where.stdout.strip().startswith(str(script.parent.parent)), where
+    for package in ("cli", "bench"):  # the command's package and the benchmarks it dispatches to
+        where = subprocess.run([sys.executable, "-c", f"import {package}; print({package}.__file__)"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert where.stdout.strip().startswith(str(script.parent.parent)), where
 
 
 def test_remote_commands_run_without_pytest(installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import xxhash
 
-from bench.redis_servers import RedisServer, redis_server
+from cli.redis_servers import RedisServer, redis_server
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError
 from tests.reliability import diskdamage

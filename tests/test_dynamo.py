@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.ports import free_port
+from cli.ports import free_port
 from tests.conftest import BLOCK
 from tests.switches import switches
 from tests.test_router import ROOT, Instance, doc, wait_for
@@ -100,7 +100,7 @@ def expect(index: Indexer, tokens: list[int], truth: dict[int, list[str]]) -> No
 
 
 def test_dynamos_indexer_sees_what_each_store_holds(indexer: Indexer, tmp_path: Path) -> None:
-    from bench.ports import free_port_pair
+    from cli.ports import free_port_pair
 
     made: list[Instance] = []
     try:

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from bench.ports import free_port_pair
+from cli.ports import free_port_pair
 from kvstore import KVCacheStore, StoreConfig
 from kvstore import events as events_mod
 from kvstore.errors import ConfigError

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import cli
+from cli import main as kvstrata
 from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv, open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ def test_inspect_shows_each_namespace_while_a_store_is_open(tmp_path: Path, caps
         store.store(t, make_kv(t, LAYOUT, BLOCK))
     b.close()
     try:  # a is still open in this process: inspect, its own process as a user runs it, reads beside it
-        done = subprocess.run([sys.executable, "-m", "bench.cli", "inspect", str(tmp_path), "--json"],
+        done = subprocess.run([sys.executable, "-m", "cli.main", "inspect", str(tmp_path), "--json"],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
@@ -34,13 +34,13 @@ def test_inspect_shows_each_namespace_while_a_store_is_open(tmp_path: Path, caps
         assert by_name["model-a"]["oldest_tick"] <= by_name["model-a"]["newest_tick"]
     finally:
         a.close()
-    assert cli.main(["inspect", str(tmp_path)]) == 0
+    assert kvstrata.main(["inspect", str(tmp_path)]) == 0
     assert "model-a" in capsys.readouterr().out
 
 
 def test_inspect_refuses_missing_and_foreign_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     for path in (tmp_path / "missing", tmp_path / "empty"):
-        assert cli.main(["inspect", str(path)]) == 2
+        assert kvstrata.main(["inspect", str(path)]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and str(path) in err[0]

@@ -119,7 +119,7 @@ def test_the_connectors_metrics_port_binds_loopback_by_default(tmp_path: Path) -
     """`metrics_port` serves on 127.0.0.1 unless `metrics_host` says otherwise: a listening
     socket is never open to other hosts by default."""
     pytest.importorskip("prometheus_client")
-    from bench.ports import free_port
+    from cli.ports import free_port
     from engine_adapter.vllm.metrics_server import serve_metrics
 
     port = free_port()

@@ -252,10 +252,10 @@ def test_processes_writing_and_reading_the_same_keys(server: RedisServer) -> Non
 
 
 def test_demo_remote_two_hosts_share_a_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import cli
+    from cli import main as kvstrata
 
     with redis_server() as server:
-        rc = cli.main(["demo-remote", "--url", server.url, "--tokens", "512", "--disk-path", str(tmp_path / "d")])
+        rc = kvstrata.main(["demo-remote", "--url", server.url, "--tokens", "512", "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith("host ")]

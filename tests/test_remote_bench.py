@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import cli
-from bench.redis_servers import redis_binary
+from cli import main as kvstrata
+from cli.redis_servers import redis_binary
 
 
 @pytest.mark.slow
 def test_bench_remote_writes_rates_and_ratios(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     redis_binary()  # skips without redis-server (fails under KVSTRATA_TEST_REQUIRE_REDIS=1)
-    monkeypatch.setattr("bench.common.RESULTS_DIR", tmp_path)
-    rc = cli.main(["bench", "remote", "--topology", "standalone", "--sizes", "16K", "--mib", "1", "--repeat", "2"])
+    monkeypatch.setattr("cli.output.RESULTS_DIR", tmp_path)
+    rc = kvstrata.main(["bench", "remote", "--topology", "standalone", "--sizes", "16K", "--mib", "1", "--repeat", "2"])
     assert rc == 0, capsys.readouterr().out
     out = json.loads((tmp_path / "remote.json").read_text())
     res = out["results"]["standalone"]["16K"]

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from bench.ports import free_port
-from bench.redis_servers import redis_server
+from cli.ports import free_port
+from cli.redis_servers import redis_server
 from kvstore import KVCacheStore
 from tests.drip_server import DripServer
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from bench.redis_servers import redis_server
+from cli.redis_servers import redis_server
 from tiers.resp import Oversized, ProtocolError, ReplyError, RespReader, command, send_all
 
 

@@ -16,7 +16,7 @@ import pytest
 import redis
 import torch
 
-from bench.redis_servers import RedisServer, redis_cluster, redis_server
+from cli.redis_servers import RedisServer, redis_cluster, redis_server
 from kvstore import KVLayout, RetrieveResult
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.test_remote import _remote, _store, _tokens

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port_pair
-from bench.redis_servers import redis_server
+from cli.ports import free_port_pair
+from cli.redis_servers import redis_server
 from kvstore import StoreConfig
 from kvstore.errors import ConfigError
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv

@@ -16,7 +16,7 @@ import redis
 import torch
 import xxhash
 
-from bench.redis_servers import redis_server
+from cli.redis_servers import redis_server
 from kvstore import KVLayout
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.test_remote import _remote, _store, _tokens
@@ -148,11 +148,11 @@ def test_demo_remote_at_its_default_size_shares_the_whole_document(tmp_path: Pat
     """`kvstrata demo-remote` with its defaults (8,192 tokens, 256 MiB of KV), against a server
     with a password given in the URL: host B gets every token from the remote tier, and the
     printed URL shows no password."""
-    from bench import cli
+    from cli import main as kvstrata
 
     with redis_server("--requirepass", "demoS3cret") as server:
         url = f"redis://127.0.0.1:{server.port}/0?password=demoS3cret"
-        rc = cli.main(["demo-remote", "--url", url, "--disk-path", str(tmp_path / "d")])
+        rc = kvstrata.main(["demo-remote", "--url", url, "--disk-path", str(tmp_path / "d")])
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.startswith("host ")]

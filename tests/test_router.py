@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench.ports import free_port_pair
+from cli.ports import free_port_pair
 from tests.conftest import BLOCK
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ class RouterProcess:
         self.port = free_port_pair()
         self.url = f"http://127.0.0.1:{self.port}"
         self.token = token
-        args = [sys.executable, "-m", "bench.cli", "router", "--port", str(self.port), *extra]
+        args = [sys.executable, "-m", "cli.main", "router", "--port", str(self.port), *extra]
         for subscription in subscriptions:
             args += ["--subscribe", subscription]
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -281,7 +281,7 @@ def test_bad_command_lines_are_one_line_errors() -> None:
     cases = [(["--subscribe", "http://x"], "--subscribe"), (["--port", "0"], "--port"),
              (["--host", "0.0.0.0"], "--token-file")]
     for args, message in cases:
-        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", *args], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "cli.main", "router", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
             proc.stderr
@@ -294,7 +294,7 @@ def test_a_port_in_use_is_one_line_and_nothing_claims_to_listen(tmp_path: Path) 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "bench.cli", "router", "--port", str(port)], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "cli.main", "router", "--port", str(port)], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -342,7 +342,7 @@ def test_a_shared_remote_tier_counts_for_every_instance_that_reads_it(fleet: Any
 
 def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, routers: Any) -> None:
     """Two models on one remote server: clearing one empties its own slot only."""
-    from bench.redis_servers import redis_server
+    from cli.redis_servers import redis_server
 
     with redis_server() as server:
         a = fleet("a", disk=False, cpu_blocks=2, remote=server.url, namespace="model-x")
@@ -361,7 +361,7 @@ def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, router
 
 def test_demo_fleet_router_placement_beats_round_robin(tmp_path: Path) -> None:
     env_results = {"KVSTRATA_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "demo-fleet", "--engines", "2", "--docs", "3",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "demo-fleet", "--engines", "2", "--docs", "3",
                            "--questions", "3", "--doc-tokens", "256"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**__import__("os").environ, **env_results})
     assert proc.returncode == 0, proc.stderr[-3000:]

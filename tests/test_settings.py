@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.settings import BenchSettings
+from cli.settings import BenchSettings
 from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes, store_config
 from kvstore import ConfigError, HashAlgo, KVLayout, StoreConfig
 from kvstore.load_policy import LoadPolicy, LoadPolicyMode
@@ -162,7 +162,7 @@ def test_modes_are_enums_past_the_boundary() -> None:
 
 def test_kvstrata_refuses_an_unknown_variable_in_one_line(monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
-    from bench import cli
+    from cli import main as cli
 
     for bad, known in (("KVSTRATA_BENCH_RESULT", "KVSTRATA_BENCH_RESULTS"),
                        ("KVSTRATA_CPU_BYTE", "KVSTRATA_CPU_BYTES")):

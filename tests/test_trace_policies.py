@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import common, trace
+from bench import trace
 from bench.trace_policy import Trace, one_tier
 from bench.trace_sim import SimTier, Stack, belady_hit_blocks
+from cli import output
 from kvstore import KVCacheStore, StoreConfig
 from tiers.base import TierKind
 from tiers.eviction import EvictionKind
@@ -107,7 +108,7 @@ def test_belady_bounds_every_policy_and_meets_the_ceiling() -> None:
 def test_policy_benchmark_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from bench import trace_policy
 
-    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(output, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(trace_policy, "RESULTS_DIR", tmp_path)
     args = ["--policy", "lru,arc", "--limit", "300", "--fractions", "1/32,1/8", "--admission", "all,seen:2",
             "--trace", str(TRACE)]

@@ -239,7 +239,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
     import time
     import urllib.request
 
-    from bench.ports import free_port_pair
+    from cli.ports import free_port_pair
 
     docs = [_prompt(100 + d, 8 * BLOCK) for d in range(3)]
     prompts = [doc + _prompt(200 + 10 * d + q, BLOCK // 2) for d, doc in enumerate(docs) for q in range(3)]
@@ -292,7 +292,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
     # Router placement.
     engines = start_engines("routed")
     port = free_port_pair()
-    args = [sys.executable, "-m", "bench.cli", "router", "--port", str(port)]
+    args = [sys.executable, "-m", "cli.main", "router", "--port", str(port)]
     for name, (_, events, vllm_events) in engines.items():  # one instance: the store's events and vLLM's own
         args += ["--subscribe", f"{name}=tcp://127.0.0.1:{events},tcp://127.0.0.1:{events + 1}",
                  "--subscribe", f"{name}=tcp://127.0.0.1:{vllm_events}"]

@@ -32,8 +32,8 @@ if switches().require_vllm:
 else:
     pytest.importorskip("vllm")
 
-from bench.ports import free_port
 from bench.tiny_model import build_tiny_llama, words
+from cli.ports import free_port
 from tests.vllm_run import prompt
 
 pytestmark = pytest.mark.vllm

@@ -77,6 +77,6 @@ def reply(result: dict, round_index: int, position: int = 0) -> tuple[int, list[
 
 def disk_blocks(settings: dict[str, object]) -> list[int]:
     """The blocks each namespace holds on the connector's disk (`kvstrata inspect`), sorted."""
-    from bench.inspect_disk import inspect
+    from cli.inspect import inspect
 
     return sorted(space["blocks"] for space in inspect(str(settings["disk_path"]))["namespaces"].values())

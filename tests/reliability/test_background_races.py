@@ -34,7 +34,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.redis_servers import redis_server
+from cli.redis_servers import redis_server
 from kvstore import KVCacheStore, StoreClosedError
 
 from .budget import BUDGET

@@ -17,7 +17,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bench.ports import free_port_pair
+from cli.ports import free_port_pair
 from router.config import RouterConfig, Subscription
 from router.decode import BadMessage, decode_batch
 from router.fleet import FleetView, Limits

@@ -17,7 +17,7 @@ import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from bench.ports import free_port
+from cli.ports import free_port
 from kvstore.errors import KVStoreError
 from kvstore.settings import remote_password
 

@@ -15,9 +15,9 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, check_memory, invoke, nonneg
-from bench.common import print_table
-from bench.demo_dir import prepare
+from cli.args import CONTEXT, Directory, check_memory, invoke, nonneg
+from cli.demo_dir import prepare
+from cli.output import print_table
 from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
 from tiers.base import TierKind
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from bench.args import CONTEXT, Directory, invoke
-from bench.common import print_table
-from bench.demo_dir import prepare
-from bench.progress import tqdm
+from cli.args import CONTEXT, Directory, invoke
+from cli.demo_dir import prepare
+from cli.output import print_table
+from cli.progress import tqdm
 from engine_adapter.runner.model import LlamaModel
 from engine_adapter.runner.model_config import LlamaConfig
 from engine_adapter.runner.runner import KVStrataLLM
@@ -47,9 +47,9 @@ class PrefillClock:
         self._observe = store.load_policy.observe_prefill
         store.load_policy.observe_prefill = self._record  # type: ignore[method-assign]
 
-    def _record(self, num_tokens: int, seconds: float) -> None:
+    def _record(self, num_tokens: int, seconds: float) -> bool:
         self.seconds = seconds
-        self._observe(num_tokens, seconds)
+        return self._observe(num_tokens, seconds)
 
 
 NOTE = """TTFT = load + compute. load: the document's KV into the pool from the tier shown, after moving
@@ -65,7 +65,8 @@ def run(doc_tokens: int, question_tokens: int, disk_path: str, fresh: bool) -> l
     doc, other1, other2 = (rng.integers(1, DEMO_MODEL.vocab_size, size=doc_tokens).tolist() for _ in range(3))
 
     def question() -> list[int]:
-        return rng.integers(1, DEMO_MODEL.vocab_size, size=question_tokens).tolist()
+        tokens: list[int] = rng.integers(1, DEMO_MODEL.vocab_size, size=question_tokens).tolist()
+        return tokens
 
     cfg = _config(doc_tokens, disk_path)
     kv_mib = doc_tokens * DEMO_MODEL.kv_layout.token_bytes / 2**20

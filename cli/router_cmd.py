@@ -13,13 +13,13 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke
+from cli.args import CONTEXT, ParamType, invoke
 from kvstore.errors import ConfigError
 from router.fleet import Limits
 from router.lookup import Scoring
 
 
-class Weights(click.ParamType):
+class Weights(ParamType):
     name = "weights"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:

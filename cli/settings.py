@@ -1,4 +1,5 @@
-"""The benchmarks' settings: the family `KVSTRATA_BENCH_*` (docs/configuration.md has the table).
+"""The `kvstrata` command's settings (its benchmarks and demos): the family `KVSTRATA_BENCH_*`
+(docs/configuration.md has the table).
 
 An unknown `KVSTRATA_BENCH_*` variable (a typo) or a bad value is refused naming it; `kvstrata`
 then refuses to run, with one line (`environment_problem`).

@@ -21,9 +21,9 @@ import click
 import numpy as np
 import torch
 
-from bench.args import CONTEXT, Directory, check_memory, invoke
-from bench.common import print_table
-from bench.demo_dir import prepare
+from cli.args import CONTEXT, Directory, check_memory, invoke
+from cli.demo_dir import prepare
+from cli.output import print_table
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
 from tiers.remote import redacted
@@ -112,7 +112,7 @@ def _run_hosts(url: str, folder: str, tokens: int) -> dict[str, dict[str, Any]] 
     """Run host A then host B, each its own process; their results, or why one failed."""
     out = {}
     for role in ("a", "b"):
-        done = subprocess.run([sys.executable, "-m", "bench.cli", "demo-remote", "--role", role, "--url", url,
+        done = subprocess.run([sys.executable, "-m", "cli.main", "demo-remote", "--role", role, "--url", url,
                                "--tokens", str(tokens), "--disk-path", folder],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
@@ -133,7 +133,7 @@ def command(**options: Any) -> int:
     if args.role:  # a host process; --disk-path is the demo's own folder
         print(json.dumps(host(args.role, args.url, f"{args.disk_path}/host-{args.role}", args.tokens)))
         return 0
-    from bench.redis_servers import RedisServer, check_server, redis_binary
+    from cli.redis_servers import RedisServer, check_server, redis_binary
 
     # Each host process: the document's KV made in float32, its bfloat16 copy, the CPU tier's and B's retrieve.
     check_memory(5 * args.tokens * LAYOUT.token_bytes, f"--tokens {args.tokens}")

@@ -8,7 +8,7 @@ terminal, so piped output and tests stay clean.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from typing import Any
 
 import click
@@ -20,7 +20,7 @@ class _ClickBar:
     def __init__(self, iterable: Iterable[Any] | None, desc: str | None = None, total: int | None = None,
                  disable: bool | None = False, **_: Any) -> None:
         self._iterable = iterable
-        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+        if total is None and isinstance(iterable, Sized):
             total = len(iterable)
         self._bar: Any = None
         if disable is not True and sys.stderr.isatty():

@@ -12,11 +12,16 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from kvstore.errors import KVStoreError
+
+if TYPE_CHECKING:  # Click's stubs type a parameter type by the values it makes and takes
+    ParamType = click.ParamType[Any, Any]
+else:
+    ParamType = click.ParamType
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -29,7 +34,7 @@ def nonneg() -> click.IntRange:
     return click.IntRange(min=0)
 
 
-class IntList(click.ParamType):
+class IntList(ParamType):
     """A non-empty comma list of ints, each in [low, high]."""
 
     name = "list"
@@ -56,7 +61,7 @@ class IntList(click.ParamType):
         return out
 
 
-class Choices(click.ParamType):
+class Choices(ParamType):
     """A non-empty comma list of names from `known`."""
 
     name = "list"
@@ -88,7 +93,7 @@ def directory_problem(text: str) -> str | None:
     return None
 
 
-class Directory(click.ParamType):
+class Directory(ParamType):
     """A path that is a directory or can become one (not a file)."""
 
     name = "directory"
@@ -105,7 +110,7 @@ class Directory(click.ParamType):
         return [CompletionItem(incomplete, type="dir")]
 
 
-class Device(click.ParamType):
+class Device(ParamType):
     """`cpu`, `cuda` or `cuda:N`, present on this machine (the one line names the bad value)."""
 
     name = "device"
@@ -174,7 +179,7 @@ VLLM_INSTALL = ("install the vllm extra (pip install 'kvstrata[vllm]'; in a chec
                 "and run this with that environment's kvstrata (.venv-vllm/bin/kvstrata)")
 
 
-class ByteSize(click.ParamType):
+class ByteSize(ParamType):
     """A byte count such as 1073741824, '512MiB' or '4G' (K/M/G/T are powers of 1024); the
     text is kept (the value passes on as given)."""
 
@@ -191,7 +196,7 @@ class ByteSize(click.ParamType):
         return str(value)
 
 
-class OutputFile(click.ParamType):
+class OutputFile(ParamType):
     """A file path to write: not a directory, in a directory that is (or can become) writable."""
 
     name = "file"
@@ -213,7 +218,7 @@ def existing_file() -> click.Path:
 def check_environment() -> str | None:
     """What is wrong with the `KVSTRATA_*` variables (an unknown one, a bad value, a results
     directory that is a file), or None."""
-    from bench.settings import environment_problem
+    from cli.settings import environment_problem
 
     return environment_problem(directory_problem)
 

@@ -1,8 +1,10 @@
 """The `kvstrata` command: demos, the router, the offload experiment and benchmarks (Click).
 
 Each command lives in its own module and is imported only when it runs (so `--help` and
-shell completion stay fast). Shell completion: `eval "$(_KVSTRATA_COMPLETE=bash_source
-kvstrata)"` (bash; `zsh_source`, `fish_source` for the others). A user mistake ends with one
+shell completion stay fast). The benchmarks and the offload experiment are modules of the
+`bench` package, named here by string: `cli` never imports `bench` until one of them runs.
+Shell completion: `eval "$(_KVSTRATA_COMPLETE=bash_source kvstrata)"` (bash; `zsh_source`,
+`fish_source` for the others). A user mistake ends with one
 line naming the bad value and exit code 2.
 """
 
@@ -14,7 +16,7 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, CommandFailed, check_environment, fail, invoke
+from cli.args import CONTEXT, CommandFailed, check_environment, fail, invoke
 from kvstore.errors import KVStoreError
 
 BENCHMARKS = {
@@ -37,13 +39,13 @@ BENCHMARKS = {
     "peer": "bench.peer",
 }
 COMMANDS = {
-    "demo": "bench.demo",
-    "demo-store": "bench.demo_store",
-    "demo-remote": "bench.demo_remote",
-    "demo-fleet": "bench.demo_fleet",
-    "router": "bench.router_cmd",
+    "demo": "cli.demo",
+    "demo-store": "cli.demo_store",
+    "demo-remote": "cli.demo_remote",
+    "demo-fleet": "cli.demo_fleet",
+    "router": "cli.router_cmd",
     "offload": "bench.offload",
-    "inspect": "bench.inspect_disk",
+    "inspect": "cli.inspect",
 }
 _COMMAND_SUMMARIES = {
     "demo": "The main demo: a document's KV from pool, CPU, disk and after a restart.",
@@ -101,13 +103,13 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except (KVStoreError, OSError) as exc:
-            name = ctx.meta.get((_RESOLVED, ctx.command_path))
+            name = ctx.meta.get(f"{_RESOLVED}:{ctx.command_path}")
             raise CommandFailed(f"{ctx.command_path} {name}" if name else ctx.command_path, str(exc)) from exc
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> tuple[str | None, click.Command | None,
                                                                               list[str]]:
         name, command, rest = super().resolve_command(ctx, args)
-        ctx.meta[(_RESOLVED, ctx.command_path)] = name
+        ctx.meta[f"{_RESOLVED}:{ctx.command_path}"] = name
         return name, command, rest
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

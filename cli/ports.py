@@ -20,7 +20,7 @@ def free_port() -> int:
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            port: int = s.getsockname()[1]
         if port < 55000:
             return port
     raise RuntimeError("no free port below 55000")

@@ -16,8 +16,8 @@ from typing import Any
 
 import click
 
-from bench.args import CONTEXT, invoke
-from bench.common import print_table
+from cli.args import CONTEXT, invoke
+from cli.output import print_table
 from tiers.lmdb import summarize
 
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import click
 import numpy as np
 
-from bench.args import CONTEXT, invoke
-from bench.common import print_table, write_results
-from bench.ports import free_port_pair
-from bench.progress import tqdm
+from cli.args import CONTEXT, invoke
+from cli.output import print_table, write_results
+from cli.ports import free_port_pair
+from cli.progress import tqdm
 
 BLOCK_SIZE = 16
 
@@ -36,7 +36,7 @@ def _engine(conn: Connection, name: str, port: int, disk: str, doc_tokens: int) 
     """One engine process: answer prompts from `conn` until None."""
     import torch
 
-    from bench.demo import DEMO_MODEL
+    from cli.demo import DEMO_MODEL
     from engine_adapter.runner.model import LlamaModel
     from engine_adapter.runner.runner import KVStrataLLM
     from engine_adapter.runner.weights import init_random_weights
@@ -136,7 +136,7 @@ def serve(placement: str, prompts: list[list[int]], n: int, root: Path, doc_toke
 
 
 def run(engines: int, docs: int, questions: int, doc_tokens: int, question_tokens: int) -> dict[str, object]:
-    from bench.demo import DEMO_MODEL
+    from cli.demo import DEMO_MODEL
 
     rng = np.random.default_rng(0)
     documents = [rng.integers(1, DEMO_MODEL.vocab_size, size=doc_tokens).tolist() for _ in range(docs)]
