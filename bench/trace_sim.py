@@ -7,7 +7,7 @@ demotion admission admits, add, touch again, end the epoch) and on a read. `serv
 one request the way `KVCacheStore.retrieve` then `store` drive a tier stack: locate the
 longest cached prefix across the tiers, read it tier by tier, promote the lower hits into the
 top tier, then put the whole request into the top tier (and into the tiers written through).
-`tests/test_trace_policies.py` checks that a real store and this replay count the same hits.
+`tests/bench/test_trace_policies.py` checks that a real store and this replay count the same hits.
 
 `belady_hit_blocks` is the offline optimum for the same model (see its docstring).
 """

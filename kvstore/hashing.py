@@ -5,7 +5,7 @@ over full blocks only. Tokens are encoded as little-endian uint32 whatever they 
 extras are canonical msgpack, appended only when a block has any (the token part has a
 fixed length, so the encoding is unambiguous). Nothing depends on Python's `hash()`,
 `PYTHONHASHSEED`, the platform's integer width or the process: golden vectors in
-`tests/test_hashing.py` pin the digests.
+`tests/kvstore/test_hashing.py` pin the digests.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv-dynamo (idempotent): NVIDIA Dynamo's runtime wheel (CPU-only, ~75 MB), whose
-# standalone KV indexer (`python -m dynamo.indexer`) tests/test_dynamo.py subscribes to
+# standalone KV indexer (`python -m dynamo.indexer`) tests/router/test_dynamo.py subscribes to
 # kvstrata stores, as the third-party reader of kvstrata's KV events (docs/routing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,6 +15,7 @@ from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes, store_c
 from kvstore import ConfigError, HashAlgo, KVLayout, StoreConfig
 from kvstore.load_policy import LoadPolicy, LoadPolicyMode
 from kvstore.settings import LibrarySettings, remote_password
+from tests import ROOT
 from tests.switches import Switches
 from tiers.codecs import CodecKind
 from tiers.disk_durability import DiskSync
@@ -58,7 +59,7 @@ def test_parse_bytes(text: object, value: int) -> None:
 
 
 def test_every_layers_table_in_the_docs_is_the_code() -> None:
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    doc = (ROOT / "docs" / "configuration.md").read_text()
     for layer in LAYERS:
         assert layer.table() in doc, f"docs/configuration.md is out of date: regenerate {layer.__name__}'s table"
         assert all(f"| {f.name} |" in layer.table() and layer.PREFIX + f.name.upper() in layer.table()

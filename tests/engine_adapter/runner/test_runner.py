@@ -22,6 +22,7 @@ from engine_adapter.runner.model_config import LlamaConfig
 from engine_adapter.runner.runner import KVStrataLLM
 from engine_adapter.runner.weights import init_random_weights
 from kvstore import ConfigError, InvalidInputError, KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
+from tests import ROOT
 from tests.conftest import POOL_DEVICE
 from tiers.base import TierKind
 
@@ -125,7 +126,7 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     import torch
     from tests.conftest import POOL_DEVICE
-    from tests.test_runner import CONFIG, store_config
+    from tests.engine_adapter.runner.test_runner import CONFIG, store_config
     from engine_adapter.runner.model import LlamaModel
     from engine_adapter.runner.runner import KVStrataLLM
     from engine_adapter.runner.weights import init_random_weights
@@ -146,7 +147,7 @@ def test_prefix_from_disk_after_restart(model: LlamaModel, tmp_path: Path) -> No
     expected = baseline(model, tmp_path, prompts, max_new=6)
     with KVCacheStore(store_config(tmp_path)) as store:  # process 1 caches, closes (persists)
         KVStrataLLM(model, store).generate(prompts[:1], 6)
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), json.dumps(prompts[1])], cwd=root,
                          capture_output=True, text=True, check=True, timeout=300)
     child = json.loads(out.stdout.strip().splitlines()[-1])

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from kvstore import ConfigError, DiskSync, StoreConfig
+from tests import ROOT
 from tests.reliability import diskdamage
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
 from tiers import lmdb_env
@@ -25,7 +26,6 @@ from tiers.base import BlockHash, BlockKey
 from tiers.disk_index import LOG_KEEP, pack_entry
 from tiers.lmdb import LMDBTier, bytes_per_block
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPE = LAYOUT.block_shape(BLOCK)
 
 

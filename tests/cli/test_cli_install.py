@@ -19,8 +19,8 @@ import pytest
 import tomllib
 
 from cli.redis_servers import find_redis_binary
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 # The top-level packages the wheel installs, as pyproject.toml lists them.
 _LISTED = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
 PACKAGES = sorted({p.split(".")[0] for p in _LISTED})

@@ -23,7 +23,7 @@ else:
 
 from bench.tiny_arch import WINDOW, build_tiny_arch
 from kvstore import ConfigError
-from tests.vllm_engines import connector, prompt, reply, run_engine, stat
+from tests.engine_adapter.vllm.vllm_engines import connector, prompt, reply, run_engine, stat
 
 pytestmark = pytest.mark.vllm
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.switches import switches
 
 if switches().require_vllm:
@@ -245,7 +246,7 @@ def test_router_places_requests_where_their_prefix_is(model: str, tmp_path: Path
     prompts = [doc + _prompt(200 + 10 * d + q, BLOCK // 2) for d, doc in enumerate(docs) for q in range(3)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                TOKENIZERS_PARALLELISM="false")
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
 
     metrics_port = free_port_pair()
 
@@ -374,7 +375,7 @@ def test_background_disk_loads_beside_other_requests(model: str, tmp_path: Path)
     doc, others = _prompt(31, 1024), [_prompt(32 + i, 700) for i in range(3)]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                TOKENIZERS_PARALLELISM="false")
-    root = Path(__file__).resolve().parent.parent
+    root = ROOT
 
     def serve(connector: dict, requests: list[dict]) -> list[dict]:
         spec = {"model": model, "connector": connector, "max_model_len": 1280}

@@ -22,12 +22,11 @@ import redis
 
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
+from tests import ROOT
 from tests.redis_fixtures import RedisServer, need_redis, redis_server
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tiers.base import TierKind
 from tiers.remote import RemoteTier, redacted
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -61,7 +60,7 @@ _WRITER = textwrap.dedent(
     import numpy as np
     sys.path.insert(0, sys.argv[3])
     from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
-    from tests.test_remote import _store, _tokens
+    from tests.tiers.test_remote import _store, _tokens
     with _store(sys.argv[1], disk=__import__("pathlib").Path(sys.argv[2])) as store:
         for seed in range(5):
             t = _tokens(6, seed)
@@ -221,7 +220,7 @@ _CONCURRENT = textwrap.dedent(
     import numpy as np
     sys.path.insert(0, sys.argv[3])
     from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
-    from tests.test_remote import _store, _tokens
+    from tests.tiers.test_remote import _store, _tokens
     rng = np.random.default_rng(int(sys.argv[2]))
     checked = 0
     with _store(sys.argv[1], cpu_bytes=0, disk_path=None, pool_blocks=0) as store:

@@ -1,5 +1,5 @@
 """Helpers of the real-vLLM tests in their own files: a fresh engine process per scenario
-(`tests/vllm_scenarios.py`), prompts, connector settings and counters."""
+(`tests/engine_adapter/vllm/vllm_scenarios.py`), prompts, connector settings and counters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Runs a real vLLM engine scenario (`tests/vllm_scenarios.py`) in a fresh process for the
+"""Runs a real vLLM engine scenario (`tests/engine_adapter/vllm/vllm_scenarios.py`) in a fresh process for the
 tests of hybrid, tensor-parallel and pipeline-parallel models, and cleans up after it."""
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 
 from cli.ports import free_port_pair
+from tests import ROOT
 from tests.conftest import BLOCK
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Instance:

@@ -15,7 +15,7 @@ else:
     pytest.importorskip("vllm")
 
 from bench.tiny_model import build_tiny_llama
-from tests.vllm_run import BLOCK, connector_config, prompt, run_scenario, stat_sum
+from tests.engine_adapter.vllm.vllm_run import BLOCK, connector_config, prompt, run_scenario, stat_sum
 
 pytestmark = pytest.mark.vllm
 

@@ -15,9 +15,8 @@ import torch
 
 from cli import main as kvstrata
 from cli.ports import free_port
+from tests import ROOT
 from tests.redis_fixtures import redis_server
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _absent_cuda() -> str:

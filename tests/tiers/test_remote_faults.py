@@ -21,7 +21,7 @@ from cli.redis_servers import redis_server
 from kvstore import KVCacheStore
 from tests.drip_server import DripServer
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
-from tests.test_remote import _remote, _store, _tokens
+from tests.tiers.test_remote import _remote, _store, _tokens
 
 
 def _remote_only(url: str, **overrides: object) -> KVCacheStore:

@@ -19,7 +19,7 @@ else:
 
 from bench.tiny_arch import build_tiny_arch
 from bench.tiny_model import build_tiny_llama
-from tests.vllm_engines import connector, disk_blocks, per_worker, prompt, reply, run_engine
+from tests.engine_adapter.vllm.vllm_engines import connector, disk_blocks, per_worker, prompt, reply, run_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -1,8 +1,8 @@
 """Runs one vLLM scenario in a fresh process and prints its result as JSON (last line).
 
-Used by `tests/test_vllm_connector.py`: every scenario gets its own process, as a real
+Used by `tests/engine_adapter/vllm/test_vllm_connector.py`: every scenario gets its own process, as a real
 deployment would, so vLLM's process-global state never leaks between tests. Usage:
-`python tests/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists, or
+`python tests/engine_adapter/vllm/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists, or
 `{"ids": [...], "cache_salt": "..."}`),
 rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
 loras (name -> adapter directory; a prompt dict's "lora" names one),

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from cli import main as kvstrata
+from tests import ROOT
 from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv, open_store
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_inspect_shows_each_namespace_while_a_store_is_open(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

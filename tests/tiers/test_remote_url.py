@@ -17,7 +17,7 @@ from cli.redis_servers import redis_server
 from kvstore import StoreConfig
 from kvstore.errors import ConfigError
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
-from tests.test_remote import _remote, _store, _tokens
+from tests.tiers.test_remote import _remote, _store, _tokens
 from tiers.remote import check_url, redacted
 from tiers.remote_url import identity, parse
 
@@ -115,7 +115,7 @@ def test_kv_events_and_the_routers_instances_carry_no_password() -> None:
     """Two store processes publish KV events naming their remote tier by identity; the
     router's `/instances` shows that identity: no secret, and the two forms of one server's
     URL give the same identity."""
-    from tests.test_router import Instance, RouterProcess, wait_for
+    from tests.router.test_router import Instance, RouterProcess, wait_for
 
     with redis_server("--requirepass", SECRET) as server:
         tcp = f"127.0.0.1:{server.port}"

@@ -19,7 +19,7 @@ import xxhash
 from cli.redis_servers import redis_server
 from kvstore import KVLayout
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
-from tests.test_remote import _remote, _store, _tokens
+from tests.tiers.test_remote import _remote, _store, _tokens
 from tiers.base import BlockHash, BlockKey, TierKind
 from tiers.remote import RemoteTier
 

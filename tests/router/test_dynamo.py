@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from cli.ports import free_port
+from tests import ROOT
 from tests.conftest import BLOCK
+from tests.router.test_router import Instance, doc, wait_for
 from tests.switches import switches
-from tests.test_router import ROOT, Instance, doc, wait_for
 
 pytestmark = pytest.mark.dynamo
 DYNAMO = ROOT / ".venv-dynamo" / "bin" / "python"

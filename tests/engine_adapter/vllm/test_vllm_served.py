@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import ROOT
 from tests.switches import switches
 
 if switches().require_vllm:
@@ -34,11 +35,10 @@ else:
 
 from bench.tiny_model import build_tiny_llama, words
 from cli.ports import free_port
-from tests.vllm_run import prompt
+from tests.engine_adapter.vllm.vllm_run import prompt
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "vllm.md"
 START_S = 300  # bound on a server's start (two cores shared with other jobs)
 STOP_S = 60
