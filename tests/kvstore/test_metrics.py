@@ -99,8 +99,8 @@ def test_registering_a_store_twice_is_idempotent_and_names_are_checked(tmp_path:
         text = prometheus_client.generate_latest(registry).decode()
         assert 'store="worker"' not in text
         assert _value(text, "kvstrata_store_calls_total", store="engine-0") == 0
-    with pytest.raises(ConfigError, match="name"):
-        register_metrics(KVCacheStore(_config(tmp_path / "c")), registry, name="")
+    with KVCacheStore(_config(tmp_path / "c")) as unnamed, pytest.raises(ConfigError, match="name"):
+        register_metrics(unnamed, registry, name="")
 
 
 def _listening_addresses(port: int) -> set[str]:
