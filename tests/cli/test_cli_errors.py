@@ -118,6 +118,7 @@ def test_every_command_and_benchmark_has_its_own_help(capsys: pytest.CaptureFixt
         assert "--help" in out
 
 
+@pytest.mark.slow
 def test_the_command_imports_a_benchmark_only_when_it_runs() -> None:
     """`cli` names the benchmarks by module string: the commands of its own (help included)
     leave `bench` unimported; `kvstrata bench hashing --help` imports exactly that module."""
@@ -135,6 +136,7 @@ def test_the_command_imports_a_benchmark_only_when_it_runs() -> None:
     assert all(v == "[]" for k, v in loaded.items() if not k.startswith("bench")), loaded
 
 
+@pytest.mark.slow
 def test_shell_completion_offers_commands_and_benchmarks() -> None:
     import os
     import subprocess

@@ -65,6 +65,7 @@ def test_the_installed_copy_is_the_one_that_runs(installed: tuple[Path, dict[str
         assert where.stdout.strip().startswith(str(script.parent.parent)), where
 
 
+@pytest.mark.slow
 def test_remote_commands_run_without_pytest(installed: tuple[Path, dict[str, str]], tmp_path: Path) -> None:
     helped = _run(installed, tmp_path, "bench", "remote", "--help")
     assert helped.returncode == 0 and "Usage: kvstrata bench remote" in helped.stdout, helped.stderr[-2000:]

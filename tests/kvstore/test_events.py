@@ -259,6 +259,7 @@ def test_endpoints_other_hosts_reach_need_curve_or_an_explicit_insecure(tmp_path
         first.close()
 
 
+@pytest.mark.slow
 def test_curve_admits_only_the_readers_it_knows(tmp_path: Path) -> None:
     import zmq.auth
 

@@ -218,6 +218,7 @@ def test_late_router_and_restarted_router_rebuild_from_snapshots(fleet: Any, rou
     assert first < 10 and time.monotonic() - t0 < 10, "a router rebuilds its view within seconds"
 
 
+@pytest.mark.slow
 def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: Any, routers: Any) -> None:
     a = fleet("a", cpu_blocks=4)
     router = routers([a.subscription])
@@ -358,6 +359,7 @@ def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, router
         expect(router, d, {"a": [], "b": b.call("where", d)})
 
 
+@pytest.mark.slow
 def test_demo_fleet_router_placement_beats_round_robin(tmp_path: Path) -> None:
     env_results = {"KVSTRATA_BENCH_RESULTS": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-m", "cli.main", "demo-fleet", "--engines", "2", "--docs", "3",

@@ -131,6 +131,7 @@ def test_damaged_values_are_misses_and_deleted(server: RedisServer, damage: str)
         assert tier.stats().num_corrupt == 1
 
 
+@pytest.mark.slow
 def test_dead_server_is_a_miss_and_the_tier_recovers(tmp_path: Path) -> None:
     need_redis()
     server = RedisServer().start()
