@@ -140,6 +140,12 @@ class LMDBTier(Tier):
 
     # -- queries ---------------------------------------------------------------------------
     @property
+    def index_syncs(self) -> tuple[int, int]:
+        """(times the in-memory index was rebuilt whole, changes of other processes replayed
+        into it from the change log); changes nothing."""
+        return self._mirror.num_rebuilds, self._mirror.num_replayed
+
+    @property
     def capacity_blocks(self) -> int:
         return self._capacity_bytes // self._cost
 

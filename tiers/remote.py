@@ -162,8 +162,17 @@ class RemoteTier(Tier):
         with equal identities share blocks."""
         return identity(self._parts)
 
-    def _key(self, block_hash: BlockHash) -> bytes:
+    @property
+    def key_prefix(self) -> bytes:
+        """What every server key of this namespace starts with (keys without it are not
+        kvstrata's and are never touched)."""
+        return self._prefix
+
+    def server_key(self, block_hash: BlockHash) -> bytes:
+        """The server key `block_hash` is stored under; changes nothing."""
         return self._prefix + bytes(block_hash).hex().encode()
+
+    _key = server_key
 
     # -- reads -------------------------------------------------------------------------------
     @property

@@ -229,7 +229,7 @@ def test_lossy_record_under_an_exact_key_is_refused(tmp_path: Path, server: Redi
         assert remote.flush()
         import redis
 
-        redis.Redis.from_url(server.url).set(remote._key(key.block_hash), record)
+        redis.Redis.from_url(server.url).set(remote.server_key(key.block_hash), record)
         for t in (disk, remote):
             out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             assert t.get_into([key], [out]) == 0
@@ -333,11 +333,11 @@ def test_damaged_encoded_records_are_misses_and_deleted(server: RedisServer, kin
         import redis
 
         client = redis.Redis.from_url(server.url)
-        value = client.get(remote._key(key.block_hash))
+        value = client.get(remote.server_key(key.block_hash))
         # a flipped payload bit fails the checksum; a payload that fails to decode under a
         # valid checksum (a hostile or buggy writer) fails in the codec
         for damaged in (_flip_last(value), _undecodable(value, key, store.seed)):
-            client.set(remote._key(key.block_hash), damaged)
+            client.set(remote.server_key(key.block_hash), damaged)
             out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             assert remote.get_into([key], [out]) == 0
             assert remote.match_prefix([key.block_hash]) == 0  # deleted

@@ -88,19 +88,19 @@ def test_lookups_follow_writes_of_another_process(tmp_path: Path) -> None:
     with open_store(str(tmp_path)) as store:
         store.store(gone, make_kv(gone, LAYOUT, BLOCK))
         disk = _disk(store)
-        mirror = disk._mirror
-        assert mirror.num_rebuilds == 1  # built at open
+        assert disk.index_syncs[0] == 1  # built at open
         added = np.arange(3 * BLOCK, dtype=np.uint32) + 7
         assert store.lookup(added) == 0
         _other(tmp_path, "store-and-discard")
         assert store.lookup(added) == 3 * BLOCK and store.lookup(gone) == 0
-        assert mirror.num_rebuilds == 1 and mirror.num_replayed >= 2
+        rebuilds, replayed = disk.index_syncs
+        assert rebuilds == 1 and replayed >= 2
         res = store.retrieve(added)
         check_kv(added, res.kv, res.num_tokens, LAYOUT, BLOCK)
         _other(tmp_path, "many", str(LOG_KEEP + 5))
         last = np.arange(BLOCK, dtype=np.uint32) + 10_000 + (LOG_KEEP + 4) * BLOCK
         assert store.lookup(last) == BLOCK and store.lookup(added) == 3 * BLOCK
-        assert mirror.num_rebuilds == 2
+        assert disk.index_syncs[0] == 2
         assert len(set(disk.held_hashes())) == len(disk)
         store.check_integrity()
 

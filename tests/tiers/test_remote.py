@@ -112,7 +112,7 @@ def test_damaged_values_are_misses_and_deleted(server: RedisServer, damage: str)
         assert store.flush()
         raw = redis.Redis(port=server.port)
         tier = _remote(store)
-        key = tier._key(store.block_hashes(t)[2])
+        key = tier.server_key(store.block_hashes(t)[2])
         value = raw.get(key)
         assert value is not None
         if damage == "flip-payload":
@@ -122,7 +122,7 @@ def test_damaged_values_are_misses_and_deleted(server: RedisServer, damage: str)
         elif damage == "append":
             bad = value + b"\x00" * 16
         else:  # a sound record of another block under this key
-            bad = raw.get(tier._key(store.block_hashes(other)[2]))
+            bad = raw.get(tier.server_key(store.block_hashes(other)[2]))
         raw.set(key, bad)
         res = store.retrieve(t)
         assert res.num_tokens == 2 * BLOCK  # stops before the damaged block
@@ -159,7 +159,7 @@ def test_dead_server_is_a_miss_and_the_tier_recovers(tmp_path: Path) -> None:
             time.sleep(5.5)  # the breaker's cooldown
             v = _tokens(4, 30)
             raw = redis.Redis(port=server.port)
-            key = tier._key(store.block_hashes(v)[-1])
+            key = tier.server_key(store.block_hashes(v)[-1])
             deadline = time.monotonic() + 20
             while raw.get(key) is None:  # the tier reconnects by itself; a write may still be dropped
                 assert time.monotonic() < deadline, "the remote tier did not recover"

@@ -133,11 +133,11 @@ def test_keys_in_the_namespace_that_kvstrata_did_not_write_are_skipped() -> None
         assert store.flush()
         tier = _remote(store)
         raw = redis.Redis(port=server.port)
-        raw.set(tier._prefix + b"not-a-block-hash", b"x")
+        raw.set(tier.key_prefix + b"not-a-block-hash", b"x")
         held = set(tier.held_hashes())
         assert held == set(store.block_hashes(t))
         assert tier.num_foreign_keys == 1
-        assert raw.get(tier._prefix + b"not-a-block-hash") == b"x"  # never deleted: not kvstrata's
+        assert raw.get(tier.key_prefix + b"not-a-block-hash") == b"x"  # never deleted: not kvstrata's
 
 
 def test_a_cluster_that_is_not_there_is_a_miss_not_an_exception() -> None:

@@ -166,8 +166,8 @@ def test_tier_calls_stay_in_step_after_a_refused_command() -> None:
         try:
             assert tier.put(keys[::-1], srcs[::-1]) == 6 and tier.flush()
             raw = redis.Redis(port=server.port)
-            raw.delete(tier._key(keys[2].block_hash))
-            raw.rpush(tier._key(keys[2].block_hash), b"not a string")
+            raw.delete(tier.server_key(keys[2].block_hash))
+            raw.rpush(tier.server_key(keys[2].block_hash), b"not a string")
             out = [torch.empty_like(s) for s in srcs]
             assert tier.get_into(keys, out) == 2 and tier.reads.num_errors == 1
             assert tier.get_into(keys[3:], out[3:]) == 3
@@ -188,4 +188,4 @@ def test_a_record_without_token_ids_is_a_miss_left_in_place() -> None:
             assert reader.retrieve(t, out=make_kv(t, LAYOUT, BLOCK)).num_tokens == 0
             tier = _remote(reader)
             assert tier.num_unverifiable == 1 and tier.stats().num_corrupt == 0
-            assert redis.Redis(port=server.port).exists(tier._key(reader.block_hashes(t)[0])) == 1
+            assert redis.Redis(port=server.port).exists(tier.server_key(reader.block_hashes(t)[0])) == 1

@@ -27,7 +27,7 @@ LLAMA_3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.b
 
 
 def _present(raw: redis.Redis, tier: RemoteTier, hashes: list[BlockHash]) -> list[bool]:
-    return [bool(raw.exists(tier._key(h))) for h in hashes]
+    return [bool(raw.exists(tier.server_key(h))) for h in hashes]
 
 
 @pytest.mark.slow
