@@ -287,7 +287,7 @@ def test_ttl_and_a_full_noeviction_server(caplog: pytest.LogCaptureFixture) -> N
             t = _tokens(2, 5)
             store.store(t, make_kv(t, LAYOUT, BLOCK))
             assert store.flush()
-            key = _remote(store)._key(store.block_hashes(t)[0])
+            key = _remote(store).server_key(store.block_hashes(t)[0])
             assert 0 < redis.Redis(port=server.port).ttl(key) <= 3600
             for seed in range(200):  # ~3 MiB more than the server takes
                 u = _tokens(4, 100 + seed)
