@@ -172,8 +172,6 @@ class RemoteTier(Tier):
         """The server key `block_hash` is stored under; changes nothing."""
         return self._prefix + bytes(block_hash).hex().encode()
 
-    _key = server_key
-
     # -- reads -------------------------------------------------------------------------------
     @property
     def capacity_blocks(self) -> int:
@@ -226,7 +224,7 @@ class RemoteTier(Tier):
             return True
 
         ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True)
-               for key in (self._key(k.block_hash) for k in keys)]
+               for key in (self.server_key(k.block_hash) for k in keys)]
         self._stream(self.reads, "read", self._record_bytes * len(keys), ops, on_value, self._buffer_for)
         if damaged:
             self.discard(damaged)
@@ -271,7 +269,8 @@ class RemoteTier(Tier):
             self._dropped(len(keys), "writes are paused after repeated faults")
             return 0
         order = range(len(keys) - 1, -1, -1)
-        records = ((self._key(keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i]))) for i in order)
+        records = ((self.server_key(keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i])))
+                   for i in order)
         return self._writes.put(records, len(keys))
 
     def _dropped(self, num: int, why: str) -> None:
@@ -334,7 +333,7 @@ class RemoteTier(Tier):
         if not block_hashes:
             return 0
         deleted = self._pipelined(self.writes, "delete", _REPLY_BYTES * len(block_hashes),
-                                  lambda pipe: [pipe.delete(self._key(h)) for h in block_hashes]) or []
+                                  lambda pipe: [pipe.delete(self.server_key(h)) for h in block_hashes]) or []
         gone = [h for h, n in zip(block_hashes, deleted) if n == 1]
         self._announce(False, gone)
         return len(gone)
