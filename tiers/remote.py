@@ -192,7 +192,7 @@ class RemoteTier(Tier):
             n += reply == 1  # an error ends the prefix too
             return bool(reply == 1)
 
-        ops = [Op(key, command(b"EXISTS", key), 2 * len(key)) for key in map(self._key, todo)]
+        ops = [Op(key, command(b"EXISTS", key), 2 * len(key)) for key in map(self.server_key, todo)]
         self._stream(self.reads, "lookup", _REPLY_BYTES * len(todo), ops, on_reply)
         return n
 

@@ -48,7 +48,7 @@ def test_a_read_that_misses_early_moves_little_and_keeps_its_connection() -> Non
         store.store(t, make_kv(t, LAYOUT, BLOCK))
         assert store.flush()
         raw = redis.Redis(port=server.port)
-        raw.delete(_remote(store)._key(store.block_hashes(t)[3]))
+        raw.delete(_remote(store).server_key(store.block_hashes(t)[3]))
         before = raw.info("stats")
         for _ in range(3):
             res = store.retrieve(t, out=make_kv(t, LAYOUT, BLOCK) * 0)
@@ -85,7 +85,7 @@ def test_a_cluster_slot_moved_to_another_master_is_found_again() -> None:
         with _store(cluster.url, cpu_bytes=0, disk_path=None, pool_blocks=0) as store:
             store.store(t, make_kv(t, LAYOUT, BLOCK))
             assert store.flush() and store.lookup(t) == len(t)
-            key = _remote(store)._key(store.block_hashes(t)[0])
+            key = _remote(store).server_key(store.block_hashes(t)[0])
             _move_slot_of(cluster.servers, key)
             for _ in range(2):
                 res = store.retrieve(t)
