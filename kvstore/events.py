@@ -192,6 +192,14 @@ class EventPublisher:
         self._num_pending += len(items)
 
     @property
+    def inbound_limits(self) -> tuple[int, int]:
+        """The largest message, in bytes, the events and the replay socket take from a peer
+        (a larger one drops that peer); reads the sockets' options, changes nothing."""
+        import zmq
+
+        return int(self._pub.getsockopt(zmq.MAXMSGSIZE)), int(self._rep.getsockopt(zmq.MAXMSGSIZE))
+
+    @property
     def num_unmirrored(self) -> int:
         return self._mirror.num_unmirrored
 

@@ -46,7 +46,7 @@ class ConnectorScheduler:
         self._delayed: list[str] = []  # finished while loading: freed once the worker says so
         self.block_size = block_size
         self.stats = stats
-        self.planner = TransferPlanner(block_size, self._lookup, self.lookup.rules)
+        self.planner = TransferPlanner(block_size, self.hit_tokens, self.lookup.rules)
         self._finished: list[str] = []  # told to the worker with the next plan
         # Tiers whose hits load from memory (synchronously, in the step): every other is slow.
         self._memory_kinds = frozenset(t.kind for s in self.lookup.every_store for t in s.tiers if t.traits.memory)
@@ -60,7 +60,7 @@ class ConnectorScheduler:
         self._kinds: list[TierKind] = []  # the tier of each block of the last lookup
         self._chain: BlockChain | None = None  # the keys the last lookup hashed in `store`
 
-    def _lookup(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
+    def hit_tokens(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
         """The planner's lookup: the prefix every group and shard holds (waiting first for
         blocks this process's worker still has queued), cut by the load policy to the leading
         blocks worth loading (the worker in this process reports the prefill rate; until

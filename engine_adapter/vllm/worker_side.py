@@ -180,6 +180,11 @@ class ConnectorWorker:
                 self._loads_done.add(load.req_id)
             self.stats.write()
 
+    def wait_for_loads(self, timeout_s: float = 10.0) -> None:
+        """Block until the background loads queued so far have ended (`TimeoutError` after
+        `timeout_s`); changes nothing else."""
+        self._loader.submit(lambda: None).result(timeout=timeout_s)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(delayed frees that may happen now, background loads that ended). A delayed free
         is reported once vLLM has named the request finished and its load has ended."""

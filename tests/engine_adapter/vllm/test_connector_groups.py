@@ -211,10 +211,10 @@ def test_background_loads_end_once_every_group_did_and_failures_fail_the_request
     ok = BlockTransfer("ok", tokens, (GroupBlocks(0, (1, 2, 3, 4)), GroupBlocks(4, ())))
     bad = BlockTransfer("bad", tokens, (GroupBlocks(0, (1, 2, 3, 4)), GroupBlocks(2, (5, 6))))
     worker.load(StepPlan(async_loads=[ok, bad]))
-    worker.workers[0]._loader.submit(lambda: None).result(timeout=10)  # group 0's loads ended
+    worker.workers[0].wait_for_loads(10)  # group 0's loads ended
     assert worker.get_finished(set()) == (None, None)  # group 1's have not
     gate.set()
-    slow_worker._loader.submit(lambda: None).result(timeout=10)
+    slow_worker.wait_for_loads(10)
     _, recving = worker.get_finished(set())
     assert recving == {"ok", "bad"}
     assert worker.take_failed_loads(recving) == {"bad"}

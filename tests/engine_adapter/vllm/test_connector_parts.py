@@ -241,7 +241,7 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
     worker.load(StepPlan(delayed_frees=["r"]))  # vLLM aborted it meanwhile
     assert worker.get_finished({"r"}) == (None, None)  # still loading: nothing to report
     gate.set()
-    worker._loader.submit(lambda: None).result(timeout=10)  # the load job has ended
+    worker.wait_for_loads(10)  # the load job has ended
     sending, recving = worker.get_finished(set())
     assert recving == {"r"} and sending == {"r"}  # named finished earlier, load now over
     for engine_block, value in zip((5, 6, 7, 2), (1, 2, 3, 4)):
@@ -273,7 +273,7 @@ def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill
     plan = store.stack.locate(store.block_hashes(tokens))
     assert [store.tiers[i].kind for i in plan] == [TierKind.CPU] * 4 + [TierKind.DISK] * 4
     scheduler = ConnectorScheduler(store, 4, ConnectorStats("scheduler", None))
-    assert scheduler._lookup(tokens, None) == 32  # no prefill rate yet: load all
+    assert scheduler.hit_tokens(tokens, None) == 32  # no prefill rate yet: load all
     worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))
     worker.register_kv_caches({"l0": torch.zeros(8, 64, dtype=torch.uint8)})
     worker.step_begins()  # vLLM bound the step's metadata
@@ -284,6 +284,6 @@ def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill
     assert rate is not None and rate < 4000 / 0.01
     store.load_policy.observe_load(TierKind.CPU, 1 << 30, 1e-3)  # memory: fast
     store.load_policy.observe_load(TierKind.DISK, 64, 10.0)  # a disk slower than recomputing
-    assert scheduler._lookup(tokens, None) == 16  # the CPU prefix only
+    assert scheduler.hit_tokens(tokens, None) == 16  # the CPU prefix only
     worker.flush()
     store.close()
