@@ -52,7 +52,10 @@ def serve(mgr: KVCacheManager, rid: str, tokens: np.ndarray, layout: KVLayout, b
         except NoFreeBlocksError:
             return None
         reused = alloc.num_computed_tokens
-        assert reused % b == 0 and reused <= computed.num_tokens
+        # A `computed` that went stale (another thread evicted or stored blocks since) is
+        # looked up again by `allocate_slots`, keeping the request's total fixed: the prefix it
+        # reuses may then be longer than `computed` said, never past the last prompt token.
+        assert reused % b == 0 and reused <= (len(tokens) - 1) // b * b
         table = mgr.block_table(rid)
         check_blocks(pool, table, tokens, reused // b, layout, b, tag)
         write_blocks(pool, table, tokens, reused // b, len(tokens) // b, layout, b, tag)
