@@ -10,6 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
+import pytest
+
 from kvstore.errors import ConfigError
 from kvstore.settings import TEST_PREFIX, EnvSettings, parse_bool, parse_int, parse_str
 
@@ -61,3 +63,12 @@ class Switches(EnvSettings):
 def switches() -> Switches:
     """The switches of `os.environ`, parsed on first use."""
     return Switches.from_sources()
+
+
+def need_vllm() -> None:
+    """Import vLLM, or skip the calling test (or module, at import) with the reason; under
+    `KVSTRATA_TEST_REQUIRE_VLLM` (CI) a missing vLLM is an error instead of a skip."""
+    if switches().require_vllm:
+        import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
+    else:
+        pytest.importorskip("vllm")

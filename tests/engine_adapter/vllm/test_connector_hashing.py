@@ -21,7 +21,7 @@ from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, GroupBlocks, StepPlan
 from engine_adapter.vllm.worker_side import ConnectorWorker
 from kvstore import KVCacheStore, StoreConfig
-from tests.switches import switches
+from tests.switches import need_vllm
 
 LAYOUT = opaque_layout(1, 64, 4)
 
@@ -62,10 +62,7 @@ def test_an_asynchronous_save_hashes_each_block_once(monkeypatch: pytest.MonkeyP
 
 def test_the_schedulers_prefetch_takes_the_keys_its_lookup_hashed(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    if switches().require_vllm:
-        import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-    else:
-        pytest.importorskip("vllm")
+    need_vllm()
     config = StoreConfig(layout=LAYOUT, block_size=4, cpu_bytes=4 * LAYOUT.block_bytes(4),
                          disk_path=str(tmp_path / "d"), disk_bytes=1 << 20, disk_sync=False)
     store = KVCacheStore(config)

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.switches import switches
+from tests.switches import need_vllm
 
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
+need_vllm()  # engine_metrics imports vLLM: check before importing it
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-
-from engine_adapter.vllm.engine_metrics import COUNTERS, TIERED, TIERS, KVStrataStats, hit_sources
-from engine_adapter.vllm.stats import ConnectorStats
-from tiers.base import TierKind
+from engine_adapter.vllm.engine_metrics import COUNTERS, TIERED, TIERS, KVStrataStats, hit_sources  # noqa: E402
+from engine_adapter.vllm.stats import ConnectorStats  # noqa: E402
+from tiers.base import TierKind  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -15,15 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from tests import ROOT
-from tests.switches import switches
-
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
-
 from bench.tiny_model import build_tiny_llama
+from tests import ROOT
+from tests.switches import need_vllm
+
+need_vllm()
 
 pytestmark = pytest.mark.vllm
 

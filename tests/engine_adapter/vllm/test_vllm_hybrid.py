@@ -14,16 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.switches import switches
-
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
-
 from bench.tiny_arch import WINDOW, build_tiny_arch
 from kvstore import ConfigError
 from tests.engine_adapter.vllm.vllm_engines import connector, prompt, reply, run_engine, stat
+from tests.switches import need_vllm
+
+need_vllm()
 
 pytestmark = pytest.mark.vllm
 

@@ -10,16 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.switches import switches
-
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
-
 from bench.tiny_arch import build_tiny_arch
 from bench.tiny_model import build_tiny_llama
 from tests.engine_adapter.vllm.vllm_engines import connector, disk_blocks, per_worker, prompt, reply, run_engine
+from tests.switches import need_vllm
+
+need_vllm()
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

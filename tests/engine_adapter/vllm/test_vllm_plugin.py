@@ -8,15 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.switches import switches
-
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
-
 from bench.tiny_model import build_tiny_llama
 from tests.engine_adapter.vllm.vllm_run import BLOCK, connector_config, prompt, run_scenario, stat_sum
+from tests.switches import need_vllm
+
+need_vllm()
 
 pytestmark = pytest.mark.vllm
 

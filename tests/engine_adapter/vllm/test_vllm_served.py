@@ -25,17 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from tests import ROOT
-from tests.switches import switches
-
-if switches().require_vllm:
-    import vllm  # noqa: F401  (CI: a missing vllm is a failure, not a skip)
-else:
-    pytest.importorskip("vllm")
-
 from bench.tiny_model import build_tiny_llama, words
 from cli.ports import free_port
+from tests import ROOT
 from tests.engine_adapter.vllm.vllm_run import prompt
+from tests.switches import need_vllm
+
+need_vllm()
 
 pytestmark = pytest.mark.vllm
 
