@@ -149,12 +149,11 @@ class StoreCollector:
         return self._families(snapshots)
 
     def _families(self, snapshots: list[tuple[str, KVCacheStore, StoreStats]]) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily
 
         tier_labels = ["namespace", "store", "tier"]
         for metric, (doc, kind, value) in _PER_TIER.items():
-            family: Any = (CounterMetricFamily(metric, doc, labels=tier_labels) if kind == "counter"
-                           else GaugeMetricFamily(metric, doc, labels=tier_labels))
+            family = _family(metric, doc, kind, tier_labels)
             for name, store, stats in snapshots:
                 for tier in stats.tiers:
                     family.add_metric([self.namespace(store), name, tier.kind.value],
@@ -182,18 +181,23 @@ class StoreCollector:
     def _tenant_families(self, snapshots: list[tuple[str, KVCacheStore, StoreStats]]) -> Iterator[Any]:
         """Per-tenant shares of the tiers that keep quotas, labelled by the tenant's hash
         (`tenant`: 16 hex digits, `default` for blocks without one), never its salt."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         labels = ["namespace", "store", "tier", "tenant"]
         for metric, (doc, kind, value) in _PER_TENANT.items():
-            family: Any = (CounterMetricFamily(metric, doc, labels=labels) if kind == "counter"
-                           else GaugeMetricFamily(metric, doc, labels=labels))
+            family = _family(metric, doc, kind, labels)
             for name, store, stats in snapshots:
                 for tier in stats.tiers:
                     for tenant in tier.tenants:
                         family.add_metric([self.namespace(store), name, tier.kind.value, tenant.label],
                                           float(value(tenant)))
             yield family
+
+
+def _family(metric: str, doc: str, kind: str, labels: list[str]) -> Any:
+    """An empty counter (`kind` "counter") or gauge family of `metric` with `labels`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return cls(metric, doc, labels=labels)
 
 
 _COLLECTORS: weakref.WeakKeyDictionary[Any, StoreCollector] = weakref.WeakKeyDictionary()
