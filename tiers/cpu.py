@@ -22,7 +22,7 @@ from tiers.base import (
     plan_put,
 )
 from tiers.blockbatch import BlockBatch, copy_rows
-from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.blockcopy import copy_block, host_memory_bytes, mapped_tensor
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 from tiers.eviction import EvictionKind
 from tiers.residency import Residency, key_parent, key_tenant
@@ -68,7 +68,8 @@ class CPUTier(Tier):
         if num_bytes > host_memory_bytes():  # refuse before zero-filling into an OOM kill
             raise ConfigError(f"CPU tier of {num_bytes} bytes exceeds this machine's RAM ({host_memory_bytes()})")
         try:
-            self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
+            shape = (num_slots, *block_shape)  # a mapping of its own: close() returns it to the OS
+            self._slab = torch.empty(shape, dtype=dtype, pin_memory=True) if pin_memory else mapped_tensor(shape, dtype)
             self._slab.view(torch.uint8).zero_()  # fault every page in now, not on the hot path
         except (RuntimeError, MemoryError) as exc:
             raise ConfigError(f"CPU tier of {num_bytes} bytes cannot be allocated: {exc}") from None
