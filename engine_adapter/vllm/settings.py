@@ -45,6 +45,9 @@ class ConnectorSettings(EnvSettings):
         disk_path: LMDB directory; shared by every engine and process that names it. Needed
             when vLLM's scheduler and worker run in different processes.
         disk_bytes: disk-tier capacity.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second (e.g. "50MiB";
+            None: no cap), to leave a shared device's bandwidth to other work; the load policy
+            measures the capped rate.
         hash_algo: `xxh3_128` (default) or `sha256`.
         namespace: extra text mixed into every key (e.g. a checkpoint revision the model
             path does not show). Default "" where `StoreConfig`'s is "default": the connector
@@ -101,6 +104,7 @@ class ConnectorSettings(EnvSettings):
     cpu_bytes: int = 1 << 30
     disk_path: str | None = None
     disk_bytes: int = 8 << 30
+    disk_read_bps: int | None = None
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     namespace: str = ""
     write_through: bool = True
@@ -128,6 +132,10 @@ class ConnectorSettings(EnvSettings):
         set_ = object.__setattr__
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
+        if self.disk_read_bps is not None:
+            set_(self, "disk_read_bps", parse_bytes("disk_read_bps", self.disk_read_bps))
+            if self.disk_read_bps == 0:
+                raise ConfigError("disk_read_bps must be > 0 bytes per second (None: no cap), got 0")
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
         set_(self, "disk_sync", DiskSync.parse(self.disk_sync, "disk_sync"))
         set_(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "load_policy"))
@@ -172,7 +180,8 @@ def store_config(s: ConnectorSettings, *, layout: KVLayout, block_size: int, nam
                   "codec_group": head_size}
     return StoreConfig(
         layout=layout, block_size=block_size, namespace=namespace, cpu_bytes=cpu_bytes,
-        disk_path=s.disk_path, disk_bytes=s.disk_bytes, hash_algo=s.hash_algo, verify_tokens=s.verify_tokens,
+        disk_path=s.disk_path, disk_bytes=s.disk_bytes, disk_read_bps=s.disk_read_bps, hash_algo=s.hash_algo,
+        verify_tokens=s.verify_tokens,
         disk_sync=s.disk_sync, write_through=saves and s.write_through and s.disk_path is not None,
         remote_url=s.remote_url, **codecs,  # type: ignore[arg-type]
         events_endpoint=s.events_endpoint if publishes else None,
