@@ -12,6 +12,7 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.load_policy import LoadPolicyMode
+from kvstore.settings import MAX_INT, parse_bool, parse_optional_str, parse_str
 from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
 from tiers.codecs import CodecKind
 from tiers.disk_durability import DiskSync
@@ -31,6 +32,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 MAX_DISK_BYTES = 1 << 44  # 16 TiB: the LMDB map (twice the budget) stays inside the address space
+MAX_DIM = 1 << 31  # bound on a layout's dimensions and a block's tokens: what no KV cache comes near
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,8 +79,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not is_int_at_least(value, 1):
-                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            if not is_int_at_least(value, 1) or value > MAX_DIM:
+                raise ConfigError(f"KVLayout.{name} must be an int in [1, {MAX_DIM}], got {value!r}")
         dtype = self.dtype
         if isinstance(dtype, str):
             if dtype.removeprefix("torch.") not in _DTYPES:
@@ -118,18 +120,14 @@ def is_int_at_least(value: object, low: int) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
 
 
-def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError) -> int:
-    """`value` as an int >= `low`, else `error` naming it: the one check of every count, size
-    and index kvstrata takes from a caller."""
-    if not is_int_at_least(value, low):
-        bound = "> 0" if low == 1 else f">= {low}"
+def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError, high: int = MAX_INT) -> int:
+    """`value` as an int in [low, high] (never a bool or a float), else `error` naming it: the
+    one check of every count, size and index kvstrata takes from a caller."""
+    if not is_int_at_least(value, low) or value > high:  # type: ignore[operator]
+        bound = ("> 0" if low == 1 else f">= {low}") if high == MAX_INT else f"in [{low}, {high}]"
         raise error(f"{name} must be an int {bound}, got {value!r}")
     assert isinstance(value, (int, np.integer))
     return int(value)
-
-
-def _positive_int(owner: str, name: str, value: object, *, allow_zero: bool = False) -> int:
-    return require_int(f"{owner}.{name}", value, 0 if allow_zero else 1)
 
 
 @dataclass(frozen=True)
@@ -278,10 +276,13 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"StoreConfig.layout must be a KVLayout, got {self.layout!r}")
-        _positive_int("StoreConfig", "block_size", self.block_size)
-        _positive_int("StoreConfig", "cpu_bytes", self.cpu_bytes, allow_zero=True)
-        _positive_int("StoreConfig", "disk_bytes", self.disk_bytes)
-        _positive_int("StoreConfig", "pool_blocks", self.pool_blocks, allow_zero=True)
+        require_int("StoreConfig.block_size", self.block_size, 1, high=MAX_DIM)
+        require_int("StoreConfig.cpu_bytes", self.cpu_bytes, 0)
+        require_int("StoreConfig.disk_bytes", self.disk_bytes, 1, high=MAX_DISK_BYTES)
+        require_int("StoreConfig.pool_blocks", self.pool_blocks, 0)
+        for name in ("verify_tokens", "write_through", "persist_on_close", "cpu_checksums", "events_insecure",
+                     "events_connect"):  # never a truthy stand-in: "false" is False, [] an error
+            object.__setattr__(self, name, parse_bool(f"StoreConfig.{name}", getattr(self, name)))
         if self.pool_device is not None:
             try:
                 if not isinstance(self.pool_device, (str, torch.device)):
@@ -312,8 +313,6 @@ class StoreConfig:
             if not isinstance(path, str) or not path or "\x00" in path:
                 raise ConfigError(f"StoreConfig.disk_path must be a non-empty path without NUL bytes, got {path!r}")
             object.__setattr__(self, "disk_path", path)
-        if self.disk_bytes > MAX_DISK_BYTES:
-            raise ConfigError(f"StoreConfig.disk_bytes={self.disk_bytes} is above the maximum, {MAX_DISK_BYTES}")
         if 0 < self.cpu_bytes < self.block_bytes:
             raise ConfigError(
                 f"StoreConfig.cpu_bytes={self.cpu_bytes} holds no block of {self.block_bytes} "
@@ -329,7 +328,7 @@ class StoreConfig:
 
             check_url(self.remote_url)
         if self.remote_ttl_s is not None:
-            require_int("StoreConfig.remote_ttl_s", self.remote_ttl_s, 1)
+            require_int("StoreConfig.remote_ttl_s", self.remote_ttl_s, 1, high=1 << 32)
         if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
                 or not 0 < self.remote_timeout_s <= 60:
             raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
@@ -344,11 +343,14 @@ class StoreConfig:
             if quota < self.block_bytes:
                 raise ConfigError(f"StoreConfig.cpu_tenant_quota_bytes={quota} holds no block of "
                                   f"{self.block_bytes} bytes")
-        require_int("StoreConfig.io_threads", self.io_threads, 1)
+        require_int("StoreConfig.io_threads", self.io_threads, 1, high=1024)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         object.__setattr__(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "StoreConfig.load_policy"))
         if self.disk_read_bps is not None:
             require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
+        parse_str("StoreConfig.events_topic", self.events_topic)
+        for name in ("events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
+            parse_optional_str(f"StoreConfig.{name}", getattr(self, name))  # even where nothing reads them
         if self.events_endpoint is not None:
             from kvstore.events_wire import check_events
 

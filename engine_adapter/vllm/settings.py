@@ -22,11 +22,14 @@ from kvstore.settings import (
     parse_bool,
     parse_bytes,
     parse_optional_int,
+    parse_optional_str,
     parse_path,
     parse_str,
+    shown,
 )
 from tiers.codecs import CodecKind, parse_codec
 from tiers.disk_durability import DiskSync
+from tiers.remote_url import check_url
 
 if TYPE_CHECKING:
     import torch
@@ -147,8 +150,11 @@ class ConnectorSettings(EnvSettings):
         for name in ("disk_path", "stats_path"):
             set_(self, name, parse_path(name, getattr(self, name)))
         parse_str("namespace", self.namespace)
-        if self.remote_url is not None and not isinstance(self.remote_url, str):
-            raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
+        parse_str("events_topic", self.events_topic)
+        for name in ("events_endpoint", "events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
+            parse_optional_str(name, getattr(self, name))  # their types always, even where nothing reads them
+        if self.remote_url is not None:
+            check_url(self.remote_url)  # its errors show the URL redacted: never the password
         if self.events_endpoint is not None:
             check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
                          self.events_curve_cert, self.events_curve_clients, self.events_insecure,
@@ -156,9 +162,9 @@ class ConnectorSettings(EnvSettings):
         if self.instance_id is not None:
             parse_str("instance_id", self.instance_id, empty=False)
         set_(self, "metrics_port", parse_optional_int("metrics_port", self.metrics_port, 1, 65535))
-        host = self.metrics_host
-        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
-            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
+        host = parse_str("metrics_host", self.metrics_host, empty=False)
+        if any(c.isspace() for c in host):
+            raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("the connector enables no tier: set cpu_bytes > 0, disk_path or remote_url")
 
