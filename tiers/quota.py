@@ -18,13 +18,14 @@ as the quotas of all tenants fit the tier and it keeps using them; a tenant gone
 whole turnover of the tier no longer reserves its share.
 
 Bounds, however many tenants come and go: the book keeps only tenants holding blocks (at most
-one per held block). A tenant whose last block leaves is forgotten, its policy and ghosts
-with it, its counters added to `other`; a tenant's ghost and history lists are trimmed to what
-its policy keeps for a tier of the blocks it holds (`EvictionPolicy.trim_history`). Each choice
-above costs O(log tenants) amortised: a heap by last activity (step 1), an ordered set (step 3)
-and buckets by evictable count (step 5), all updated as blocks enter, leave, are pinned.
-Counters are reported under hashed labels for at most `LABELLED_TENANTS` tenants at a time;
-the others, and every forgotten tenant, are summed under `OTHER_LABEL`.
+one per held block). A tenant whose last block leaves is forgotten, its policy and ghosts with
+it, its counters added to `other`. A tenant's ghost and history lists are trimmed to what its
+policy keeps for a tier of `HISTORY_SLACK` times the blocks it holds (`trim_history`; the slack
+spares them while a put evicts the tenant's own blocks first). Each choice above costs
+O(log tenants) amortised: a heap by last activity (step 1), an ordered set (step 3) and
+buckets by evictable count (step 5), updated as blocks enter, leave, are pinned. Counters are
+reported under hashed labels for at most `LABELLED_TENANTS` tenants at a time; the others, and
+every forgotten tenant, are summed under `OTHER_LABEL`.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from tiers.eviction import EvictionPolicy, K
 NO_TENANT = b""
 LABELLED_TENANTS = 100  # tenants reported under their own label at a time (the rest: `other`)
 OTHER_LABEL = "other"  # the sum of unlabelled and forgotten tenants (never a hashed label)
+HISTORY_SLACK = 2  # a tenant keeps the ghosts of a tier twice its blocks (a put evicts its own first)
 _HEAP_SLACK = 64  # stale idle-heap entries allowed beyond one per tenant before a rebuild
 
 
@@ -205,7 +207,7 @@ class TenantBook(Generic[K]):
         if evicted:
             c.num_evictions += 1
         if c.num_blocks:
-            rec.policy.trim_history(c.num_blocks)
+            rec.policy.trim_history(HISTORY_SLACK * c.num_blocks)
             self._mark(tenant, rec)
         else:
             self._forget(tenant, rec)
@@ -347,7 +349,7 @@ class TenantBook(Generic[K]):
                 raise RuntimeError(f"tenant {label}: not in the bucket of its evictable count (a bug)")
             if rec.evictable > 0 and not (rec.queued and rec.serial in queued):
                 raise RuntimeError(f"tenant {label}: evictable but not in the idle heap (a bug)")
-            if rec.policy.num_remembered > rec.policy.history_limit(c.num_blocks):
+            if rec.policy.num_remembered > rec.policy.history_limit(HISTORY_SLACK * c.num_blocks):
                 raise RuntimeError(f"tenant {label}: history beyond what its blocks allow (a bug)")
             rec.policy.check_integrity()
         if sum(map(len, self._buckets.values())) != sum(r.evictable > 0 for r in self._tenants.values()):
