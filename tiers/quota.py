@@ -66,14 +66,17 @@ class TenantCounters:
 
 
 class _Tenant(Generic[K]):
-    """A tenant holding blocks: its policy, counters and place in the book's orders."""
+    """A tenant holding blocks: its policy, counters (as `TenantCounters`) and place in the
+    book's orders."""
 
-    __slots__ = ("counters", "evictable", "labelled", "last_active", "policy", "queued", "serial")
+    __slots__ = ("evictable", "labelled", "last_active", "num_blocks", "num_evictions", "num_hits", "num_pinned",
+                 "num_puts", "over", "policy", "queued", "serial")
 
     def __init__(self, policy: EvictionPolicy[K], serial: int, labelled: bool) -> None:
         self.policy = policy
-        self.counters = TenantCounters()
+        self.num_blocks = self.num_pinned = self.num_hits = self.num_puts = self.num_evictions = 0
         self.evictable = 0  # len(policy) - num_pinned
+        self.over = False  # in the book's `_over`: over quota with evictable blocks
         self.last_active = 0  # the book's clock at its last add or hit
         self.serial = serial  # tells this record's idle-heap entry from a forgotten namesake's
         self.queued = False  # it has an entry in the idle heap
@@ -134,9 +137,8 @@ class TenantBook(Generic[K]):
         tenant is unlabelled or forgotten) their sum under `OTHER_LABEL`; changes nothing."""
         out: list[TenantStats] = []
         other = TenantCounters(0, 0, self._other.num_hits, self._other.num_puts, self._other.num_evictions)
-        for tenant, rec in self._tenants.items():
-            c = rec.counters
-            if rec.labelled:
+        for tenant, c in self._tenants.items():
+            if c.labelled:
                 out.append(TenantStats(tenant_label(tenant), c.num_blocks, self.quota_blocks, c.num_hits,
                                        c.num_puts, c.num_evictions))
             else:
@@ -159,9 +161,8 @@ class TenantBook(Generic[K]):
             self._serial += 1
             rec = self._tenants[tenant] = _Tenant(self._make(self.quota_blocks), self._serial, labelled)
         rec.policy.insert(key)
-        c = rec.counters
-        c.num_blocks += 1
-        c.num_puts += 1
+        rec.num_blocks += 1
+        rec.num_puts += 1
         self.num_blocks += 1
         self.clock += 1
         rec.last_active = self.clock
@@ -170,15 +171,17 @@ class TenantBook(Generic[K]):
     def hit(self, tenant: bytes) -> None:
         """A held block of `tenant` was read: a hit and an activity."""
         rec = self._tenants[tenant]
-        rec.counters.num_hits += 1
+        rec.num_hits += 1
         rec.last_active = self.clock
 
-    def pop(self, tenant: bytes) -> K:
-        """Take the next key out of `tenant`'s policy (a victim, until `removed` or `restore`)."""
-        rec = self._tenants[tenant]
+    def pop(self, tenant: bytes, num_incoming: int) -> tuple[bytes, K]:
+        """Take the next victim for `num_incoming` more blocks of `tenant` out of the policy of
+        the tenant `source` names; return that tenant and the key (`removed` or `restore` next)."""
+        source = self.source(tenant, num_incoming)
+        rec = self._tenants[source]
         key = rec.policy.pop()
-        self._shift(tenant, rec, -1)
-        return key
+        self._shift(source, rec, -1)
+        return source, key
 
     def restore(self, tenant: bytes, key: K) -> None:
         """Undo the `pop` of `key`: back in the policy, next to go."""
@@ -195,22 +198,23 @@ class TenantBook(Generic[K]):
     def pinned(self, tenant: bytes, delta: int) -> None:
         """A block of `tenant` was pinned (`delta` 1) or unpinned (-1)."""
         rec = self._tenants[tenant]
-        rec.counters.num_pinned += delta
+        rec.num_pinned += delta
         self._shift(tenant, rec, -delta)
 
     def removed(self, tenant: bytes, *, evicted: bool) -> None:
         """A block of `tenant`, out of its policy, left the tier; its last: the tenant is forgotten."""
         rec = self._tenants[tenant]
-        c = rec.counters
-        c.num_blocks -= 1
+        n = rec.num_blocks = rec.num_blocks - 1
         self.num_blocks -= 1
         if evicted:
-            c.num_evictions += 1
-        if c.num_blocks:
-            rec.policy.trim_history(HISTORY_SLACK * c.num_blocks)
-            self._mark(tenant, rec)
-        else:
+            rec.num_evictions += 1
+        if not n:
             self._forget(tenant, rec)
+            return
+        if HISTORY_SLACK * n < self.quota_blocks:  # else within the policy's own limit
+            rec.policy.trim_history(HISTORY_SLACK * n)
+        if rec.over and n <= self.quota_blocks:
+            self._set_over(tenant, rec, False)
 
     def clear(self) -> None:
         """Forget every tenant and counter."""
@@ -227,10 +231,10 @@ class TenantBook(Generic[K]):
             raise RuntimeError(f"tenant {tenant_label(tenant)}: forgotten with blocks in its policy (a bug)")
         self._over.pop(tenant, None)
         self._num_labelled -= rec.labelled
-        c, other = rec.counters, self._other
-        other.num_hits += c.num_hits
-        other.num_puts += c.num_puts
-        other.num_evictions += c.num_evictions
+        other = self._other
+        other.num_hits += rec.num_hits
+        other.num_puts += rec.num_puts
+        other.num_evictions += rec.num_evictions
         if len(self._idle) > 2 * len(self._tenants) + _HEAP_SLACK:
             self._rebuild_idle()
 
@@ -241,29 +245,33 @@ class TenantBook(Generic[K]):
         buckets = self._buckets
         if old > 0:
             bucket = buckets[old]
-            del bucket[tenant]
-            if not bucket:
+            if len(bucket) > 1:
+                del bucket[tenant]
+            else:
                 del buckets[old]
                 if old == self._most and new < old:  # every other tenant holds fewer than `old`
-                    self._most = max(new, 0)
+                    self._most = new
         if new > 0:
             into = buckets.get(new)
-            if into is None:
-                into = buckets[new] = {}
-            into[tenant] = None
-            if new > self._most:
-                self._most = new
+            if into is not None:
+                into[tenant] = None
+            else:
+                buckets[new] = {tenant: None}
+                if new > self._most:
+                    self._most = new
             if not rec.queued:
                 rec.queued = True
                 heapq.heappush(self._idle, (rec.last_active, rec.serial, tenant))
-        self._mark(tenant, rec)
+        over = new > 0 and rec.num_blocks > self.quota_blocks
+        if over is not rec.over:
+            self._set_over(tenant, rec, over)
 
-    def _mark(self, tenant: bytes, rec: _Tenant[K]) -> None:
-        if rec.counters.num_blocks > self.quota_blocks and rec.evictable > 0:
-            if tenant not in self._over:
-                self._over[tenant] = None
+    def _set_over(self, tenant: bytes, rec: _Tenant[K], over: bool) -> None:
+        rec.over = over
+        if over:
+            self._over[tenant] = None
         else:
-            self._over.pop(tenant, None)
+            del self._over[tenant]
 
     def _rebuild_idle(self) -> None:
         """The idle heap anew, one entry per tenant with evictable blocks (drops stale ones)."""
@@ -278,12 +286,14 @@ class TenantBook(Generic[K]):
     def source(self, tenant: bytes, num_incoming: int) -> bytes:
         """The tenant the next victim is taken from, for `num_incoming` more blocks of `tenant`
         (the order in the module docstring). Changes no choice, only prunes stale entries."""
-        idle = self._oldest_idle(tenant)
-        if idle is not None:
-            return idle
+        idle_heap = self._idle
+        if idle_heap and idle_heap[0][0] < self.clock - self.idle_after:
+            idle = self._oldest_idle(tenant)
+            if idle is not None:
+                return idle
         rec = self._tenants.get(tenant)
         own = rec is not None and rec.evictable > 0
-        if rec is not None and own and rec.counters.num_blocks + num_incoming > self.quota_blocks:
+        if rec is not None and own and rec.num_blocks + num_incoming > self.quota_blocks:
             return tenant
         for over in self._over:
             return over
@@ -338,18 +348,19 @@ class TenantBook(Generic[K]):
             raise RuntimeError(f"tenant book: {self.num_blocks} blocks counted, {len(held)} held (a bug)")
         queued = {serial for _, serial, _ in self._idle}
         for tenant, rec in self._tenants.items():
-            c, label = rec.counters, tenant_label(tenant)
-            if c.num_blocks != per[tenant] or c.num_pinned != pinned.get(tenant, 0):
+            label = tenant_label(tenant)
+            if rec.num_blocks != per[tenant] or rec.num_pinned != pinned.get(tenant, 0):
                 raise RuntimeError(f"tenant {label}: counts disagree with the tier (a bug)")
-            if len(rec.policy) != c.num_blocks or rec.evictable != c.num_blocks - c.num_pinned:
+            if len(rec.policy) != rec.num_blocks or rec.evictable != rec.num_blocks - rec.num_pinned:
                 raise RuntimeError(f"tenant {label}: its policy holds other blocks (a bug)")
-            if (tenant in self._over) != (c.num_blocks > self.quota_blocks and rec.evictable > 0):
+            over = rec.num_blocks > self.quota_blocks and rec.evictable > 0
+            if not rec.over == (tenant in self._over) == over:
                 raise RuntimeError(f"tenant {label}: over-quota mark is wrong (a bug)")
             if (rec.evictable > 0) != (tenant in self._buckets.get(rec.evictable, {})):
                 raise RuntimeError(f"tenant {label}: not in the bucket of its evictable count (a bug)")
             if rec.evictable > 0 and not (rec.queued and rec.serial in queued):
                 raise RuntimeError(f"tenant {label}: evictable but not in the idle heap (a bug)")
-            if rec.policy.num_remembered > rec.policy.history_limit(HISTORY_SLACK * c.num_blocks):
+            if rec.policy.num_remembered > rec.policy.history_limit(HISTORY_SLACK * rec.num_blocks):
                 raise RuntimeError(f"tenant {label}: history beyond what its blocks allow (a bug)")
             rec.policy.check_integrity()
         if sum(map(len, self._buckets.values())) != sum(r.evictable > 0 for r in self._tenants.values()):

@@ -214,8 +214,7 @@ class Residency(Generic[K]):
         spared, limit, strand = 0, 2 * len(self._held) + 2, not self.keep_prefixes
         book = self._book
         while len(victims) < num:
-            source = NO_TENANT if book is None else book.source(tenant, num - len(victims))
-            key = self._policy.pop() if book is None else book.pop(source)
+            source, key = (NO_TENANT, self._policy.pop()) if book is None else book.pop(tenant, num - len(victims))
             if key in pins or (not strand and key in children):
                 if book is None:
                     self._policy.restore(key)
