@@ -55,8 +55,8 @@ def tenant_label(tenant: bytes) -> str:
 
 @dataclass
 class TenantCounters:
-    """One tenant's share of a tier: blocks held now (pinned included) and pinned, and
-    counters since it last came (or, for `other`, since the tier opened)."""
+    """A share of a tier summed over tenants (`other`): blocks held now (pinned included) and
+    pinned, and hits, puts and evictions."""
 
     num_blocks: int = 0
     num_pinned: int = 0
@@ -98,6 +98,8 @@ class TenantBook(Generic[K]):
                  labelled_tenants: int = LABELLED_TENANTS) -> None:
         if quota_blocks <= 0:
             raise ValueError(f"a tenant quota must be > 0 blocks, got {quota_blocks}")
+        if labelled_tenants < 0:
+            raise ValueError(f"labelled_tenants must be >= 0, got {labelled_tenants}")
         self.quota_blocks = quota_blocks
         self.idle_after = idle_after
         self.labelled_tenants = labelled_tenants
@@ -122,11 +124,6 @@ class TenantBook(Generic[K]):
     def policy(self, tenant: bytes) -> EvictionPolicy[K]:
         """The policy of a tenant holding blocks, for uses (`KeyError` for any other)."""
         return self._tenants[tenant].policy
-
-    def evictable(self, tenant: bytes) -> int:
-        """Blocks of `tenant` in its policy and not pinned (0 for a tenant not kept)."""
-        rec = self._tenants.get(tenant)
-        return 0 if rec is None else rec.evictable
 
     def order(self) -> Iterator[K]:
         """Every tenant's blocks in its eviction order, tenant after tenant; changes nothing."""
