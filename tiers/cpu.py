@@ -144,6 +144,12 @@ class CPUTier(Tier):
         """Per-tenant blocks and counters under hashed labels (empty without quotas)."""
         return self._res.tenant_stats()
 
+    @property
+    def num_tenants_tracked(self) -> int:
+        """Tenants whose eviction policy and counters the tier keeps: those holding blocks now
+        (0 without quotas). A tenant whose last block leaves is forgotten."""
+        return self._res.num_tenants_tracked
+
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""
         slot = self._index.get(block_hash)

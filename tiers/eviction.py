@@ -111,6 +111,21 @@ class EvictionPolicy(abc.ABC, Generic[K]):
     def order(self) -> Iterator[K]:
         """The held keys, roughly in eviction order (the next to go first); changes nothing."""
 
+    @property
+    def num_remembered(self) -> int:
+        """Keys remembered after they left (ghosts, counts); 0 for a policy without history."""
+        return 0
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        """The most keys this policy remembers for a tier of `capacity_blocks` blocks (never
+        more than for its own capacity)."""
+        return 0
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        """Forget the oldest remembered keys beyond `history_limit(capacity_blocks)`: the
+        tier holds fewer blocks under this policy than it was made for (a tenant's share)."""
+        return None
+
     @abc.abstractmethod
     def clear(self) -> None:
         """Forget every key, history included."""

@@ -33,7 +33,8 @@ class LFUPolicy(EvictionPolicy[K]):
         self._count: dict[K, int] = {}
         self._buckets: list[OrderedDict[K, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
         self._history: OrderedDict[K, int] = OrderedDict()
-        self._history_limit = max(1, int(capacity_blocks * history_x))
+        self._history_x = history_x
+        self._history_limit = self.history_limit(capacity_blocks)
         self._uses = 0
         self._age_every = AGE_X * capacity_blocks
         self._low = 1  # no non-empty bucket below this one
@@ -114,6 +115,16 @@ class LFUPolicy(EvictionPolicy[K]):
 
     def order(self) -> Iterator[K]:
         return itertools.chain.from_iterable(self._buckets)
+
+    @property
+    def num_remembered(self) -> int:
+        return len(self._history)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._history_x))
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        trim(self._history, self.history_limit(capacity_blocks))
 
     def clear(self) -> None:
         self._count.clear()

@@ -227,3 +227,30 @@ def test_simulated_tiers_never_exceed_capacity(kind: EvictionKind) -> None:
         top.res.check_integrity()
         disk.res.check_integrity()
     assert top.admission.num_refused > 0 and top.admission.num_admitted > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_trim_history_keeps_what_a_smaller_tier_would(kind: EvictionKind) -> None:
+    """A policy that remembered many evicted keys, told its tier now holds 2 blocks for it,
+    keeps at most what a 2-block policy keeps, the most recently evicted; the next eviction
+    does not grow it past its own limit, and a limit is never above its own capacity's."""
+    policy: EvictionPolicy[int] = make_policy(kind, 50)
+    for key in range(200):
+        policy.insert(key)
+    for _ in range(150):
+        policy.pop()
+    assert policy.num_remembered <= policy.history_limit(50)
+    if kind is EvictionKind.LRU:
+        assert policy.num_remembered == policy.history_limit(2) == 0
+    else:
+        assert policy.num_remembered > policy.history_limit(2) > 0
+    last = policy.pop()
+    policy.trim_history(2)
+    assert policy.num_remembered <= policy.history_limit(2)
+    assert policy.history_limit(10_000) == policy.history_limit(50)
+    policy.check_integrity()
+    if kind is not EvictionKind.LRU:  # the key evicted last is still remembered (and leaves the history)
+        kept = policy.num_remembered
+        policy.insert(last)
+        assert policy.num_remembered == kept - 1
+        policy.check_integrity()
