@@ -19,6 +19,7 @@ kind of call for `cooldown_s` after repeated faults of that kind, then tries aga
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,7 +31,7 @@ from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
 from tiers.lmdb_record import RecordCodec
 from tiers.remote_client import Health, RateLimitedWarning, connect, deadline
-from tiers.remote_stream import Op, Oversized, Streams, command
+from tiers.remote_stream import Op, ReplyTooLong, Streams, command
 from tiers.remote_url import SCHEMES, check_url, identity, parse, redacted, scrub
 from tiers.remote_writer import Record, WriteQueue
 
@@ -38,8 +39,11 @@ __all__ = ["SCHEMES", "RemoteTier", "check_url", "connect", "redacted"]
 
 _BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), each with its deadline
 _WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote_stream.py)
-_REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines
+_REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines and bounds
 _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
+_REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
+_INFO_BYTES = 1 << 20  # INFO memory of every node
+_KEY_BYTES = 1024  # a key SCAN returns under a namespace's prefix, at most (longer ones end the call)
 
 
 class RemoteTier(Tier):
@@ -70,6 +74,7 @@ class RemoteTier(Tier):
         self._timeout_s = timeout_s
         self._min_rate_bps = min_rate_bps
         self._record_bytes = self.codec.block_bytes + _RECORD_SLACK
+        self._value_limit = 2 * self._record_bytes + (1 << 16)  # longer values are refused unread
         self.counters = TierCounters()
         self.num_write_drops = self.num_unverifiable = self.num_foreign_keys = 0
         self.reads, self.writes = Health("read", cooldown_s), Health("write", cooldown_s)
@@ -97,7 +102,7 @@ class RemoteTier(Tier):
     def _connect(self) -> Any:
         with self._client_lock:
             if self._client is None:
-                with deadline(self._timeout_s):
+                with deadline(self._timeout_s, _REPLY_SLACK):
                     self._client = connect(self._url, self._timeout_s, self._parts, self._password)
                 self._streams = Streams(self._client, _WINDOW_BYTES)
             return self._client
@@ -106,20 +111,22 @@ class RemoteTier(Tier):
                 buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
         """Run `ops` as a windowed pipeline (`tiers/remote_stream.py`) within the deadline for
         `nbytes`, passing each reply to `on_reply` until it returns False; False if the call
-        failed as a whole. Errors (refused commands, a lost connection) are one fault of
-        `health` per call."""
+        failed as a whole. Errors (refused commands, a lost connection, a reply longer than
+        its `Op.limit`) are one fault of `health` per call."""
+        replies = 2 * sum(op.limit for op in ops)  # a cluster may send a call twice
         return self._call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
-            ops, on_reply, buffer_for)) is not None
+            ops, on_reply, buffer_for), replies) is not None
 
-    def _call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any]) -> Any:
-        """`fn(client)` within the deadline for `nbytes`; None if the server fails, the deadline
-        passes, or `health`'s breaker is open. A list of replies with a command the server
-        refused (its exception in its place) is returned as is. Each fault is counted in
-        `health`, with a rate-limited warning."""
+    def _call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any], reply_bytes: int) -> Any:
+        """`fn(client)` within the deadline for `nbytes`, receiving at most `reply_bytes` (and
+        `_REPLY_SLACK`); None if the server fails, the deadline passes, it sends more, or
+        `health`'s breaker is open. A list of replies with a command the server refused (its
+        exception in its place) is returned as is. Each fault is counted in `health`, with a
+        rate-limited warning."""
         if not health.available():
             return None
         try:
-            with deadline(self._limit(nbytes)):
+            with deadline(self._limit(nbytes), reply_bytes + _REPLY_SLACK):
                 result = fn(self._connect())
         except Exception as exc:  # every server fault is a miss or a dropped write
             self._fault(health, what, exc)
@@ -143,12 +150,12 @@ class RemoteTier(Tier):
             commands(pipe)
             return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
-        replies: list[Any] | None = self._call(health, what, nbytes, run)
+        replies: list[Any] | None = self._call(health, what, nbytes, run, nbytes)
         return replies
 
     def _check_policy(self) -> None:
         policy = self._call(self.reads, "CONFIG GET maxmemory-policy", _REPLY_BYTES,
-                            lambda c: c.config_get("maxmemory-policy"))
+                            lambda c: c.config_get("maxmemory-policy"), _REPLY_BYTES)
         values = list(policy.values()) if isinstance(policy, dict) else []
         flat = [v for v in values if isinstance(v, (str, bytes))] or [
             x for v in values if isinstance(v, dict) for x in v.values()]
@@ -216,47 +223,50 @@ class RemoteTier(Tier):
 
         def on_value(i: int, value: Any) -> bool:
             nonlocal n
-            if not isinstance(value, memoryview | Oversized):
+            if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
+                self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
+                damaged.append(keys[i].block_hash)
+            if not isinstance(value, memoryview):
                 return False  # absent, or the server refused this GET
             if not self._take(keys[i], dsts[i], value, damaged):
                 return False
             n += 1
             return True
 
-        ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True)
+        ops = [Op(key, command(b"GET", key), self._record_bytes, bulk=True, limit=self._value_limit)
                for key in (self.server_key(k.block_hash) for k in keys)]
         self._stream(self.reads, "read", self._record_bytes * len(keys), ops, on_value, self._buffer_for)
         if damaged:
             self.discard(damaged)
         return n
 
-    def _buffer_for(self, size: int) -> memoryview | None:
-        """This thread's record buffer, `size` bytes of it (None: too long for a record)."""
-        if size > 2 * self._record_bytes + (1 << 16):
-            return None
+    def _buffer_for(self, size: int) -> memoryview:
+        """This thread's record buffer, `size` bytes of it (at most `_value_limit`: the
+        reader refuses longer values unread)."""
         buf: bytearray | None = getattr(self._rx, "buf", None)
         if buf is None or len(buf) < size:
             buf = self._rx.buf = bytearray(max(size, self._record_bytes))
         return memoryview(buf)[:size]
 
-    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview | Oversized, damaged: list[BlockHash]) -> bool:
+    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview, damaged: list[BlockHash]) -> bool:
         """Validate one value as `key`'s record and copy its payload into `dst`; False (a
         counted, warned miss) if it fails; a damaged record's hash goes into `damaged`, to be
         deleted (an unverifiable one stays)."""
         try:
-            if isinstance(value, Oversized):
-                raise CorruptRecordError(f"a value of {int(value)} bytes, too long for this layout")
             self.codec.copy_out(self.codec.decode(value, key), dst)
         except UnverifiableRecordError as exc:
             self.num_unverifiable += 1
             self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
             return False
         except CorruptRecordError as exc:
-            self.counters.num_corrupt += 1
-            self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({exc}); deleted, a miss")
+            self._damaged(str(exc))
             damaged.append(key.block_hash)
             return False
         return True
+
+    def _damaged(self, why: str) -> None:
+        self.counters.num_corrupt += 1
+        self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({why}); deleted, a miss")
 
     # -- writes ------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
@@ -314,7 +324,7 @@ class RemoteTier(Tier):
                     break
 
         foreign = self.num_foreign_keys
-        self._call(self.reads, "scan", _REPLY_BYTES * limit + _BATCH_BYTES, scan)
+        self._call(self.reads, "scan", _REPLY_BYTES * limit + _BATCH_BYTES, scan, _KEY_BYTES * limit)
         if self.num_foreign_keys > foreign:
             self._warn_data(f"remote tier {redacted(self._url)}: {self.num_foreign_keys - foreign} keys under "
                             f"this namespace's prefix are not kvstrata's blocks; skipped")
@@ -347,13 +357,15 @@ class RemoteTier(Tier):
         with contextlib.suppress(StoreClosedError):
             while True:  # never KEYS on a live server; each round of SCAN + DEL has its deadline
                 keys = self._call(self.writes, "clear", _BATCH_BYTES,
-                                  lambda c: list(_take(c.scan_iter(match=pattern, count=1000), 1000)))
+                                  lambda c: list(itertools.islice(c.scan_iter(match=pattern, count=1000), 1000)),
+                                  _KEY_BYTES * 1000)
                 if not keys or not self._delete(keys):
                     return
 
     def _delete(self, keys: list[bytes]) -> bool:
         """DEL `keys` (a cluster client splits them by slot); False on a fault."""
-        return self._call(self.writes, "clear", _REPLY_BYTES * len(keys), lambda c: c.delete(*keys)) is not None
+        return self._call(self.writes, "clear", _REPLY_BYTES * len(keys), lambda c: c.delete(*keys),
+                          _REPLY_BYTES * len(keys)) is not None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -375,16 +387,9 @@ class RemoteTier(Tier):
 
     def occupancy(self) -> Occupancy:
         """The server's memory (`used_memory` of `maxmemory`); blocks are not counted (0)."""
-        info = self._call(self.reads, "INFO memory", 1 << 16, lambda c: c.info("memory"))
+        info = self._call(self.reads, "INFO memory", _INFO_BYTES, lambda c: c.info("memory"), _INFO_BYTES)
         if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
             info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
                     for k in ("used_memory", "maxmemory")}
         info = info if isinstance(info, dict) else {}
         return Occupancy(0, self.capacity_blocks, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
-
-
-def _take(it: Iterator[bytes], n: int) -> Iterator[bytes]:
-    for i, item in enumerate(it):
-        if i >= n:
-            return
-        yield item

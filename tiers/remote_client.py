@@ -7,7 +7,10 @@ time left, and no more (a connect: at most `socket_connect_timeout`), and once i
 operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
 by itself: a large read may wait on a busy server as long as the whole call ends in time.
 redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
-half-read state.
+half-read state. A deadline may also bound the bytes its calls receive (`max_reply_bytes`):
+redis-py reads whatever length a reply claims, so a server that answers INFO with
+`$1073741824` and keeps sending would fill memory until the deadline; past the bound a
+receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
 
 `Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
 writes never makes a read a miss), its circuit breaker and its rate-limited warning.
@@ -26,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tiers.remote_url import UrlParts, parse
+from tiers.resp import ReplyTooLong
 
 logger = logging.getLogger("tiers.remote")
 
@@ -35,15 +39,25 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
+def deadline(seconds: float, max_reply_bytes: int) -> Iterator[None]:
     """Bound every socket operation of this thread's redis calls in the block to end within
-    `seconds` from now, together."""
-    previous = getattr(_local, "deadline", None)
+    `seconds` from now, together, and to receive at most `max_reply_bytes`, together."""
+    previous = getattr(_local, "deadline", None), getattr(_local, "budget", None)
     _local.deadline = time.monotonic() + seconds
+    _local.budget = [max_reply_bytes, max_reply_bytes]  # left, bound
     try:
         yield
     finally:
-        _local.deadline = previous
+        _local.deadline, _local.budget = previous
+
+
+def _charge(nbytes: int) -> None:
+    """Count `nbytes` received against this thread's bound; `ReplyTooLong` once past it."""
+    budget: list[int] | None = getattr(_local, "budget", None)
+    if budget is not None:
+        budget[0] -= nbytes
+        if budget[0] < 0:
+            raise ReplyTooLong("replies of one call", budget[1] - budget[0], budget[1])
 
 
 def _time_left() -> float | None:
@@ -92,11 +106,15 @@ class _DeadlineSocket:
 
     def recv(self, size: int, *flags: int) -> bytes:
         self._arm()
-        return self._sock.recv(size, *flags)  # type: ignore[no-any-return]
+        data: bytes = self._sock.recv(size, *flags)
+        _charge(len(data))
+        return data
 
     def recv_into(self, buffer: Any, *args: int) -> int:
         self._arm()
-        return self._sock.recv_into(buffer, *args)  # type: ignore[no-any-return]
+        n: int = self._sock.recv_into(buffer, *args)
+        _charge(n)
+        return n
 
     def sendall(self, data: Any, *flags: int) -> None:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
