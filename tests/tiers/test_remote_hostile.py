@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.drip_server import DripServer, _read_command
+from tests.drip_server import DripServer, _read_command, on_generation
 from tests.reliability.kvgen import BLOCK, LAYOUT
 from tiers.base import BlockHash, BlockKey
 from tiers.remote import RemoteTier
@@ -28,8 +28,9 @@ PEAK_BYTES = 16 << 20
 
 
 class HostileServer(DripServer):
-    """Answers the commands in `answers` with their bytes, then, for those in `flood`, sends
-    up to `flood_bytes` more (in 64 KiB pieces of one buffer) and keeps the connection open."""
+    """Answers the commands in `answers` with their bytes (but those on the generation), then,
+    for those in `flood`, sends up to `flood_bytes` more (in 64 KiB pieces of one buffer) and
+    keeps the connection open."""
 
     def __init__(self, answers: dict[str, bytes], flood: set[str] | None = None, flood_bytes: int = 64 << 20) -> None:
         self.answers, self.flood, self.flood_bytes = answers, flood or set(), flood_bytes
@@ -45,7 +46,8 @@ class HostileServer(DripServer):
                     break
                 name = command[0].decode().upper()
                 self.commands.append(name)
-                conn.sendall(self.answers.get(name) or self._reply(command))
+                hostile = None if on_generation(command) else self.answers.get(name)
+                conn.sendall(hostile or self._reply(command))
                 for _ in range(self.flood_bytes // len(piece) if name in self.flood else 0):
                     conn.sendall(piece)
         except OSError:  # the client closed the connection
