@@ -89,17 +89,25 @@ class Subscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self._bad(src, f"{len(frames)} frames")
-                    continue
-                events = self._decode(src, frames[2])
-                if events is None:
-                    continue
-                start = self.fleet.on_live(src, int.from_bytes(frames[1], "big"), events, time.monotonic())
-                if start is not None:
-                    self._replay(src, start)
+                try:
+                    self._take(src, frames)
+                except Exception as exc:  # a fault of the router's own: counted, never the end of a subscription
+                    self._bad(src, f"{type(exc).__name__} applying it")
+                await asyncio.sleep(0)  # a message already queued does not yield: other sources and lookups go on
         finally:
             sock.close(linger=0)
+
+    def _take(self, src: Source, frames: list[bytes]) -> None:
+        """Decode and apply one live message (a replay is requested where the fleet asks)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._bad(src, f"{len(frames)} frames")
+            return
+        events = self._decode(src, frames[2])
+        if events is None:
+            return
+        start = self.fleet.on_live(src, int.from_bytes(frames[1], "big"), events, time.monotonic())
+        if start is not None:
+            self._replay(src, start)
 
     def _replay(self, src: Source, start: int) -> None:
         task = asyncio.ensure_future(self._fetch(src, start))

@@ -338,3 +338,23 @@ def test_records_without_a_parent_are_read_but_not_announced(tmp_path: Path) -> 
     finally:
         reader.close()
         store.close()
+
+
+def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
+    """Extras read back from a disk may be damaged: decoding them is bounded by their size,
+    and a key with extras that do not decode is counted, never announced (nor a raw msgpack
+    or type error on the publisher's thread)."""
+    from kvstore.events_mirror import Mirror
+    from kvstore.events_wire import BadPayload, vllm_extras
+    from tiers.base import BlockKey
+
+    damaged = [b"\xdd\xff\xff\xff\xff", msgpack.packb(5), msgpack.packb([["lora"]]), msgpack.packb([[]]),
+               msgpack.packb([["salt", "s"]]) + b"\x00", b"\x91" * 2000]
+    for extras in damaged:
+        with pytest.raises(BadPayload):
+            vllm_extras(extras)
+    assert vllm_extras(msgpack.packb([["lora", "ad"], ["salt", "s"]])) == ("ad", ["ad", "s"])
+    mirror = Mirror(16)
+    for i, extras in enumerate(damaged):
+        assert mirror.stored(1, BlockKey(bytes([i]) * 32, b"\x01\x00\x00\x00", b"\x00" * 32, extras)) is None
+    assert mirror.num_undescribed == len(damaged) and not mirror.blocks

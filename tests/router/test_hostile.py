@@ -184,3 +184,73 @@ def test_a_real_subscription_outlives_garbage_and_http_never_answers_500(served:
                  b'{"token_ids": [1e999]}', b'{"token_ids": [' + b"9" * 5000 + b"]}", b"null"):
         assert _post(url, body) == 400, body[:40]
     assert _post(router.url + "/register", b'{"endpoint": "tcp://127.0.0.1:1", "x": 1}') == 400
+
+
+def nested_removal(depth: int = 1000, declared: int = 1 << 24) -> bytes:
+    """A removal whose hash list declares `declared` entries, nested `depth` deep, in about
+    5 KB: what msgpack would reserve for it is far beyond what the bytes hold."""
+    event = (b"\x82" + msgpack.packb("type") + msgpack.packb("BlockRemoved") + msgpack.packb("block_hashes")
+             + (b"\xdd" + declared.to_bytes(4, "big")) * depth)
+    return b"\x93" + msgpack.packb(0.0) + b"\x91" + event
+
+
+def test_declared_lengths_cost_only_the_bytes_that_came() -> None:
+    """40 batches of 5 KB each declaring 2^24 hashes nested 1000 deep: each is a counted
+    drop, and decoding them all reserves next to nothing."""
+    import tracemalloc
+
+    payloads = [nested_removal() for _ in range(40)] + [nested_removal(declared=5000)]
+    tracemalloc.start()
+    try:
+        for payload in payloads:
+            assert len(payload) < 6000
+            with pytest.raises(BadMessage):
+                decode_batch(payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding 5 KB payloads reserved {peak >> 20} MiB"
+
+
+def test_values_nested_deeply_are_bad_events_not_a_crash() -> None:
+    """A deeply nested value where a number belongs is one malformed event (printing it in
+    the reason would exhaust the interpreter's recursion)."""
+    deep: Any = 0
+    for _ in range(1000):
+        deep = [deep]
+    good = {"type": "AllBlocksCleared"}
+    for field in ("epoch", "block_size"):
+        payload = msgpack.packb([0.0, [{"type": "AllBlocksCleared", "kvstrata": {field: deep}}, good], 0])
+        events, bad = decode_batch(payload)
+        assert bad == 1 and len(events) == 1
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+              "block_size": deep, "medium": "CPU"}
+    assert decode_batch(msgpack.packb([0.0, [stored], 0]))[1] == 1
+
+
+def test_a_subscription_outlives_oversized_declarations_and_lookups_answer(served: Any) -> None:
+    router, pub = served
+    deep: Any = 0
+    for _ in range(1000):
+        deep = [deep]
+    hostile = [nested_removal() for _ in range(40)]
+    hostile.append(msgpack.packb([0.0, [{"type": "AllBlocksCleared", "kvstrata": {"epoch": deep}}], 0]))
+    good = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+            "block_size": 4, "lora_id": None, "medium": "CPU", "lora_name": None}
+    url = router.url + "/lookup"
+    deadline = time.monotonic() + 20
+    seq = 0
+    while time.monotonic() < deadline:
+        for payload in hostile:
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+            seq += 1
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([0.0, [good], 0])])
+        seq += 1
+        with urllib.request.urlopen(urllib.request.Request(url, data=b'{"token_ids": [1, 2, 3, 4]}',
+                                                           method="POST"), timeout=10) as resp:
+            if json.loads(resp.read())["instances"].get("a", {}).get("matched_tokens") == 4:
+                break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the subscription died on oversized declarations")
+    assert router.call(lambda: router.router.fleet.num_bad_messages) >= 40
