@@ -16,6 +16,12 @@ namespace fingerprint the publisher gives: every instance naming both can serve 
 and one model's clearing never touches another model's slot. Everything is bounded:
 sources, blocks per slot, distinct block sizes, remote slots, buffered batches; sources
 silent for `forget_after_s` are forgotten.
+
+Work is bounded per source: forgetting a slot's blocks walks that slot's chain map (what it
+holds), never the index; each source has a budget of message bytes a second (decoding and
+applying cost about what the bytes hold) and of live batches claiming a restart or a clear
+a second. A message over a budget is dropped and counted, the sequence not advanced: the
+next batch taken shows the gap and is resynced as any other gap.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.decode import Cleared, Event, Meta, Removed, Stored
-from router.index import KVIndex
+from router.index import KVIndex, tier_masks
 from router.keys import ROOT, block_key, chain, extras
-from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Slot, Source
+from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Bucket, Slot, Source
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +56,10 @@ class Limits:
     stale_after_s: float = 5.0
     forget_after_s: float = 600.0
     replay_interval_s: float = 2.0
+    bytes_per_s: float = 8 << 20  # message bytes taken from one source a second ...
+    burst_bytes: float = 256 << 20  # ... and at once (a whole state of 2^21 blocks fits)
+    claims_per_s: float = 2.0  # live batches claiming a restart or a clear, per source a second ...
+    burst_claims: float = 10.0  # ... and at once
 
 
 class FleetView:
@@ -65,6 +75,7 @@ class FleetView:
         self._block_sizes: dict[int, set[str]] = {}  # block size -> endpoints using it
         self.num_batches = self.num_bad_messages = self.num_bad_events = self.num_unmapped = 0
         self.num_dropped_blocks = self.num_gaps = self.num_restarts = self.num_replays = self.num_forgotten = 0
+        self.num_throttled = 0
 
     # -- slots and sources ----------------------------------------------------------------
     def _slot(self) -> Slot:
@@ -73,9 +84,28 @@ class FleetView:
         return Slot(index)
 
     def _release(self, slot: Slot) -> None:
-        self.index.clear(slot.index)
-        slot.chain.clear()
+        self._drop(slot, 0xF)
         self._free.append(slot.index)
+
+    def _drop(self, slot: Slot, tiers: int) -> None:
+        """Forget what `slot` holds in `tiers` (a mask). O(what the slot holds)."""
+        index, chain, n = self.index, slot.chain, slot.index
+        if tiers == 0xF:
+            for tier in range(4):
+                index.remove(n, tier, [key for key, bits in chain.values() if bits >> tier & 1])
+            chain.clear()
+            return
+        for h, (key, bits) in list(chain.items()):
+            gone = bits & tiers
+            if not gone:
+                continue
+            for tier in range(4):
+                if gone >> tier & 1:
+                    index.remove(n, tier, (key,))
+            if bits & ~tiers:
+                chain[h] = (key, bits & ~tiers)
+            else:
+                del chain[h]
 
     def add(self, endpoint: str, name: str, *, replay: str | None = None, model: str | None = None,
             server_key: bytes | None = None, registered: bool = False) -> Source:
@@ -87,6 +117,9 @@ class FleetView:
         if len(self.sources) >= self.limits.max_sources:
             raise FleetFull(f"the router already follows {len(self.sources)} sources (its limit)")
         src = Source(endpoint, name, self._slot(), replay, model, server_key, registered)
+        limits = self.limits
+        src.bytes_budget = Bucket(limits.bytes_per_s, limits.burst_bytes)
+        src.claims_budget = Bucket(limits.claims_per_s, limits.burst_claims)
         self.sources[endpoint] = src
         return src
 
@@ -99,8 +132,7 @@ class FleetView:
 
     def _forget(self, src: Source) -> None:
         """Free everything the source holds; it starts over with its next batch."""
-        self.index.clear(src.slot.index)
-        src.slot.chain.clear()
+        self._drop(src.slot, 0xF)
         self._set_remote(src, None)
         if src.block_size is not None:
             self._block_sizes.get(src.block_size, set()).discard(src.endpoint)
@@ -128,12 +160,40 @@ class FleetView:
             src.remote = remote
 
     # -- the stream -----------------------------------------------------------------------
+    def admit(self, src: Source, nbytes: int, now: float) -> bool:
+        """Whether a message of `nbytes` from `src` fits its budget of bytes (spent if so);
+        one that does not is counted as throttled and must be dropped undecoded."""
+        if src.bytes_budget is None or src.bytes_budget.take(nbytes, now):
+            return True
+        self._throttled(src, "bytes")
+        return False
+
+    def _throttled(self, src: Source, what: str) -> None:
+        src.num_throttled += 1
+        self.num_throttled += 1
+        if src.num_throttled & (src.num_throttled - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+            logger.warning("kvstrata router: %s is over its budget of %s a second: %d messages dropped so far",
+                           src.endpoint, what, src.num_throttled)
+
+    def _claims(self, src: Source, seq: int, events: list[Event]) -> bool:
+        """Whether a batch claims a restart or a clear (what costs the source's whole state)."""
+        if src.seq is not None and seq <= src.seq:
+            return True
+        return any(isinstance(e, Cleared) or (e.meta is not None and e.meta.epoch is not None
+                                              and src.epoch is not None and e.meta.epoch != src.epoch)
+                   for e in events)
+
     def on_live(self, src: Source, seq: int, events: list[Event], now: float) -> int | None:
         """Take one live batch; returns the batch number to replay from when a replay should
-        be requested now (the caller requests it and then calls `on_replay`), else None."""
+        be requested now (the caller requests it and then calls `on_replay`), else None. A
+        batch claiming a restart or a clear over the source's budget is dropped (counted)."""
         src.last_seen = now
         src.num_batches += 1
         self.num_batches += 1
+        if (not src.replaying and src.claims_budget is not None and self._claims(src, seq, events)
+                and not src.claims_budget.take(1.0, now)):
+            self._throttled(src, "restarts and clears")
+            return None
         if src.replaying:
             if len(src.buffered) < self.limits.max_buffered:
                 src.buffered.append((seq, events))
@@ -205,8 +265,7 @@ class FleetView:
         if meta.epoch is not None:
             if src.epoch is not None and meta.epoch != src.epoch:
                 self.num_restarts += 1
-                self.index.clear(src.slot.index)
-                src.slot.chain.clear()
+                self._drop(src.slot, 0xF)
             src.epoch = meta.epoch
         src.announced_model = meta.model or src.announced_model
         if meta.block_size is not None and src.block_size is None:
@@ -275,14 +334,7 @@ class FleetView:
             if remote is not None:
                 targets = [(src.slot, tiers - {REMOTE_TIER}), (remote, {REMOTE_TIER})]
         for slot, which in targets:
-            mask = sum(1 << t for t in which)
-            for t in which:
-                self.index.clear(slot.index, t)
-            for h, (key, bits) in list(slot.chain.items()):
-                if bits & ~mask:
-                    slot.chain[h] = (key, bits & ~mask)
-                elif bits & mask:
-                    del slot.chain[h]
+            self._drop(slot, sum(1 << t for t in which))
 
     # -- queries ----------------------------------------------------------------------------
     def alive(self, src: Source, now: float) -> bool:
@@ -304,13 +356,13 @@ class FleetView:
               instances: dict[str, list[Source]]) -> dict[str, tuple[list[int], int]]:
         """Per instance: blocks of the longest cached prefix of `tokens` by tier, `[pool, cpu,
         disk, remote]`, and their block size. Hashes once per distinct block size."""
-        by_size: dict[int, list[tuple[str, list[tuple[int, int]]]]] = {}
+        by_size: dict[int, list[tuple[str, tuple[int, int, int, int]]]] = {}
         for name, srcs in instances.items():
             for size in {s.block_size for s in srcs if s.block_size is not None}:
                 group = [(s.slot.index, 0xF) for s in srcs if s.block_size == size]
                 group += [(self.remote_slots[s.remote].index, 1 << REMOTE_TIER) for s in srcs
                           if s.block_size == size and s.remote is not None and s.remote in self.remote_slots]
-                by_size.setdefault(size, []).append((name, group))
+                by_size.setdefault(size, []).append((name, tier_masks(group)))
         out: dict[str, tuple[list[int], int]] = {name: ([0, 0, 0, 0], 0) for name in instances}
         for size, entries in by_size.items():
             keys = chain(tokens, size, salt, lora)

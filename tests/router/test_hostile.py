@@ -254,3 +254,99 @@ def test_a_subscription_outlives_oversized_declarations_and_lookups_answer(serve
     else:
         raise AssertionError("the subscription died on oversized declarations")
     assert router.call(lambda: router.router.fleet.num_bad_messages) >= 40
+
+
+class Publisher:
+    """A bare publisher on loopback (XPUB: it knows when a reader has subscribed)."""
+
+    def __init__(self, ctx: zmq.Context[Any]) -> None:
+        self.port = free_port_pair()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.bind(self.endpoint)
+        self.seq = 0
+
+    def wait_for_reader(self) -> None:
+        assert self.sock.poll(30_000), "no reader subscribed"
+        self.sock.recv()
+
+    def send(self, *events: dict[str, Any]) -> None:
+        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), msgpack.packb([time.time(), list(events), 0])])
+        self.seq += 1
+
+
+@pytest.mark.slow
+def test_a_flood_of_restart_claims_neither_starves_lookups_nor_an_honest_restart(tmp_path: Any) -> None:
+    """2^17 blocks indexed, one endpoint sending ~150 tiny batches a second, each claiming a
+    fresh instance id and epoch: the router takes them as they come (a walk of the whole
+    index per claim cost 24 ms each, 3.5 s of work a second: the backlog only grew), lookups
+    keep answering, and an honest store restarted over its warm disk is indexed again within
+    a bound (about 1 s on an idle machine without the flood)."""
+    import secrets
+    import threading
+
+    from tests.conftest import BLOCK
+    from tests.router.test_router import Instance, RouterProcess, doc, expect, wait_for
+
+    ctx = zmq.Context()
+    bulk, flood = Publisher(ctx), Publisher(ctx)
+    honest = Instance("honest", free_port_pair(), tmp_path / "honest", 4)
+    router = RouterProcess([f"bulk={bulk.endpoint}", f"flood={flood.endpoint}", honest.subscription])
+    stop = threading.Event()
+    sender = None
+
+    def metrics() -> dict[str, float]:
+        return {line.split()[0]: float(line.split()[-1]) for line in router.get("/metrics")[1].splitlines()
+                if line and not line.startswith("#")}
+
+    try:
+        bulk.wait_for_reader()
+        flood.wait_for_reader()
+        per, parent = 4096, None
+        for first in range(1, (1 << 17) + 1, per):
+            hashes = list(range(first, first + per))
+            bulk.send({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+                       "token_ids": [h % 50_000 for h in hashes for _ in range(BLOCK)], "block_size": BLOCK,
+                       "lora_id": None, "medium": "CPU", "lora_name": None})
+            parent = hashes[-1]
+        wait_for(lambda: metrics().get("kvstrata_router_indexed_blocks", 0) >= 1 << 17,
+                 "the router to index 2^17 blocks", timeout=120)
+        d = doc(1, 4)
+        honest.call("store", d)
+        expect(router, d, {"honest": ["cpu"] * 4})
+
+        def spam() -> None:
+            t_end = time.monotonic() + 8
+            while not stop.is_set() and time.monotonic() < t_end:
+                flood.send({"type": "AllBlocksCleared",
+                            "kvstrata": {"instance": secrets.token_hex(8), "epoch": secrets.randbits(62)}})
+                time.sleep(1 / 150)
+
+        sender = threading.Thread(target=spam, daemon=True)
+        sender.start()
+        time.sleep(2)
+        honest = honest.restart()
+        assert honest.call("where", d) == ["disk"] * 4
+        t0 = time.monotonic()
+        expect(router, d, {"honest": ["disk"] * 4})  # every lookup answers within 10 s
+        took = time.monotonic() - t0
+        assert took < 10, f"the honest restart took {took:.1f} s to be indexed under the flood"
+        sender.join(timeout=30)
+        sent = flood.seq
+        wait_for(lambda: metrics()["kvstrata_router_event_batches_total"] >= sent + (1 << 17) // per,
+                 f"the router to take the {sent} batches of the flood", timeout=10)
+        after = metrics()
+        assert after["kvstrata_router_throttled_total"] > 0, "the flood's claims past its budget are counted"
+        assert after["kvstrata_router_indexed_blocks"] >= 1 << 17, "the flood took nothing of the bulk source's"
+    finally:
+        stop.set()
+        if sender is not None:
+            sender.join(timeout=10)
+        router.stop()
+        if honest.proc.poll() is None:
+            honest.kill()
+        for pub in (bulk, flood):
+            pub.sock.close(linger=0)
+        ctx.term()
