@@ -3,19 +3,20 @@ index they feed. Pure state, no I/O: the subscriber hands it decoded batches and
 what to request.
 
 Per source, batches apply in sequence. A batch numbered at or below the last one applied
-means the publisher restarted (vLLM and kvstrata count from 0 per lifetime), as does a new
-kvstrata epoch: the source's own blocks are forgotten. A skipped number is a gap: with a
-replay endpoint the source replays from the first batch missed (live batches are buffered
+means the publisher restarted (vLLM counts from 0 per lifetime), as does a new kvstrata
+epoch: the source's own blocks are forgotten. A skipped number is a gap: with a replay
+endpoint the source replays from the first batch missed (live batches are buffered
 meanwhile); without one, it carries on. Blocks are indexed by the router's own key chain
-(`router/keys.py`) computed from each block's parent and token ids; a block whose parent
-the source never announced, or whose extra keys a `/lookup` cannot express (multimodal
-inputs, prompt embeddings), is left out and counted.
+(`router/blocks.py`); a block whose parent the source never announced, or whose extra keys a
+`/lookup` cannot express, is left out and counted.
 
-A shared remote tier is a slot of its own, keyed by the remote tier's identity and the
-namespace fingerprint the publisher gives: every instance naming both can serve its blocks,
-and one model's clearing never touches another model's slot. Everything is bounded:
-sources, blocks per slot, distinct block sizes, remote slots, buffered batches; sources
-silent for `forget_after_s` are forgotten.
+A source may change only what it announced itself. Every block a source announces, in any
+tier, is in its own slot. A shared remote tier is a group of sources, keyed by the remote
+tier's identity and the namespace fingerprint they give: an instance reading it counts the
+remote blocks any member announced, so a block leaves the shared view only once no member
+holds it, and one member's removal or clear (or one claiming the group to send them) takes
+only its own. Everything is bounded: sources, blocks per slot, distinct block sizes, remote
+groups, buffered batches; sources silent for `forget_after_s` are forgotten.
 
 Work is bounded per source: forgetting a slot's blocks walks that slot's chain map (what it
 holds), never the index; each source has a budget of message bytes a second (decoding and
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router import blocks
 from router.decode import Cleared, Event, Meta, Removed, Stored
 from router.index import KVIndex, tier_masks
-from router.keys import ROOT, block_key, chain, extras
+from router.keys import ROOT, chain
 from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Bucket, Slot, Source
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,7 @@ class Limits:
     max_sources: int = 256
     max_blocks_per_slot: int = 1 << 21
     max_block_sizes: int = 4
-    max_remote_slots: int = 64
+    max_remote_slots: int = 64  # shared remote tiers (identity, namespace) known at once
     max_buffered: int = 1024
     stale_after_s: float = 5.0
     forget_after_s: float = 600.0
@@ -69,7 +71,7 @@ class FleetView:
         self.limits = limits or Limits()
         self.index = KVIndex()
         self.sources: dict[str, Source] = {}
-        self.remote_slots: dict[tuple[str, str], Slot] = {}
+        self.remote_groups: dict[tuple[str, str], set[str]] = {}  # -> endpoints of its members
         self._free: list[int] = []
         self._next = 0
         self._block_sizes: dict[int, set[str]] = {}  # block size -> endpoints using it
@@ -84,28 +86,8 @@ class FleetView:
         return Slot(index)
 
     def _release(self, slot: Slot) -> None:
-        self._drop(slot, 0xF)
+        blocks.drop(self.index, slot, 0xF)
         self._free.append(slot.index)
-
-    def _drop(self, slot: Slot, tiers: int) -> None:
-        """Forget what `slot` holds in `tiers` (a mask). O(what the slot holds)."""
-        index, chain, n = self.index, slot.chain, slot.index
-        if tiers == 0xF:
-            for tier in range(4):
-                index.remove(n, tier, [key for key, bits in chain.values() if bits >> tier & 1])
-            chain.clear()
-            return
-        for h, (key, bits) in list(chain.items()):
-            gone = bits & tiers
-            if not gone:
-                continue
-            for tier in range(4):
-                if gone >> tier & 1:
-                    index.remove(n, tier, (key,))
-            if bits & ~tiers:
-                chain[h] = (key, bits & ~tiers)
-            else:
-                del chain[h]
 
     def add(self, endpoint: str, name: str, *, replay: str | None = None, model: str | None = None,
             server_key: bytes | None = None, registered: bool = False) -> Source:
@@ -132,7 +114,7 @@ class FleetView:
 
     def _forget(self, src: Source) -> None:
         """Free everything the source holds; it starts over with its next batch."""
-        self._drop(src.slot, 0xF)
+        blocks.drop(self.index, src.slot, 0xF)
         self._set_remote(src, None)
         if src.block_size is not None:
             self._block_sizes.get(src.block_size, set()).discard(src.endpoint)
@@ -141,22 +123,21 @@ class FleetView:
         src.reset()
 
     def _set_remote(self, src: Source, remote: tuple[str, str] | None) -> None:
+        """Make `src` a member of the shared remote tier `remote` (None: of none). The remote
+        blocks it announced as a member of another are forgotten: they were not this one's.
+        Past `max_remote_slots` groups, its remote blocks count for its own instance only."""
         if remote == src.remote:
             return
         if src.remote is not None:
-            slot = self.remote_slots[src.remote]
-            slot.users -= 1
-            if slot.users == 0:
-                del self.remote_slots[src.remote]
-                self._release(slot)
+            blocks.drop(self.index, src.slot, 1 << REMOTE_TIER)
+            members = self.remote_groups[src.remote]
+            members.discard(src.endpoint)
+            if not members:
+                del self.remote_groups[src.remote]
         src.remote = None
-        if remote is not None:
-            shared = self.remote_slots.get(remote)
-            if shared is None:
-                if len(self.remote_slots) >= self.limits.max_remote_slots:
-                    return  # its remote blocks are then counted as unmapped
-                shared = self.remote_slots[remote] = self._slot()
-            shared.users += 1
+        if remote is not None and (remote in self.remote_groups
+                                   or len(self.remote_groups) < self.limits.max_remote_slots):
+            self.remote_groups.setdefault(remote, set()).add(src.endpoint)
             src.remote = remote
 
     # -- the stream -----------------------------------------------------------------------
@@ -245,19 +226,10 @@ class FleetView:
                 self._stored(src, event)
             elif isinstance(event, Removed):
                 tier = TIER_OF_MEDIUM.get(event.medium, -1)
-                slot = self._target(src, tier)
-                if slot is None:
+                if tier < 0:
                     self.num_bad_events += 1
                     continue
-                bit = 1 << tier
-                for h in event.hashes:
-                    entry = slot.chain.get(h)
-                    if entry is not None and entry[1] & bit:
-                        self.index.remove(slot.index, tier, (entry[0],))
-                        if entry[1] & ~bit:
-                            slot.chain[h] = (entry[0], entry[1] & ~bit)
-                        else:
-                            del slot.chain[h]
+                blocks.remove(self.index, src.slot, tier, event.hashes)
             elif isinstance(event, Cleared):
                 self._cleared(src, event)
 
@@ -265,19 +237,12 @@ class FleetView:
         if meta.epoch is not None:
             if src.epoch is not None and meta.epoch != src.epoch:
                 self.num_restarts += 1
-                self._drop(src.slot, 0xF)
+                blocks.drop(self.index, src.slot, 0xF)
             src.epoch = meta.epoch
         src.announced_model = meta.model or src.announced_model
         if meta.block_size is not None and src.block_size is None:
             self._block_size_ok(src, meta.block_size)
         self._set_remote(src, (meta.remote, meta.namespace) if meta.remote and meta.namespace else None)
-
-    def _target(self, src: Source, tier: int) -> Slot | None:
-        if tier < 0:
-            return None
-        if tier == REMOTE_TIER and src.remote is not None:
-            return self.remote_slots.get(src.remote)
-        return src.slot
 
     def _block_size_ok(self, src: Source, size: int) -> bool:
         if src.block_size is not None:
@@ -290,51 +255,36 @@ class FleetView:
 
     def _stored(self, src: Source, event: Stored) -> None:
         tier = TIER_OF_MEDIUM.get(event.medium, -1)
-        slot = self._target(src, tier)
-        if slot is None or not self._block_size_ok(src, event.block_size):
+        n = len(event.hashes)
+        parent = ROOT if event.parent is None else self._parent(src, tier, event.parent)
+        if tier < 0 or not self._block_size_ok(src, event.block_size):
             self.num_bad_events += 1
-            src.num_unmapped += len(event.hashes)
-            self.num_unmapped += len(event.hashes)
-            return
-        bs, bit, lora = event.block_size, 1 << tier, event.lora_name
-        if event.parent is None:
-            parent: int | None = ROOT
-        else:
-            found = slot.chain.get(event.parent) or src.slot.chain.get(event.parent)
-            parent = found[0] if found is not None else None
-        buf = event.tokens.tobytes()
-        done = 0
-        for i, h in enumerate(event.hashes):
-            first = event.parent is None and i == 0
-            salt = _salt(event.extra_keys[i] if event.extra_keys else None, lora, first)
-            if parent is None or salt is False:
-                break
-            entry = slot.chain.get(h)
-            if entry is None and len(slot.chain) >= self.limits.max_blocks_per_slot:
-                src.num_dropped += len(event.hashes) - i
-                self.num_dropped_blocks += len(event.hashes) - i
-                return
-            extra = extras(salt if isinstance(salt, str) else None, lora, first)
-            key = block_key(parent, buf[i * bs * 4 : (i + 1) * bs * 4], extra)
-            if entry is not None and entry[0] != key:  # the same hash for other tokens: trust the latest
-                self.index.remove(slot.index, tier, (entry[0],))
-                entry = None
-            slot.chain[h] = (key, (entry[1] if entry is not None else 0) | bit)
-            self.index.add(slot.index, tier, (key,))
-            parent, done = key, i + 1
-        src.num_unmapped += len(event.hashes) - done
-        self.num_unmapped += len(event.hashes) - done
+            parent = None
+        written = blocks.Written(0, 0)
+        if parent is not None:
+            written = blocks.store(self.index, src.slot, tier, event, parent, self.limits.max_blocks_per_slot)
+        src.num_dropped += written.dropped
+        self.num_dropped_blocks += written.dropped
+        src.num_unmapped += n - written.done - written.dropped
+        self.num_unmapped += n - written.done - written.dropped
+
+    def _parent(self, src: Source, tier: int, parent: int) -> int | None:
+        """The router key of a block's parent: in the source's own chain map or, for a block
+        of a shared remote tier, in another member's (it may have written the prefix)."""
+        found = src.slot.chain.get(parent)
+        if found is None and tier == REMOTE_TIER and src.remote is not None:
+            for endpoint in self.remote_groups.get(src.remote, ()):
+                found = self.sources[endpoint].slot.chain.get(parent)
+                if found is not None and found[1] & 1 << REMOTE_TIER:
+                    break
+                found = None
+        return found[0] if found is not None else None
 
     def _cleared(self, src: Source, event: Cleared) -> None:
+        """Forget the source's own blocks in the media the clear names (all, naming none)."""
         media = event.meta.media if event.meta is not None else None
-        tiers = {0, 1, 2, 3} if media is None else {TIER_OF_MEDIUM[m] for m in media if m in TIER_OF_MEDIUM}
-        targets = [(src.slot, tiers)]
-        if media is not None and REMOTE_TIER in tiers and src.remote is not None:
-            remote = self.remote_slots.get(src.remote)
-            if remote is not None:
-                targets = [(src.slot, tiers - {REMOTE_TIER}), (remote, {REMOTE_TIER})]
-        for slot, which in targets:
-            self._drop(slot, sum(1 << t for t in which))
+        tiers = 0xF if media is None else sum({1 << TIER_OF_MEDIUM[m] for m in media if m in TIER_OF_MEDIUM})
+        blocks.drop(self.index, src.slot, tiers)
 
     # -- queries ----------------------------------------------------------------------------
     def alive(self, src: Source, now: float) -> bool:
@@ -355,14 +305,21 @@ class FleetView:
     def match(self, tokens: np.ndarray, salt: str | None, lora: str | None,
               instances: dict[str, list[Source]]) -> dict[str, tuple[list[int], int]]:
         """Per instance: blocks of the longest cached prefix of `tokens` by tier, `[pool, cpu,
-        disk, remote]`, and their block size. Hashes once per distinct block size."""
+        disk, remote]`, and their block size: an instance counts its own sources' blocks in
+        every tier, and the remote blocks of every member of the shared remote tiers its
+        sources read. Hashes once per distinct block size."""
+        shared: dict[tuple[tuple[str, str], int | None], int] = {}  # (group, block size) -> members' remote bits
+        for group, members in self.remote_groups.items():
+            for member in (self.sources[e] for e in members):
+                key = (group, member.block_size)
+                shared[key] = shared.get(key, 0) | 1 << (4 * member.slot.index + REMOTE_TIER)
         by_size: dict[int, list[tuple[str, tuple[int, int, int, int]]]] = {}
         for name, srcs in instances.items():
             for size in {s.block_size for s in srcs if s.block_size is not None}:
-                group = [(s.slot.index, 0xF) for s in srcs if s.block_size == size]
-                group += [(self.remote_slots[s.remote].index, 1 << REMOTE_TIER) for s in srcs
-                          if s.block_size == size and s.remote is not None and s.remote in self.remote_slots]
-                by_size.setdefault(size, []).append((name, tier_masks(group)))
+                m0, m1, m2, m3 = tier_masks([(s.slot.index, 0xF) for s in srcs if s.block_size == size])
+                for group in {s.remote for s in srcs if s.remote is not None}:
+                    m3 |= shared.get((group, size), 0)
+                by_size.setdefault(size, []).append((name, (m0, m1, m2, m3)))
         out: dict[str, tuple[list[int], int]] = {name: ([0, 0, 0, 0], 0) for name in instances}
         for size, entries in by_size.items():
             keys = chain(tokens, size, salt, lora)
@@ -386,15 +343,3 @@ class FleetView:
                     self._forget(src)
         return removed
 
-
-def _salt(entry: object, lora: str | None, first: bool) -> str | bool | None:
-    """The cache salt of a block's vLLM `extra_keys` entry (None: none); False if the entry
-    holds what a `/lookup` cannot express, or a salt off a sequence's first block."""
-    items = list(entry) if isinstance(entry, list) else []
-    if lora is not None and items and items[0] == lora:
-        items = items[1:]
-    if not items:
-        return None
-    if len(items) == 1 and isinstance(items[0], str) and first:
-        return items[0]
-    return False

@@ -1,4 +1,4 @@
-"""One event source as the router knows it, and the chain map of a slot.
+"""One event source as the router knows it, its slot's chain map, and its budgets.
 
 A source is one subscription: the endpoint the router connects to (its identity: nothing a
 message says can make it another source) and the instance name it reports under. Several
@@ -45,11 +45,11 @@ class Bucket:
 
 @dataclass
 class Slot:
-    """A slot's chain map: publisher block hash -> (router key, tier bits held)."""
+    """A source's place in the index and its chain map: publisher block hash -> (router key,
+    tier bits held)."""
 
     index: int
     chain: dict[int, tuple[int, int]] = field(default_factory=dict)
-    users: int = 0  # sources reading it (remote slots)
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Source:
     block_size: int | None = None
     announced_model: str | None = None
     epoch: int | None = None
-    remote: tuple[str, str] | None = None  # (remote identity, namespace fingerprint)
+    remote: tuple[str, str] | None = None  # the shared remote tier it is a member of (identity, namespace)
     num_batches: int = 0
     num_bad: int = 0
     num_unmapped: int = 0

@@ -258,3 +258,31 @@ def test_a_restart_costs_what_its_source_holds_and_claims_are_rate_limited() -> 
     assert 1 <= taken <= limits.burst_claims + limits.claims_per_s + 1 and flood.num_throttled == fleet.num_throttled
     assert match(fleet, tokens)["honest"] == [0, 4096, 0, 0]
     assert fleet.index.count(flood.slot.index, 1) <= 1
+
+
+def test_a_source_changes_only_what_it_announced_in_a_shared_tier() -> None:
+    """A hostile source claiming a victim's remote identity and namespace (both public in
+    its events) and clearing the shared tier, or removing its blocks, takes nothing of the
+    victim's: a block leaves the shared view only once no member announcing it holds it."""
+    fleet = FleetView()
+    meta = {"remote": "redis://r:6379", "ns": "ns-x", "epoch": 1, "block_size": BS}
+    for name in ("a", "b", "evil"):
+        fleet.add(f"tcp://{name}:1", name)
+        feed(fleet, f"tcp://{name}:1", cleared(["GPU", "CPU", "DISK"], **meta))
+    tokens = list(range(8))
+    feed(fleet, "tcp://a:1", stored([1, 2], None, tokens, "SHARED", meta=meta))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 2], "b": [0, 0, 0, 2], "evil": [0, 0, 0, 2]}
+    feed(fleet, "tcp://evil:1", cleared(["SHARED"], **meta), removed([1, 2], "SHARED"), cleared(None, **meta))
+    feed(fleet, "tcp://evil:1", stored([1, 2], None, tokens, "SHARED", meta=meta), cleared(["SHARED"], **meta))
+    feed(fleet, "tcp://evil:1", cleared(None, **{**meta, "epoch": 2}))  # a "restart" of its own
+    assert match(fleet, tokens)["b"] == [0, 0, 0, 2]
+    # two members announce a block: it stays until both have dropped it
+    feed(fleet, "tcp://b:1", stored([1], None, tokens[:4], "SHARED", meta=meta))
+    feed(fleet, "tcp://a:1", cleared(["SHARED"], **meta))
+    assert match(fleet, tokens)["evil"] == [0, 0, 0, 1]
+    feed(fleet, "tcp://b:1", removed([1], "SHARED"))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0], "evil": [0, 0, 0, 0]}
+    # a member moving to another tier takes its remote blocks with it (they were not the new one's)
+    feed(fleet, "tcp://a:1", stored([1, 2], None, tokens, "SHARED", meta=meta))
+    feed(fleet, "tcp://a:1", cleared(["GPU"], **{**meta, "ns": "ns-y"}))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0], "evil": [0, 0, 0, 0]}

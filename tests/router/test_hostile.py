@@ -71,10 +71,13 @@ payloads = st.one_of(
 
 
 def check_bounds(fleet: FleetView) -> None:
-    slots = [s.slot for s in fleet.sources.values()] + list(fleet.remote_slots.values())
+    slots = [s.slot for s in fleet.sources.values()]
     assert all(len(slot.chain) <= LIMITS.max_blocks_per_slot for slot in slots)
     assert len(fleet.index) <= len(slots) * LIMITS.max_blocks_per_slot
-    assert len(fleet.remote_slots) <= LIMITS.max_remote_slots
+    assert len(fleet.remote_groups) <= LIMITS.max_remote_slots
+    for slot in slots:  # the index holds nothing the chain maps do not (two hashes of one key may hold less)
+        assert all(fleet.index.count(slot.index, t) <= len({key for key, bits in slot.chain.values() if bits >> t & 1})
+                   for t in range(4))
     assert len({s.block_size for s in fleet.sources.values()} - {None}) <= LIMITS.max_block_sizes
     assert all(len(s.buffered) <= LIMITS.max_buffered + 1 for s in fleet.sources.values())
 
