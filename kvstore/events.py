@@ -8,9 +8,15 @@ store's); its thread sends the queue as a batch every 20 ms, and an empty batch 
 heartbeat every second.
 
 Whole state, never under the store's lock: when a reader subscribes (XPUB tells the
-publisher) and when the store opens, the publisher broadcasts "welcome" batches:
-`AllBlocksCleared` for its own media, then every mirrored block, parents first, with token
-ids (so a store reopened over a warm disk announces it again). Welcomes are rate-limited and
+publisher) and when the store opens, the publisher broadcasts "welcome" batches: vLLM's
+`AllBlocksCleared` (every reader forgets all this store announced before, in this lifetime or
+an earlier one: readers keep each source's announcements apart, so no other store's), then
+every mirrored block, parents first, with token ids (so a store reopened over a warm disk
+announces what it holds now, and nothing it lost while it was down).
+
+Batch numbers count up from the publisher's start time in microseconds, so a restarted
+store's batches are numbered above its last lifetime's: readers that drop a batch numbered at
+or below the last one they applied (Dynamo's indexer) take the restarted store's welcome. Welcomes are rate-limited and
 coalesced. A replay request for batches still in the replay buffer gets them; an older one
 gets the same whole state, rate-limited per peer and overall (a refused one gets only the
 end marker). If the queue outgrows its bound, it is dropped for a welcome.
@@ -20,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import deque
@@ -34,10 +39,8 @@ from kvstore.events_mirror import Mirror, root_first
 from kvstore.events_wire import (
     END_SEQ,
     MEDIA,
-    SHARED,
     cleared_event,
     cut,
-    default_replay_endpoint,
     encode_batch,
     is_local,
     removed_event,
@@ -54,7 +57,6 @@ _FLUSH_S = 0.02
 _MAX_PENDING = 1_000_000  # blocks waiting to be sent
 _REPLAY_BATCHES, _REPLAY_BYTES = 4096, 64 << 20
 _BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
-_LOCAL_MEDIA = [m for m in MEDIA if m != SHARED]
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class EventPublisher:
         self._pending: list[tuple[str, bool | None, list[Any]]] = []
         self._num_pending = 0
         self._welcome_due = True
-        self._seq = -1
+        self._seq = time.time_ns() // 1000 - 1  # above any earlier lifetime's (see the module docstring)
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_bytes = 0
         self._drop_buffer = threading.Event()  # drop_replay_buffer(): the publisher thread empties it
@@ -183,7 +185,7 @@ class EventPublisher:
         """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
         if self._num_pending + len(items) > _MAX_PENDING:
             self.num_dropped += self._num_pending + len(items)
-            # clears are kept: a welcome does not clear the shared tier, which they may name
+            # clears are kept (a welcome clears all anyway): their order with what follows matters
             self._pending = [p for p in self._pending if p[1] is None]
             self._num_pending, self._welcome_due = 0, True
             logger.warning("kvstrata: KV events queue overflowed; the whole state will be published instead")
@@ -230,7 +232,7 @@ class EventPublisher:
         return out
 
     def _whole_state(self) -> list[dict[str, Any]]:
-        """`AllBlocksCleared` of this store's own media, then every mirrored block, parents
+        """`AllBlocksCleared` (all this store announced), then every mirrored block, parents
         first (the caller sends the queued events before it)."""
         with self._lock:
             blocks = self._mirror.copy()
@@ -238,7 +240,7 @@ class EventPublisher:
                  for medium in MEDIA if bits & _BIT[medium])
         meta = self.source.meta()
         stored = stored_events(items, self.source.seed, self.source.block_size, meta)
-        return [cleared_event(_LOCAL_MEDIA, meta), *stored]
+        return [cleared_event(None, meta), *stored]
 
     def _send(self, events: list[dict[str, Any]]) -> None:
         for group in cut(events) or [[]]:
@@ -382,16 +384,3 @@ def _peer(frame: Any) -> str:
             return str(value)
     return "?"
 
-
-def new_epoch() -> int:
-    return secrets.randbits(62)
-
-
-def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
-                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
-    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
-    answers replays only where `replay` names an endpoint to bind."""
-    curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
-    if replay is None and not connect:
-        replay = default_replay_endpoint(endpoint)
-    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

@@ -2,8 +2,9 @@
 router and indexer, llm-d's KV-cache indexer and `kvstrata router` all read.
 
 A message is three ZeroMQ frames, `[topic, seq, payload]`: `seq` is an 8-byte big-endian
-batch number counting from 0 per publisher lifetime, `payload` the msgpack array
-`[ts, events, dp_rank]`. Events are maps tagged by "type":
+batch number (vLLM counts from 0 per publisher lifetime; kvstrata from its start time in
+microseconds, so a restart's numbers continue above the last lifetime's), `payload` the
+msgpack array `[ts, events, dp_rank]`. Events are maps tagged by "type":
 
 - `BlockStored`: `block_hashes` (64-bit ints), `parent_block_hash` (the block before the
   first one, None for a sequence's first block), `token_ids` (every token of the blocks),

@@ -4,7 +4,8 @@ what to request.
 
 Per source, batches apply in sequence. A batch numbered at or below the last one applied
 means the publisher restarted (vLLM counts from 0 per lifetime), as does a new kvstrata
-epoch: the source's own blocks are forgotten. A skipped number is a gap: with a replay
+epoch (kvstrata's numbers continue above its last lifetime's): the source's own blocks are
+forgotten, and the new lifetime's numbers are no gap. A skipped number is a gap: with a replay
 endpoint the source replays from the first batch missed (live batches are buffered
 meanwhile); without one, it carries on. Blocks are indexed by the router's own key chain
 (`router/blocks.py`); a block whose parent the source never announced, or whose extra keys a
@@ -160,9 +161,7 @@ class FleetView:
         """Whether a batch claims a restart or a clear (what costs the source's whole state)."""
         if src.seq is not None and seq <= src.seq:
             return True
-        return any(isinstance(e, Cleared) or (e.meta is not None and e.meta.epoch is not None
-                                              and src.epoch is not None and e.meta.epoch != src.epoch)
-                   for e in events)
+        return _new_epoch(src, events) or any(isinstance(e, Cleared) for e in events)
 
     def on_live(self, src: Source, seq: int, events: list[Event], now: float) -> int | None:
         """Take one live batch; returns the batch number to replay from when a replay should
@@ -181,10 +180,10 @@ class FleetView:
             else:
                 src.num_dropped += 1  # the replay's answer no longer joins the live stream
             return None
-        if src.seq is not None and seq <= src.seq:
+        if (src.seq is not None and seq <= src.seq) or _new_epoch(src, events):
             self.num_restarts += 1
-            logger.info("kvstrata router: %s restarted (batch %d after %d)", src.endpoint, seq, src.seq)
-            self._forget(src)
+            logger.info("kvstrata router: %s restarted (batch %d after %s)", src.endpoint, seq, src.seq)
+            self._forget(src)  # a new lifetime: its numbers are no gap
         if src.seq is not None and seq > src.seq + 1:
             self.num_gaps += 1
             if self.start_replay(src, now):
@@ -343,3 +342,8 @@ class FleetView:
                     self._forget(src)
         return removed
 
+
+def _new_epoch(src: Source, events: list[Event]) -> bool:
+    """Whether a batch names a kvstrata epoch other than the source's: a new lifetime."""
+    return src.epoch is not None and any(e.meta is not None and e.meta.epoch is not None and e.meta.epoch != src.epoch
+                                         for e in events)

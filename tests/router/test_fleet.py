@@ -154,6 +154,10 @@ def test_restarts_gaps_and_replays() -> None:
     fleet.on_live(src, 1, batch(stored([5], None, list(range(4)), meta={"epoch": 7})), 0.0)
     fleet.on_live(src, 2, batch(cleared(["CPU"], epoch=8)), 0.0)
     assert fleet.num_restarts == 2 and match(fleet, list(range(4))) == {"a": [0, 0, 0, 0]}
+    # a kvstrata store's next lifetime numbers its batches above the last one's: with a new
+    # epoch that is a restart, not a gap to replay
+    assert fleet.on_live(src, 10**15, batch(stored([6], None, list(range(4)), meta={"epoch": 9})), 0.0) is None
+    assert fleet.num_restarts == 3 and not src.replaying and match(fleet, list(range(4))) == {"a": [0, 1, 0, 0]}
 
 
 def test_everything_kept_per_source_is_bounded() -> None:

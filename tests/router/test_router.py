@@ -239,6 +239,40 @@ def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: An
     expect(router2, doc(2, 4), {"c": ["cpu"] * 4})
 
 
+def discard_from_disk(disk: Path, tokens: list[int]) -> None:
+    """Another process evicts the blocks of `tokens` from a store's disk while it is down."""
+    from kvstore import KVCacheStore, StoreConfig
+    from tests.conftest import LAYOUT
+
+    store = KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(disk),
+                                     disk_bytes=16 << 20, disk_sync=False))
+    try:
+        disk_tier = next(t for t in store.tiers if t.kind.value == "disk")
+        assert disk_tier.discard(store.block_hashes(tokens)) == len(tokens) // BLOCK
+    finally:
+        store.close()
+
+
+def test_a_restarted_store_makes_the_router_forget_what_its_disk_lost(fleet: Any, routers: Any,
+                                                                         tmp_path: Path) -> None:
+    """A store announces blocks and stops; another process evicts some from its disk; it
+    restarts (its batch numbers continue above the last lifetime's, its epoch is new): the
+    router no longer shows the evicted blocks and still shows the rest."""
+    a = fleet("a", cpu_blocks=4)
+    router = routers([a.subscription])
+    gone, kept = doc(1, 4), doc(2, 4)
+    a.call("store", gone)
+    a.call("store", kept)
+    expect(router, gone, {"a": a.call("where", gone)})
+    expect(router, kept, {"a": a.call("where", kept)})
+    a.close()
+    discard_from_disk(tmp_path / "a", gone)
+    a = fleet("a", cpu_blocks=4, port=a.port)  # the same endpoint, over the same disk
+    assert a.call("where", gone) == [] and a.call("where", kept) == ["disk"] * 4
+    expect(router, gone, {"a": []})
+    expect(router, kept, {"a": ["disk"] * 4})
+
+
 def test_a_dead_instance_stops_being_a_candidate(fleet: Any, routers: Any) -> None:
     a, b = fleet("a"), fleet("b")
     router = routers([a.subscription, b.subscription], "--stale-after", "2")
