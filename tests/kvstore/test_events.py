@@ -358,3 +358,37 @@ def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
     for i, extras in enumerate(damaged):
         assert mirror.stored(1, BlockKey(bytes([i]) * 32, b"\x01\x00\x00\x00", b"\x00" * 32, extras)) is None
     assert mirror.num_undescribed == len(damaged) and not mirror.blocks
+
+
+def test_a_reader_subscribing_again_and_again_cannot_make_the_store_broadcast_its_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subscription calls for a welcome, the whole state broadcast to every reader (each
+    router then ingests all of it): after one of B bytes, the next waits B / the rate."""
+    monkeypatch.setattr(events_mod, "WELCOME_INTERVAL_S", 0.0)
+    monkeypatch.setattr(events_mod, "WHOLE_STATE_BYTES_PER_S", 200.0)
+    port = free_port_pair()
+    store = _store(tmp_path / "d", port)
+    ctx = zmq.Context()
+    xsub = ctx.socket(zmq.XSUB)
+    xsub.setsockopt(zmq.LINGER, 0)
+    try:
+        store.store(list(range(32)), make_kv(32))  # a whole state of more than 200 bytes
+        xsub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)
+        assert store.events is not None
+        before = store.events.num_welcomes
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3:
+            xsub.send(b"\x01")  # subscribe again
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        welcomes = store.events.num_welcomes - before
+        assert 1 <= welcomes <= 2 + elapsed, welcomes  # each over 200 bytes: at most one a second
+        reader = Reader(port)
+        store.events.drop_replay_buffer()
+        assert reader.replay(0) == [], "a whole-state replay waits its turn too: only the end marker"
+        reader.close()
+    finally:
+        xsub.close(linger=0)
+        ctx.term()
+        store.close()
