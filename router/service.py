@@ -38,6 +38,31 @@ def need_aiohttp() -> Any:
     return web
 
 
+class _ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log: a request its HTTP parser refuses (bad bytes in the request line
+    or a header name, a duplicate Host, broken chunking: answered 400 by aiohttp) is counted as
+    a bad request and warned about in one line at most every 10 s, without a traceback; any
+    other exception (a defect of the router) is logged with its traceback as before."""
+
+    def __init__(self, router: Router) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._router = router
+        self._last_warning = -float("inf")
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc_info, HttpProcessingError):
+            self._router.num_bad_requests += 1
+            now = time.monotonic()
+            if now - self._last_warning >= 10.0:
+                self._last_warning = now
+                logger.warning("refused a malformed HTTP request (%s; %d bad requests so far)",
+                               type(exc_info).__name__, self._router.num_bad_requests)
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
 def _is_loopback(address: str | None) -> bool:
     try:
         return address is not None and ipaddress.ip_address(address).is_loopback
@@ -231,7 +256,7 @@ async def _run(router: Router, host: str, port: int, started: Any = None) -> Any
     """Start serving; returns the aiohttp runner (`cleanup()` stops it). Raises `ConfigError`
     if the address cannot be bound."""
     web = need_aiohttp()
-    runner = web.AppRunner(router.app(), access_log=None)
+    runner = web.AppRunner(router.app(), access_log=None, logger=_ProtocolLog(router))
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

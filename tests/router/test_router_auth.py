@@ -91,3 +91,15 @@ def test_other_odd_headers_and_bodies_are_4xx_and_counted(served: RouterThread) 
     assert send(served, b"POST", b"/lookup", [auth, b"Expect: 100-Continue"], b'{"token_ids": [1]}')[0] == 200
     assert send(served, b"GET", b"/lookup", [auth])[0] == 405
     assert send(served, b"HEAD", b"/healthz", [])[0] == 503  # no instances yet; HEAD answers as GET does
+
+
+def test_requests_the_http_parser_refuses_are_counted_400s_without_a_traceback(served: RouterThread) -> None:
+    """aiohttp answers these 400 before any handler runs; the router counts each as a bad
+    request and logs one line, never aiohttp's traceback (the fixture checks the log)."""
+    auth = bearer(b"Bearer " + TOKEN.encode())
+    malformed = [[auth, b"X-Bad\x01Name: 1"], [auth, b"Host: 127.0.0.2"], [auth, b"Bad Header Without Colon"]]
+    for headers in malformed:
+        status, _ = send(served, b"POST", b"/lookup", headers, b'{"token_ids": [1]}')
+        assert status == 400, headers
+    assert served.call(lambda: served.router.num_bad_requests) == len(malformed)
+    assert send(served, b"POST", b"/lookup", [auth], b'{"token_ids": [1]}')[0] == 200
