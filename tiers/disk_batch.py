@@ -67,7 +67,7 @@ class WriteBatch:
 
     def drop(self, cursor: lmdb.Cursor, what: str) -> bool:
         """Delete the record under `cursor`, noting it as damage; whether a record follows."""
-        self.damage.append(what)
+        self.damage.append(f"{what}; dropped")
         return delete(cursor)
 
     def hwm_of(self, slot_bytes: int) -> int:
@@ -113,7 +113,8 @@ class WriteBatch:
             self.needs_repair = True
             return None
         if not damaged and txn.get(be_key(e.tick), db=ix.order) != key:
-            self.damage.append(f"block {key.hex()}: no LRU order record names its entry")
+            self.damage.append(f"block {key.hex()}: no LRU order record names its entry; deleted, its slot left "
+                               "unused until reclaimed")
             damaged = True
         if damaged:
             self.num_leaked += 1
@@ -166,6 +167,7 @@ class WriteBatch:
         txn, ix = self.txn, self.ix
         hwm = self.hwm_of(slot_bytes)
         slots: list[int] = []
+        taken: set[int] = set()  # (a slot both `u` and `p` is damage)
         for kind in (b"u", b"p"):
             prefix = kind + be_key(slot_bytes)
             cursor = txn.cursor(db=ix.free)
@@ -175,11 +177,12 @@ class WriteBatch:
                 if not key.startswith(prefix):
                     break
                 where = parse_free(key)
-                if where is None or where[1] >= hwm or where[1] in slots or len(cursor.value()):
+                if where is None or where[1] >= hwm or where[1] in taken or len(cursor.value()):
                     self.num_leaked += where is not None and len(cursor.value()) > 0
                     found = self.drop(cursor, f"free-slot record {key.hex()} is damaged")
                     continue
                 slots.append(where[1])
+                taken.add(where[1])
                 found = delete(cursor)
         if len(slots) < count:
             need = count - len(slots)
@@ -194,6 +197,7 @@ class WriteBatch:
         records (as `allocate` sees them) are dropped, not punched."""
         txn, ix = self.txn, self.ix
         out = []
+        hwms: dict[int, int] = {}
         cursor = txn.cursor(db=ix.free)
         found = cursor.set_range(b"u")
         while found:
@@ -201,7 +205,9 @@ class WriteBatch:
             if not key.startswith(b"u"):
                 break
             where = parse_free(key)
-            if where is None or where[1] >= self.hwm_of(where[0]) or len(cursor.value()):
+            if where is not None and where[0] not in hwms:
+                hwms[where[0]] = self.hwm_of(where[0])
+            if where is None or where[1] >= hwms[where[0]] or len(cursor.value()):
                 self.num_leaked += where is not None and len(cursor.value()) > 0
                 found = self.drop(cursor, f"free-slot record {key.hex()} is damaged")
                 continue

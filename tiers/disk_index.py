@@ -204,12 +204,13 @@ class Index:
         self._warn = RateLimitedWarning()
 
     def note(self, damage: Sequence[str], count: int | None = None) -> None:
-        """Count damage found (`count`, default one per item) and warn (rate-limited)."""
+        """Count damage found (`count`, default one per item: each says what was done about
+        it) and warn, at most every few seconds."""
         if not damage:
             return
         self.counters.num_corrupt += len(damage) if count is None else count
-        more = f" (and {len(damage) - 1} more)" if len(damage) > 1 else ""
-        self._warn(f"disk tier at {self.env.path()}: {damage[0]}{more}; dropped, a miss")
+        more = f" (and {len(damage) - 1} more damaged records)" if len(damage) > 1 else ""
+        self._warn(f"disk tier at {self.env.path()}: {damage[0]}{more}")
 
     def get_u64(self, txn: lmdb.Transaction, name: bytes) -> int:
         """A `meta` counter; 0 if absent or damaged (`disk_repair.settle` repairs those)."""

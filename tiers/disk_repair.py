@@ -92,7 +92,7 @@ def _settle_tick(wb: WriteBatch) -> None:
     if (tick is not None and tick > last) or (raw is None and last < 0):
         return
     wb.damage.append(f"its LRU tick ({'missing' if raw is None else 'damaged' if tick is None else tick}) "
-                     f"is not past the last order record's ({last})")
+                     f"is not past the last order record's ({last}); moved past it")
     wb.tick = last + 1
 
 
@@ -152,7 +152,8 @@ def _settle_hwms(wb: WriteBatch, full: bool) -> None:
         named[slot_bytes] = max(named.get(slot_bytes, 0), slot + 1)
     for slot_bytes, damaged in redo.items():
         if damaged or named.get(slot_bytes):  # (missing with nothing named: a write that never committed)
-            wb.damage.append(f"the high-water mark of {slot_bytes}-byte slots is {'damaged' if damaged else 'missing'}")
+            what = "damaged" if damaged else "missing"
+            wb.damage.append(f"the high-water mark of {slot_bytes}-byte slots is {what}; recomputed")
         hwm = max(named.get(slot_bytes, 0), -(-files.get(slot_bytes, 0) // slot_bytes))
         ix.put_u64(txn, hwm_key(slot_bytes), hwm)
         wb.num_leaked += 1  # slots below it that nothing names: freed by `reclaim`
@@ -169,7 +170,7 @@ def _settle_meta(wb: WriteBatch) -> None:
         txn.put(b"format", FORMAT, db=ix.meta)
     raw = txn.get(b"leaked", db=ix.meta)
     if raw is not None and parse_u64(raw) is None:
-        wb.damage.append("its count of unnamed slots is damaged")
+        wb.damage.append("its count of unnamed slots is damaged; they are reclaimed")
         txn.delete(b"leaked", db=ix.meta)
         wb.num_leaked += 1
     cursor = txn.cursor(db=ix.meta)
@@ -234,7 +235,7 @@ def repair(wb: WriteBatch) -> None:
     for t, k in txn.cursor(db=ix.order):
         tick, raw = parse_be(t), txn.get(k, db=ix.index)
         if tick is None:
-            wb.damage.append(f"LRU order record {bytes(t).hex()} is damaged")
+            wb.damage.append(f"LRU order record {bytes(t).hex()} is damaged; dropped")
         if tick is None or raw is None or _tick_of(bytes(raw)) != tick:
             stale.append(bytes(t))
     for tick_key in stale:

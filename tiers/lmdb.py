@@ -257,7 +257,7 @@ class LMDBTier(Tier):
             else:
                 self.num_raced += 1
         if damaged is not None:
-            self._ix.note([f"block {damaged[0].hex()}: its entry or payload is damaged"])
+            self._ix.note([f"block {damaged[0].hex()}: its entry or payload is damaged; deleted, a miss"])
             with contextlib.suppress(DiskFullError):  # (deleted by a later read, or a scrub)
                 self._remove([damaged], damaged=True)
         return result.num_ok, sum(e.length for e in entries[: result.num_ok])
@@ -383,7 +383,7 @@ class LMDBTier(Tier):
         result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._codec)
         num = self._remove(damaged, damaged=True, reclaim=True)  # and sweeps the other sub-databases
         if num:
-            self._ix.note([f"{num} damaged blocks"], count=num)
+            self._ix.note([f"scrub deleted {num} damaged blocks"], count=num)
         return result._replace(num_corrupt=num)
 
     def occupancy(self) -> Occupancy:
