@@ -11,14 +11,17 @@ Sub-databases (format 2):
 - `meta`: `format`, `tick`, `used` (accounted bytes), `seq`, `hwm`+slot size (slots ever
   handed out of that file), `ns:`+namespace (who registered it, for `kvstrata inspect`).
 
-`WriteBatch` is the work of one write transaction. Slots it frees enter `free` only when it
-ends, so a transaction never overwrites a slot that an entry it may yet roll back (a killed
-process, a full disk) still names.
+The work of one write transaction is `tiers/disk_batch.py`.
+
+Every record is parsed before it is used (`parse_*`, `unpack_entry`): one that does not
+parse (a wrong length or prefix, a slot or size out of range, undecodable msgpack) is
+damage. A write transaction drops it and notes it (counted and warned by `Index.note` once
+the transaction commits); readers skip it. `tiers/disk_repair.py` checks the counters and
+sweeps whole sub-databases.
 """
 
 from __future__ import annotations
 
-import contextlib
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -27,7 +30,9 @@ import lmdb
 import msgpack
 import xxhash
 
+from tiers.base import TierCounters
 from tiers.errors import CorruptRecordError
+from tiers.remote_client import RateLimitedWarning
 
 FORMAT = b"2"
 DB_NAMES = (b"index", b"order", b"free", b"log", b"meta")
@@ -46,6 +51,9 @@ _ENTRY_FORMAT = 2
 _TICK_AT = _ENTRY.size - 8  # the LRU tick is the header's last field
 _NO_EXTRAS = 0xFFFFFFFF  # extras length of an entry whose extras are not known
 _BOUND = struct.Struct("<BIQHI")  # what the checksum binds of an entry: codec, layout, length, lengths
+MAX_SLOT_BYTES = 1 << 36  # a slot size beyond any block's: damage
+MAX_FILE_BYTES = 1 << 62  # a slot ending past this offset: damage
+MAX_COUNT = 1 << 62  # ticks, sequence numbers, byte counts at or past this: damage
 
 
 class Entry(NamedTuple):
@@ -80,9 +88,89 @@ def unpack_entry(raw: bytes | memoryview) -> Entry:
     end = plen + (xlen if known else 0)
     if fmt != _ENTRY_FORMAT or _ENTRY.size + end > len(raw) or not 0 < length <= slot_bytes:
         raise CorruptRecordError("malformed index entry")
+    if not valid_slot(slot_bytes, slot):
+        raise CorruptRecordError(f"index entry names slot {slot} of {slot_bytes} bytes, out of range")
     rest = bytes(raw[_ENTRY.size :])
     return Entry(codec, layout, slot_bytes, slot, length, xxh, gen, tick, rest[:plen], rest[end:],
                  rest[plen:end] if known else None)
+
+
+def raw_tick(raw: bytes) -> int | None:
+    """The LRU tick of a raw entry, read without parsing it whole; None if it is too short
+    or of another format (damaged)."""
+    if len(raw) < _ENTRY.size or raw[0] != _ENTRY_FORMAT:
+        return None
+    tick: int = _U64.unpack_from(raw, _TICK_AT)[0]
+    return tick
+
+
+def with_tick(raw: bytes, tick: int) -> bytes:
+    """A raw entry (`raw_tick` read it) with its LRU tick replaced."""
+    return raw[:_TICK_AT] + _U64.pack(tick) + raw[_TICK_AT + 8 :]
+
+
+def valid_slot(slot_bytes: int, slot: int) -> bool:
+    """Whether a slot size is one the tier makes (a power of two from 16 bytes, or whole
+    512-byte sectors) and the slot ends within `MAX_FILE_BYTES`."""
+    return (16 <= slot_bytes <= MAX_SLOT_BYTES and (slot_bytes & (slot_bytes - 1) == 0 or slot_bytes % 512 == 0)
+            and slot >= 0 and (slot + 1) * slot_bytes <= MAX_FILE_BYTES)
+
+
+def free_key(kind: bytes, slot_bytes: int, slot: int) -> bytes:
+    return kind + _SLOT.pack(slot_bytes, slot)
+
+
+def parse_free(key: bytes) -> tuple[int, int] | None:
+    """(slot size, slot) of a `free` key; None if it is not one."""
+    if len(key) != 1 + _SLOT.size or key[:1] not in (b"u", b"p"):
+        return None
+    slot_bytes, slot = _SLOT.unpack(key[1:])
+    return (slot_bytes, slot) if valid_slot(slot_bytes, slot) else None
+
+
+def parse_u64(raw: bytes | memoryview | None) -> int | None:
+    """A counter of `meta` (little-endian u64 below `MAX_COUNT`); None if absent or not one."""
+    if raw is None or len(raw) != 8:
+        return None
+    value: int = _U64.unpack(raw)[0]
+    return value if value < MAX_COUNT else None
+
+
+def parse_be(key: bytes | memoryview) -> int | None:
+    """An `order` tick or a `log` sequence number (big-endian u64 below `MAX_COUNT`); None if
+    the key is not one."""
+    if len(key) != 8:
+        return None
+    value: int = _BE.unpack(key)[0]
+    return value if value < MAX_COUNT else None
+
+
+def be_key(value: int) -> bytes:
+    return _BE.pack(value)
+
+
+def hwm_key(slot_bytes: int) -> bytes:
+    return b"hwm" + _BE.pack(slot_bytes)
+
+
+def parse_hwm_key(key: bytes) -> int | None:
+    """The slot size of a `meta` high-water-mark key; None if it is not one."""
+    if len(key) != 11 or not key.startswith(b"hwm"):
+        return None
+    slot_bytes: int = _BE.unpack(key[3:])[0]
+    return slot_bytes if valid_slot(slot_bytes, 0) else None
+
+
+def parse_log(raw: bytes | memoryview) -> tuple[list[bytes], list[bytes]] | None:
+    """The (removed, added) index keys of a `log` record; None if it is not one."""
+    try:
+        record = msgpack.unpackb(bytes(raw))
+    except Exception:  # msgpack raises many types on garbage
+        return None
+    if not (isinstance(record, list) and len(record) == 2 and all(
+            isinstance(keys, list) and all(isinstance(k, bytes) for k in keys) for keys in record)):
+        return None
+    return record[0], record[1]
 
 
 def ns_tag(namespace: bytes) -> bytes:
@@ -104,15 +192,29 @@ def checksum(key: bytes, e: Entry) -> Any:
 
 
 class Index:
-    """The sub-databases of one environment; every method runs inside the caller's txn."""
+    """The sub-databases of one environment; every method runs inside the caller's txn.
+
+    `counters.num_corrupt` counts the damaged records found through it (the tier shares the
+    object); each is warned about, at most every few seconds."""
 
     def __init__(self, env: lmdb.Environment) -> None:
         self.env = env
         self.index, self.order, self.free, self.log, self.meta = (env.open_db(n) for n in DB_NAMES)
+        self.counters = TierCounters()
+        self._warn = RateLimitedWarning()
+
+    def note(self, damage: Sequence[str], count: int | None = None) -> None:
+        """Count damage found (`count`, default one per item: each says what was done about
+        it) and warn, at most every few seconds."""
+        if not damage:
+            return
+        self.counters.num_corrupt += len(damage) if count is None else count
+        more = f" (and {len(damage) - 1} more damaged records)" if len(damage) > 1 else ""
+        self._warn(f"disk tier at {self.env.path()}: {damage[0]}{more}")
 
     def get_u64(self, txn: lmdb.Transaction, name: bytes) -> int:
-        raw = txn.get(name, db=self.meta)
-        return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+        """A `meta` counter; 0 if absent or damaged (`disk_repair.settle` repairs those)."""
+        return parse_u64(txn.get(name, db=self.meta)) or 0
 
     def put_u64(self, txn: lmdb.Transaction, name: bytes, value: int) -> None:
         txn.put(name, _U64.pack(value), db=self.meta)
@@ -135,241 +237,36 @@ class Index:
 
     def log_since(self, txn: lmdb.Transaction, seq: int) -> list[tuple[list[bytes], list[bytes]]] | None:
         """The (removed, added) keys of every transaction after `seq`, oldest first; None if
-        the log no longer reaches back to `seq + 1`."""
+        the log no longer reaches back to `seq + 1`, or a record on the way is damaged (noted)."""
         cursor = txn.cursor(db=self.log)
         if not cursor.set_range(_BE.pack(seq + 1)) or bytes(cursor.key()) != _BE.pack(seq + 1):
             return None
-        out = []
-        for raw in cursor.iternext(keys=False):
-            removed, added = msgpack.unpackb(bytes(raw))
-            out.append((removed, added))
+        out: list[tuple[list[bytes], list[bytes]]] = []
+        for key, raw in cursor:
+            record = parse_log(raw)
+            if parse_be(key) != seq + 1 + len(out) or record is None:
+                self.note([f"change-log record {bytes(key).hex()} is damaged (the in-memory index is rebuilt)"])
+                return None
+            out.append(record)
         return out
 
     def free_slots(self, txn: lmdb.Transaction) -> Iterator[tuple[int, int]]:
+        """(slot size, slot) of every well-formed `free` record."""
         for key in txn.cursor(db=self.free).iternext(values=False):
-            yield _SLOT.unpack(bytes(key)[1:])
+            slot = parse_free(bytes(key))
+            if slot is not None:
+                yield slot
 
     def hwms(self, txn: lmdb.Transaction) -> dict[int, int]:
-        """Slots handed out of each data file so far, by slot size."""
+        """Slots handed out of each data file so far, by slot size (well-formed records only)."""
         out = {}
         cursor = txn.cursor(db=self.meta)
         if cursor.set_range(b"hwm"):
             for key, value in cursor:
                 key = bytes(key)
-                if not key.startswith(b"hwm") or len(key) != 11:
+                if not key.startswith(b"hwm"):
                     break
-                out[_BE.unpack(key[3:])[0]] = _U64.unpack(bytes(value))[0]
+                slot_bytes, hwm = parse_hwm_key(key), parse_u64(value)
+                if slot_bytes is not None and hwm is not None and valid_slot(slot_bytes, max(0, hwm - 1)):
+                    out[slot_bytes] = hwm
         return out
-
-
-class WriteBatch:
-    """The index work of one write transaction: touches, evictions, slots, new entries.
-
-    `finish()` writes the freed slots, the log record and the counters; it must run before
-    the transaction commits. `removed` and `added` are the keys it logged.
-    """
-
-    def __init__(self, index: Index, txn: lmdb.Transaction) -> None:
-        self._ix, self._txn = index, txn
-        self.tick = index.get_u64(txn, b"tick")
-        self.used = index.get_u64(txn, b"used")
-        self.seq = index.get_u64(txn, b"seq")
-        self.gen = self.seq + 1  # the generation of entries written by this transaction
-        self.removed: list[bytes] = []
-        self.added: list[bytes] = []
-        self._freed: list[tuple[int, int]] = []
-        self._hwm: dict[int, int] = {}
-        self.num_recount = 0
-
-    def get(self, key: bytes) -> bytes | None:
-        raw = self._txn.get(key, db=self._ix.index)
-        return None if raw is None else bytes(raw)
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Make held keys most recently used, the last one most (a key listed twice counts
-        where it is listed last); absent ones are skipped."""
-        txn, ix = self._txn, self._ix
-        for key in reversed(dict.fromkeys(reversed(keys))):  # each key once, at its last place
-            raw = txn.get(key, db=ix.index)
-            if raw is None or len(raw) < _ENTRY.size or raw[0] != _ENTRY_FORMAT:
-                continue  # absent, or damaged: a reader finds it and deletes it
-            raw = bytes(raw)
-            old = _BE.pack(_U64.unpack_from(raw, _TICK_AT)[0])
-            if txn.get(old, db=ix.order) == key:  # (a damaged tick must not unlink another block)
-                txn.delete(old, db=ix.order)
-            txn.put(_BE.pack(self.tick), key, db=ix.order)
-            txn.put(key, raw[:_TICK_AT] + _U64.pack(self.tick) + raw[_TICK_AT + 8 :], db=ix.index)
-            self.tick += 1
-
-    def remove(self, key: bytes, *, damaged: bool = False) -> Entry | None:
-        """Delete one entry; its slot becomes free when the transaction ends. Returns the
-        entry (None if absent or unreadable).
-
-        A `damaged` entry (or one that does not parse) frees no slot: the slot it names may
-        be another block's. Its slot stays unused until `reclaim`, and the index's order and
-        accounting are repaired when the transaction ends.
-        """
-        txn, ix = self._txn, self._ix
-        raw = txn.get(key, db=ix.index)
-        if raw is None:
-            return None
-        raw = bytes(raw)  # a buffer into the page would change under the delete
-        txn.delete(key, db=ix.index)
-        self.removed.append(key)
-        try:
-            e = unpack_entry(raw)
-        except CorruptRecordError:
-            self.num_recount += 1
-            return None
-        if damaged:
-            self.num_recount += 1
-            return e
-        txn.delete(_BE.pack(e.tick), db=ix.order)
-        self._freed.append((e.slot_bytes, e.slot))
-        self.used = max(0, self.used - block_cost(e.slot_bytes))
-        return e
-
-    def evict(self, num_bytes: float) -> list[bytes]:
-        """Remove least recently used entries (any namespace) until `num_bytes` are freed;
-        return their keys."""
-        txn, ix = self._txn, self._ix
-        victims: list[bytes] = []
-        stale: list[bytes] = []
-        freed = 0
-        if num_bytes <= 0:
-            return victims
-        for tick_key, key in txn.cursor(db=ix.order):
-            if freed >= num_bytes:
-                break
-            raw = txn.get(key, db=ix.index)
-            if raw is None:
-                stale.append(bytes(tick_key))  # cannot happen unless the index was damaged
-                continue
-            with contextlib.suppress(CorruptRecordError):  # a damaged one goes too, freeing nothing known
-                freed += block_cost(unpack_entry(raw).slot_bytes)
-            victims.append(bytes(key))
-        for tick_key in stale:
-            txn.delete(tick_key, db=ix.order)
-        for key in victims:
-            self.remove(key)
-        return victims
-
-    def allocate(self, slot_bytes: int, count: int) -> list[int]:
-        """`count` slots of one size: free ones first (lowest first), then new ones at the
-        end of the file."""
-        txn, ix = self._txn, self._ix
-        slots: list[int] = []
-        for kind in (b"u", b"p"):
-            prefix = kind + _BE.pack(slot_bytes)
-            cursor = txn.cursor(db=ix.free)
-            found = cursor.set_range(prefix)
-            while found and len(slots) < count:
-                key = bytes(cursor.key())
-                if not key.startswith(prefix):
-                    break
-                slots.append(_BE.unpack(key[9:])[0])
-                found = cursor.delete()
-        if len(slots) < count:
-            hwm = self._hwm.get(slot_bytes)
-            if hwm is None:
-                hwm = ix.get_u64(txn, b"hwm" + _BE.pack(slot_bytes))
-            need = count - len(slots)
-            slots.extend(range(hwm, hwm + need))
-            self._hwm[slot_bytes] = hwm + need
-        slots.sort()
-        return slots
-
-    def unpunched(self) -> list[tuple[int, int]]:
-        """Free slots whose space is still allocated (freed by earlier transactions); marks
-        them given back. The caller punches them now, while it holds the writer lock."""
-        txn, ix = self._txn, self._ix
-        out = []
-        cursor = txn.cursor(db=ix.free)
-        found = cursor.set_range(b"u")
-        while found:
-            key = bytes(cursor.key())
-            if not key.startswith(b"u"):
-                break
-            out.append(_SLOT.unpack(key[1:]))
-            found = cursor.delete()
-        for slot_bytes, slot in out:
-            txn.put(b"p" + _SLOT.pack(slot_bytes, slot), b"", db=ix.free)
-        return out
-
-    def insert(self, key: bytes, entry: Entry, slot: int, xxh: int) -> None:
-        """Add `entry` (a new block: not held) in `slot` with checksum `xxh`, most recently
-        used."""
-        txn, ix = self._txn, self._ix
-        e = entry
-        txn.put(key, pack_entry(e._replace(slot=slot, xxh=xxh, gen=self.gen, tick=self.tick)), db=ix.index)
-        txn.put(_BE.pack(self.tick), key, db=ix.order)
-        self.tick += 1
-        self.used += block_cost(e.slot_bytes)
-        self.added.append(key)
-
-    def finish(self) -> None:
-        txn, ix = self._txn, self._ix
-        for slot_bytes, slot in self._freed:
-            txn.put(b"u" + _SLOT.pack(slot_bytes, slot), b"", db=ix.free)
-        for slot_bytes, hwm in self._hwm.items():
-            ix.put_u64(txn, b"hwm" + _BE.pack(slot_bytes), hwm)
-        if self.num_recount:
-            self._repair()
-            ix.put_u64(txn, b"leaked", ix.get_u64(txn, b"leaked") + self.num_recount)
-        if self.removed or self.added:
-            self.seq += 1
-            txn.put(_BE.pack(self.seq), msgpack.packb([self.removed, self.added]), db=ix.log)
-            if self.seq > LOG_KEEP:
-                txn.delete(_BE.pack(self.seq - LOG_KEEP), db=ix.log)
-            ix.put_u64(txn, b"seq", self.seq)
-        ix.put_u64(txn, b"tick", self.tick)
-        ix.put_u64(txn, b"used", self.used)
-
-
-    def _repair(self) -> None:
-        """After damaged entries were deleted: recount the bytes, drop order entries that no
-        longer name their entry, give entries that lost theirs a fresh tick."""
-        txn, ix = self._txn, self._ix
-        entries = list(_sound(ix, txn))
-        self.used = sum(block_cost(unpack_entry(raw).slot_bytes) for _, raw in entries)
-        stale = [bytes(t) for t, k in txn.cursor(db=ix.order) if (r := txn.get(k, db=ix.index)) is None
-                 or _tick_of(bytes(r)) != _BE.unpack(bytes(t))[0]]
-        for tick_key in stale:
-            txn.delete(tick_key, db=ix.order)
-        for key, raw in entries:
-            e = unpack_entry(raw)
-            if txn.get(_BE.pack(e.tick), db=ix.order) != key:
-                txn.put(_BE.pack(self.tick), key, db=ix.order)
-                txn.put(key, pack_entry(e._replace(tick=self.tick)), db=ix.index)
-                self.tick += 1
-
-    def reclaim(self) -> int:
-        """Return to the free list every slot below a file's high-water mark that no entry
-        names and that is not free (left by deleted damaged entries); return how many."""
-        txn, ix = self._txn, self._ix
-        named = {(e.slot_bytes, e.slot) for e in (unpack_entry(raw) for _, raw in _sound(ix, txn))}
-        free = set(ix.free_slots(txn))
-        num = 0
-        ix.put_u64(txn, b"leaked", 0)
-        for slot_bytes, hwm in ix.hwms(txn).items():
-            for slot in range(self._hwm.get(slot_bytes, hwm)):
-                if (slot_bytes, slot) not in named and (slot_bytes, slot) not in free:
-                    txn.put(b"u" + _SLOT.pack(slot_bytes, slot), b"", db=ix.free)
-                    num += 1
-        return num
-
-
-def _tick_of(raw: bytes) -> int:
-    try:
-        return unpack_entry(raw).tick
-    except CorruptRecordError:
-        return -1
-
-
-def _sound(ix: Index, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
-    for key, raw in ix.entries(txn):
-        try:
-            unpack_entry(raw)
-        except CorruptRecordError:
-            continue
-        yield key, raw

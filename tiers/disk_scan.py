@@ -40,7 +40,8 @@ _BE_TICK = 8
 def open_index(env: lmdb.Environment, path: str) -> Index:
     """The index of the disk tier at `path` (its sub-databases created if new). Raises
     `ConfigError`, having created nothing, for an LMDB store that is not kvstrata's, a disk
-    tier of the first format, or one of a format this version does not read."""
+    tier of the first format, or one of a format this version does not read. A format
+    record that is not a number is damage: noted (the tier rewrites it)."""
     with begin(env) as txn:
         names = {bytes(k) for k in txn.cursor().iternext(values=False)}
     if names - set(DB_NAMES) and not set(OLD_DB_NAMES) <= names:  # checked before anything is created
@@ -58,7 +59,10 @@ def open_index(env: lmdb.Environment, path: str) -> Index:
     with begin(env) as txn:
         fmt = txn.get(b"format", db=ix.meta)
     if fmt is not None and bytes(fmt) != FORMAT:
-        raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)!r}, which this version "
+        if not bytes(fmt).isdigit():
+            ix.note([f"its format record {bytes(fmt)[:16]!r} is damaged; rewritten"])
+            return ix
+        raise ConfigError(f"disk_path {path!r} holds a disk tier of format {bytes(fmt)[:16]!r}, which this version "
                           f"of kvstrata does not read (it reads {FORMAT!r}); use another disk_path")
     return ix
 
@@ -171,6 +175,7 @@ def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes,
     payload this reader does not decode (`DiskCodec.check`) is not damage."""
     with begin(env) as txn:
         items = list(ix.entries(txn))
+    ends = files.file_sizes()  # (after the snapshot: every payload it names was written before)
     num_ok = num_foreign = 0
     damaged: list[tuple[bytes, int | None]] = []
     buffers: dict[int, np.ndarray] = {}
@@ -181,7 +186,7 @@ def scrub(env: lmdb.Environment, ix: Index, files: SlotFiles, tag: bytes,
             damaged.append((key, None))
             continue
         own = key[:TAG_BYTES] == tag
-        sound = payload_sound(files, key, e, buffers)
+        sound = e.slot * e.slot_bytes + e.length <= ends.get(e.slot_bytes, 0) and payload_sound(files, key, e, buffers)
         if sound and own:
             try:
                 codec.check(e)

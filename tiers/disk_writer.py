@@ -9,31 +9,36 @@ their encoding), syncs them as the durability mode asks, and only then puts the 
 commits.
 A process killed anywhere in between leaves the index as it was before (its payload bytes
 land in slots no committed entry names). A full file system, a file-size limit or a full
-index map is a `DiskFullError` with nothing written.
+index map is a `DiskFullError` with nothing written. Each transaction first checks the
+counters it starts from (`disk_repair.settle`); damaged index records it meets are dropped,
+and noted (counted, warned) once it commits.
 """
 
 from __future__ import annotations
 
 import errno
 import resource
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, TypeVar
 
 import lmdb
 import numpy as np
 import torch
 
+from tiers import disk_repair
 from tiers.base import BlockKey
+from tiers.disk_batch import WriteBatch
 from tiers.disk_codec import DiskCodec
 from tiers.disk_durability import DiskSync, GroupSync
 from tiers.disk_files import SlotFiles
-from tiers.disk_index import CODEC_RAW, Entry, Index, WriteBatch, block_cost, unpack_entry
+from tiers.disk_index import CODEC_RAW, Entry, Index, block_cost, unpack_entry
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, source_pieces, write_payloads
 from tiers.errors import CorruptRecordError, DiskFullError
 from tiers.lmdb_env import begin, disk_full_reason
 
 _FULL_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
+_T = TypeVar("_T")
 
 
 class WriteOutcome(NamedTuple):
@@ -92,9 +97,15 @@ class DiskWriter:
         """Write `blocks` (eviction order) not held yet and apply `touches`, in one
         transaction (retried after clearing dead readers when the map is full). Raises
         `DiskFullError`, having written nothing, when there is no room."""
+        num_bytes = sum(b.entry.slot_bytes for b in blocks)
+        return self._retried(lambda attempt: self._write(blocks, touches, attempt), num_bytes)
+
+    def _retried(self, write: Callable[[int], _T], num_bytes: int) -> _T:
+        """`write(attempt)`, retried after clearing dead readers when the map is full; a want
+        of room is a `DiskFullError` (the transaction rolled back)."""
         for attempt in range(4):
             try:
-                return self._write(blocks, touches, attempt)
+                return write(attempt)
             except lmdb.MapFullError:
                 # A process killed inside a read transaction leaves its slot in the reader
                 # table, pinning every page freed since: clear dead readers, then retry.
@@ -105,7 +116,7 @@ class DiskWriter:
                     raise
                 raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
             except lmdb.Error as exc:
-                reason = disk_full_reason(exc, self._path, sum(b.entry.slot_bytes for b in blocks))
+                reason = disk_full_reason(exc, self._path, num_bytes)
                 if reason is not None:
                     raise DiskFullError(f"disk tier at {self._path}: {reason}; nothing was written ({exc})") from exc
                 raise
@@ -123,7 +134,8 @@ class DiskWriter:
     def _write(self, blocks: list[Prepared], touches: list[bytes], extra: int) -> WriteOutcome:
         with begin(self._env, write=True) as txn:
             wb = WriteBatch(self._ix, txn)
-            seq_before = wb.seq
+            seq_before = wb.seq  # (as this process's in-memory index read it)
+            disk_repair.settle(wb)
             wb.touch(touches)
             fresh = [b for b in blocks if wb.get(b.key) is None]  # another process may have written some
             budget = self._capacity_bytes * (1.0 - 0.15 * extra)
@@ -147,7 +159,7 @@ class DiskWriter:
                 self._files.sync(list(by_size))
             for b in fresh:  # eviction order: the first gets the lowest tick
                 wb.insert(b.key, b.entry, *where[b.key])
-            wb.finish()
+            disk_repair.finish(wb)
             txnid = txn.id()
         self._committed(txnid, seq_before, wb)
         return WriteOutcome(wb.added, wb.removed, len(victims))
@@ -155,11 +167,18 @@ class DiskWriter:
     def remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
                reclaim: bool = False) -> WriteOutcome:
         """Delete entries (with a generation: only if the entry still has it). `damaged`
-        entries free no slot (`WriteBatch.remove`); `reclaim` frees every slot no entry
-        names."""
+        entries free no slot (`WriteBatch.remove`); `reclaim` (a scrub) first sweeps every
+        sub-database for damaged records (`disk_repair.sweep`) and at the end frees every slot
+        no entry names. Raises `DiskFullError` (nothing changed) if the map is full."""
+        return self._retried(lambda _: self._remove(items, damaged, reclaim), 0)
+
+    def _remove(self, items: Sequence[tuple[bytes, int | None]], damaged: bool, reclaim: bool) -> WriteOutcome:
         with begin(self._env, write=True) as txn:
             wb = WriteBatch(self._ix, txn)
             seq_before = wb.seq
+            disk_repair.settle(wb, full=reclaim)
+            if reclaim:
+                disk_repair.sweep(wb)
             for key, gen in items:
                 raw = wb.get(key)
                 if raw is None:
@@ -171,15 +190,16 @@ class DiskWriter:
                     except CorruptRecordError:
                         pass
                 wb.remove(key, damaged=damaged)
-            wb.finish()
+            disk_repair.finish(wb)
             if reclaim:
-                wb.reclaim()
+                disk_repair.reclaim(wb)
             txnid = txn.id()
         self._committed(txnid, seq_before, wb)
         return WriteOutcome([], wb.removed, 0)
 
     def _committed(self, txnid: int, seq_before: int, wb: WriteBatch) -> None:
         self._mirror.applied(txnid, seq_before, wb.seq, wb.removed, wb.added)
+        self._ix.note(wb.damage)
         if self._mode is DiskSync.COMMIT and not self._env_syncs:
             self._env.sync(True)  # another store in this process opened the index without sync
         if self._group is not None:

@@ -22,6 +22,7 @@ namespace only unless told otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -33,7 +34,7 @@ import lmdb
 import msgpack
 import torch
 
-from tiers import disk_scan
+from tiers import disk_repair, disk_scan
 from tiers.base import (
     BlockHash,
     BlockKey,
@@ -50,7 +51,7 @@ from tiers.codecs import CodecSpec
 from tiers.disk_codec import DiskCodec
 from tiers.disk_durability import DiskSync
 from tiers.disk_files import SlotFiles, file_name, slot_bytes_for
-from tiers.disk_index import FORMAT, LOG_KEEP, Entry, WriteBatch, block_cost, ns_tag
+from tiers.disk_index import FORMAT, LOG_KEEP, Entry, block_cost, ns_tag
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import Prepared, read_payloads
 from tiers.disk_scan import summarize
@@ -114,7 +115,7 @@ class LMDBTier(Tier):
         self._pending: list[BlockHash] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.counters = TierCounters()
+        self.counters: TierCounters = self._ix.counters  # shared: the index counts the damage it finds
         self.num_unverifiable = 0  # sound blocks this reader cannot check or decode: misses
         self.num_unannounceable = 0  # see held_keys
         self.num_raced = 0  # blocks evicted by another process while being read: misses
@@ -125,16 +126,16 @@ class LMDBTier(Tier):
 
     def _register(self, identity: object) -> None:
         """Record the format and this namespace's identity and budget (for `kvstrata
-        inspect`), and free the slots damaged entries left unnamed. Best effort: a full disk
-        must not fail an open."""
+        inspect`), check the index's counters and free the slots damaged entries left unnamed
+        (`disk_repair.recover`). Best effort: a full disk must not fail an open."""
         entry = msgpack.packb({"identity": identity, "capacity_bytes": self._capacity_bytes,
                                "tag": self._tag, "block_bytes": self._block_bytes}, use_bin_type=True, default=str)
         try:
             with begin(self._env, write=True) as txn:
                 txn.put(b"format", FORMAT, db=self._ix.meta)
+                damage = disk_repair.recover(self._ix, txn)
                 txn.put(b"ns:" + self._namespace, entry, db=self._ix.meta)
-                if self._ix.get_u64(txn, b"leaked"):  # slots named by damaged entries deleted earlier
-                    WriteBatch(self._ix, txn).reclaim()
+            self._ix.note(damage)
         except lmdb.Error:
             pass
 
@@ -209,6 +210,8 @@ class LMDBTier(Tier):
         return n
 
     def _check_entry(self, e: Entry, key: BlockKey) -> None:
+        if e.length > self._block_bytes or e.slot_bytes > self._codec.raw_slot_bytes:  # (an encoding is smaller)
+            raise CorruptRecordError("entry larger than this tier's blocks")
         self._codec.check(e)
         check_tokens(self._verify_tokens, key.tokens, e.tokens, "entry")
 
@@ -254,8 +257,9 @@ class LMDBTier(Tier):
             else:
                 self.num_raced += 1
         if damaged is not None:
-            self.counters.num_corrupt += 1
-            self._remove([damaged], damaged=True)
+            self._ix.note([f"block {damaged[0].hex()}: its entry or payload is damaged; deleted, a miss"])
+            with contextlib.suppress(DiskFullError):  # (deleted by a later read, or a scrub)
+                self._remove([damaged], damaged=True)
         return result.num_ok, sum(e.length for e in entries[: result.num_ok])
 
     # -- writes ----------------------------------------------------------------------------
@@ -372,15 +376,15 @@ class LMDBTier(Tier):
     def scrub(self) -> ScrubResult:
         """Verify every block's entry and payload checksum (any namespace) and delete the
         damaged ones; sound blocks of other namespaces are counted and left alone. Reads in
-        one snapshot, deletes in one write transaction. Token ids are checked against the
-        entry's own (the caller's tokens are not known here)."""
+        one snapshot, deletes in one write transaction, which also drops the damaged records
+        of the other sub-databases (counted in the stats' `num_corrupt`, not in the result).
+        Token ids are checked against the entry's own (the caller's tokens are not known)."""
         self._check_open()
         result, damaged = disk_scan.scrub(self._env, self._ix, self._files, self._tag, self._codec)
-        if damaged:
-            num = self._remove(damaged, damaged=True, reclaim=True)
-            self.counters.num_corrupt += num
-            result = result._replace(num_corrupt=num)
-        return result
+        num = self._remove(damaged, damaged=True, reclaim=True)  # and sweeps the other sub-databases
+        if num:
+            self._ix.note([f"scrub deleted {num} damaged blocks"], count=num)
+        return result._replace(num_corrupt=num)
 
     def occupancy(self) -> Occupancy:
         self._check_open()
