@@ -167,7 +167,7 @@ class EnvSettings:
                 "| --- |" + (" --- |" if with_keys else "") + " --- | --- | --- |"]
         for f in fields(cls):  # type: ignore[arg-type]
             default = f.default if f.default is not MISSING else None
-            shown = getattr(default, "label", default.value) if isinstance(default, enum.Enum) else default
+            shown = getattr(default, "label", default.value if isinstance(default, enum.Enum) else default)
             key = f" `{f.name}` |" if with_keys else ""
             rows.append(f"| {f.name} |{key} `{cls.PREFIX}{f.name.upper()}` | `{shown!r}` | "
                         f"{described.get(f.name, '')} |")
