@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from kvstore.codec_config import check_tier_codecs
 from kvstore.errors import ConfigError
 from tiers.admission import AdmissionKind, parse_admission
-from tiers.codecs import codec_config, parse_codec
+from tiers.codecs import CodecConfig, codec_config, parse_codec
 from tiers.cpu_config import CPUTierConfig, check_fits
 from tiers.disk_config import DiskTierConfig, check_disk_bytes, check_path
 from tiers.disk_durability import DiskSync
@@ -139,6 +139,9 @@ def store_tiers(c: StoreConfig) -> tuple[TierConfig, ...]:
             raise ConfigError(f"{t.what}: a second {tier.kind.value!r} tier (the first is {kinds[tier.kind]})")
         kinds[tier.kind] = t.what
         t.config.check(c.block_bytes, t.what)
+        if t.config.codec is not None and not isinstance(t.config.codec, CodecConfig):
+            raise ConfigError(f"{t.codec_what or t.what + '.codec'} must be a codec config (a tier config turns "
+                              f"what it is given into one with tiers.codecs.codec_config), got {t.config.codec!r}")
     check_tier_codecs([(t.codec_what or f"{t.what}.codec", t.config.codec) for t in named], c.block_shape,
                       c.layout.dtype, c.codec_dtype, c.codec_group)
     return tuple(t.config for t in named)

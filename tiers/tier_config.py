@@ -20,8 +20,9 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-from tiers.base import BlockHash, Tier
+from tiers.base import BlockHash, Tier, TierTraits
 from tiers.codecs import CodecConfig, CodecKind, CodecSpec
+from tiers.errors import ConfigError
 from tiers.plugins import Registry
 
 R = TypeVar("R", bound=type)
@@ -109,7 +110,13 @@ def register_tier(name: str) -> Callable[[R], R]:
     it makes, so a config may also name the tier by its class name)."""
 
     def add(config_cls: R) -> R:
-        TIERS.add(name, config_cls, makes=getattr(config_cls, "tier", None))
+        tier = getattr(config_cls, "tier", None)
+        is_tier = isinstance(tier, type) and issubclass(tier, Tier)
+        if not is_tier or not isinstance(getattr(tier, "kind", None), str) \
+                or not isinstance(getattr(tier, "traits", None), TierTraits):
+            raise ConfigError(f"the tier config {config_cls.__qualname__} must name the Tier subclass it opens, with "
+                              f"its kind and traits, as `tier`; got {tier!r}")
+        TIERS.add(name, config_cls, makes=tier)
         return config_cls
 
     return add

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,3 +115,14 @@ def test_each_tier_codec_is_opened_on_the_layout_and_named() -> None:
     ok = StoreConfig(opaque, block_size=BLOCK, codec_dtype=torch.bfloat16, codec_group=16,
                      tiers=[CPUTierConfig(1 << 20), DiskTierConfig("/x", codec=Int8Config())])
     assert ok.identity()[-1] == ["lossy", ["int8"], "bfloat16", 16]
+
+
+def test_a_tier_config_whose_codec_is_not_a_codec_config_is_refused() -> None:
+    @dataclass(frozen=True)
+    class Sloppy(CPUTierConfig):  # takes a codec but leaves it as given
+        @property
+        def codec(self) -> Any:
+            return "int8"
+
+    with pytest.raises(ConfigError, match=r"^StoreConfig\.tiers\[0\]\.codec must be a codec config"):
+        StoreConfig(LAYOUT, block_size=BLOCK, tiers=[Sloppy(1 << 20)])

@@ -4,6 +4,7 @@ plain JSON, validating its own fields, and opening its tier with a store's `Tier
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from tests.conftest import BLOCK, LAYOUT
 from tests.tiers.test_tier_contract import block, key
 from tiers.admission import AdmitSeen
-from tiers.base import BlockHash, TierKind
+from tiers.base import BlockHash, Tier, TierKind
 from tiers.codecs import CodecKind, Int8Config
 from tiers.cpu_config import CPUTierConfig
 from tiers.disk_config import DiskTierConfig
@@ -22,7 +23,7 @@ from tiers.lmdb import LMDBTier
 from tiers.pool_config import PoolTierConfig
 from tiers.remote_config import RemoteTierConfig
 from tiers.s3fifo import S3FIFOConfig
-from tiers.tier_config import TIERS, TierContext, tier_config
+from tiers.tier_config import TIERS, TierConfig, TierContext, register_tier, tier_config
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 BLOCK_BYTES = LAYOUT.block_bytes(BLOCK)
@@ -113,3 +114,14 @@ def test_each_config_opens_its_tier(tmp_path: Path) -> None:
         assert torch.allclose(out.float(), block(2).float(), atol=0.1, rtol=0.05)
     finally:
         disk.close()
+
+
+def test_a_tier_config_must_name_the_tier_it_opens() -> None:
+    @dataclass(frozen=True)
+    class Nameless(TierConfig):
+        def open(self, ctx: TierContext) -> Tier:
+            raise AssertionError("never opened")
+
+    with pytest.raises(ConfigError, match=r"must name the Tier subclass it opens, with its kind and traits, as `tier`"):
+        register_tier("nameless")(Nameless)
+    assert "nameless" not in TIERS.names()
