@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
@@ -84,6 +85,8 @@ class Registry(Generic[C]):
         self.base = base
         self._builtins = builtins
         self._loaded = not builtins
+        self._loading = False
+        self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
 
     # -- registration --------------------------------------------------------------------
@@ -182,9 +185,16 @@ class Registry(Generic[C]):
     def _load_builtins(self) -> None:
         if self._loaded:
             return
-        self._loaded = True  # before importing: the built-ins register while it runs
-        for module in self._builtins:
-            importlib.import_module(module)
+        with self._lock:  # another thread waits until every built-in has registered
+            if self._loaded or self._loading:  # loaded meanwhile, or asked again by a built-in's import
+                return
+            self._loading = True
+            try:
+                for module in self._builtins:
+                    importlib.import_module(module)
+            finally:
+                self._loading = False
+            self._loaded = True
 
     def _import(self, module_path: object, what: str) -> None:
         if not isinstance(module_path, str) or not module_path:
