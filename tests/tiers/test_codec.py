@@ -230,7 +230,7 @@ def test_device_blocks_encode_and_decode_on_the_device(kind: CodecKind) -> None:
 
 
 def test_each_codec_is_registered_with_a_config_of_its_own() -> None:
-    assert sorted(CODECS.names()) == sorted(k.label for k in CodecKind)
+    assert {k.label for k in CodecKind} <= set(CODECS.names())  # (with any a test registered from outside)
     for kind in CodecKind:
         config = codec_config(kind.label.upper())
         assert config.kind is kind and type(config) is CODECS.get(kind.label)

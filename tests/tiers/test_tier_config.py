@@ -59,8 +59,8 @@ def test_tier_configs_from_plain_json(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("value", "message"), [
     ({"type": "cpu"}, r"^t: tier 'cpu' needs \['capacity_bytes'\]$"),
     ({"type": "cpu", "capacity_bytes": 0}, r"^t: CPUTierConfig\.capacity_bytes must be an int > 0, got 0$"),
-    ({"type": "cpu", "capacity_bytes": 1, "eviction": "mru"},
-     r"^t: CPUTierConfig\.eviction='mru' is not a registered eviction policy"),
+    ({"type": "cpu", "capacity_bytes": 1, "eviction": "fifo2"},
+     r"^t: CPUTierConfig\.eviction='fifo2' is not a registered eviction policy"),
     ({"type": "cpu", "capacity_bytes": 1, "admission": "tinylfu"},
      r"^t: CPUTierConfig\.admission must be 'all' or 'seen:N'; 'tinylfu' compares with the lower tier's victim"),
     ({"type": "cpu", "capacity_bytes": 1, "admission": {"type": "seen", "threshold": 1}},
