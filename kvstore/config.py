@@ -198,9 +198,6 @@ class StoreConfig:
     codec_dtype: torch.dtype | None = None
     codec_group: int | None = None
     tiers: Sequence[TierConfig | Mapping[str, Any] | str] = ()  # a tuple of TierConfig once built
-    # The tiers a store of this config opens, fastest first: `tiers`, or the sequence the flat
-    # tier fields stand for (`kvstore/tier_configs.py`). Derived, set by `__post_init__`.
-    tier_configs: tuple[TierConfig, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
@@ -213,9 +210,8 @@ class StoreConfig:
         except UnicodeEncodeError as exc:
             raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        if self.tiers:
-            object.__setattr__(self, "tiers", parse_given(self.tiers))
-        else:
+        object.__setattr__(self, "tiers", parse_given(self.tiers))
+        if not self.tiers:
             for name, value in flat_values(self).items():
                 object.__setattr__(self, name, value)
         require_int("StoreConfig.io_threads", self.io_threads, 1)
@@ -236,6 +232,13 @@ class StoreConfig:
         if self.codec_group is not None:
             require_int("StoreConfig.codec_group", self.codec_group, 1)
         object.__setattr__(self, "tier_configs", store_tiers(self))  # a bad tier is refused here, not on open
+
+    @cached_property
+    def tier_configs(self) -> tuple[TierConfig, ...]:
+        """The tiers a store of this config opens, fastest first: `tiers`, or the sequence
+        the flat tier fields stand for (`kvstore/tier_configs.py`); built and checked when the
+        config is."""
+        return store_tiers(self)
 
     @property
     def lossy_codecs(self) -> list[str]:

@@ -46,7 +46,9 @@ class NamedTier(NamedTuple):
 
 def parse_given(values: object) -> tuple[TierConfig, ...]:
     """`StoreConfig.tiers` (a sequence of tier configs, registered names or dicts with their
-    `type`) as tier configs; `ConfigError` naming the bad item."""
+    `type`; None or empty: not given) as tier configs; `ConfigError` naming the bad item."""
+    if values is None:
+        return ()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
         raise ConfigError(f"StoreConfig.tiers must be a sequence of tier configs, fastest first, got {values!r}")
     return tuple(tier_config(v, f"StoreConfig.tiers[{i}]") for i, v in enumerate(values))

@@ -99,6 +99,8 @@ def test_a_config_stays_a_value(tmp_path: Path) -> None:
      r"^StoreConfig\.tiers\[0\]: tier 'cpu' has no field 'size'"),
     ({"tiers": ["cpu"]}, r"^StoreConfig\.tiers\[0\]: tier 'cpu' needs \['capacity_bytes'\]$"),
     ({"tiers": "cpu"}, r"^StoreConfig\.tiers must be a sequence of tier configs"),
+    ({"tiers": 0}, r"^StoreConfig\.tiers must be a sequence of tier configs"),
+    ({"tiers": [None]}, r"^StoreConfig\.tiers\[0\] must be a registered tier name, a dict"),
     ({"cpu_bytes": 0}, r"^StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url, or give"),
 ])
 def test_the_sequence_is_checked_as_a_whole(kwargs: dict[str, Any], message: str) -> None:
