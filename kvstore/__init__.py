@@ -12,6 +12,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
+from kvstore.results import ClearResult
 from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
 from tiers.disk_durability import DiskSync
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockHash",
+    "ClearResult",
     "CloseResult",
     "CodecKind",
     "ConfigError",

@@ -14,8 +14,9 @@ import torch
 
 from kvstore.codec_config import codec_identity, lossy_codecs, parse_codec_dtype
 from kvstore.errors import ConfigError
-from kvstore.layout import DTYPES, KVLayout, dtype_name
+from kvstore.layout import DTYPES, MAX_DIM, KVLayout, dtype_name
 from kvstore.load_policy import LoadPolicyMode
+from kvstore.settings import parse_bool, parse_optional_str, parse_str
 from kvstore.tier_configs import flat_values, parse_given, store_tiers
 from tiers.admission import ADMIT_ALL, AdmissionSpec
 from tiers.codecs import CodecKind
@@ -26,8 +27,8 @@ from tiers.gpu_pool import DemotionPolicy
 from tiers.plugins import is_int_at_least, require_int
 from tiers.tier_config import TierConfig
 
-__all__ = ["DTYPES", "MAX_DISK_BYTES", "HashAlgo", "KVLayout", "StoreConfig", "dtype_name", "is_int_at_least",
-           "parse_hash_algo", "require_int"]
+__all__ = ["DTYPES", "MAX_DIM", "MAX_DISK_BYTES", "HashAlgo", "KVLayout", "StoreConfig", "dtype_name",
+           "is_int_at_least", "parse_hash_algo", "require_int"]
 
 class HashAlgo(str, enum.Enum):
     """Hash function of the block-hash chain."""
@@ -202,7 +203,10 @@ class StoreConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"StoreConfig.layout must be a KVLayout, got {self.layout!r}")
-        require_int("StoreConfig.block_size", self.block_size, 1)
+        require_int("StoreConfig.block_size", self.block_size, 1, high=MAX_DIM)
+        for name in ("verify_tokens", "write_through", "persist_on_close", "cpu_checksums", "events_insecure",
+                     "events_connect"):  # never a truthy stand-in: "false" is False, [] an error
+            object.__setattr__(self, name, parse_bool(f"StoreConfig.{name}", getattr(self, name)))
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
         try:
@@ -214,9 +218,12 @@ class StoreConfig:
         if not self.tiers:
             for name, value in flat_values(self).items():
                 object.__setattr__(self, name, value)
-        require_int("StoreConfig.io_threads", self.io_threads, 1)
+        require_int("StoreConfig.io_threads", self.io_threads, 1, high=1024)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         object.__setattr__(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "StoreConfig.load_policy"))
+        parse_str("StoreConfig.events_topic", self.events_topic)
+        for name in ("events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
+            parse_optional_str(f"StoreConfig.{name}", getattr(self, name))  # even where nothing reads them
         if self.events_endpoint is not None:
             from kvstore.events_wire import check_events
 

@@ -8,19 +8,25 @@ store's); its thread sends the queue as a batch every 20 ms, and an empty batch 
 heartbeat every second.
 
 Whole state, never under the store's lock: when a reader subscribes (XPUB tells the
-publisher) and when the store opens, the publisher broadcasts "welcome" batches:
-`AllBlocksCleared` for its own media, then every mirrored block, parents first, with token
-ids (so a store reopened over a warm disk announces it again). Welcomes are rate-limited and
-coalesced. A replay request for batches still in the replay buffer gets them; an older one
-gets the same whole state, rate-limited per peer and overall (a refused one gets only the
-end marker). If the queue outgrows its bound, it is dropped for a welcome.
+publisher) and when the store opens, the publisher broadcasts "welcome" batches: vLLM's
+`AllBlocksCleared` (readers forget all this store announced, in any lifetime; they keep each
+source's apart, so no other store's), then every mirrored block, parents first, with token
+ids (a store reopened over a warm disk announces what it holds, not what it lost while down).
+Welcomes are coalesced, at most one a second; a replay request for batches still in the
+replay buffer gets them, an older one the same whole state, rate-limited per peer and overall
+(a refused one gets only the end marker). Every whole state is paid for in time: after one of
+B bytes the next waits B / `WHOLE_STATE_BYTES_PER_S` s, however often readers subscribe. If
+the queue outgrows its bound, it is dropped for a welcome.
+
+Batch numbers count up from the publisher's start time in microseconds: a restarted store's
+are above its last lifetime's, so readers that drop a batch numbered at or below the last one
+they applied (Dynamo's indexer) take its welcome.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 import threading
 import time
 from collections import deque
@@ -34,10 +40,8 @@ from kvstore.events_mirror import Mirror, root_first
 from kvstore.events_wire import (
     END_SEQ,
     MEDIA,
-    SHARED,
     cleared_event,
     cut,
-    default_replay_endpoint,
     encode_batch,
     is_local,
     removed_event,
@@ -50,11 +54,11 @@ from tiers.base import BlockKey, TierKind
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
 WELCOME_INTERVAL_S = 1.0
+WHOLE_STATE_BYTES_PER_S = 8 << 20  # whole states (welcomes, snapshot replays) sent, at most, on average
 _FLUSH_S = 0.02
 _MAX_PENDING = 1_000_000  # blocks waiting to be sent
 _REPLAY_BATCHES, _REPLAY_BYTES = 4096, 64 << 20
 _BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
-_LOCAL_MEDIA = [m for m in MEDIA if m != SHARED]
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,9 @@ class EventPublisher:
         self._pending: list[tuple[str, bool | None, list[Any]]] = []
         self._num_pending = 0
         self._welcome_due = True
-        self._seq = -1
+        self._heard = False  # a reader has subscribed (before, a welcome reaches no one: it costs no pacing)
+        self._next_whole = 0.0  # monotonic time before which no whole state is built again
+        self._seq = time.time_ns() // 1000 - 1  # above any earlier lifetime's (see the module docstring)
         self._buffer: deque[tuple[int, bytes]] = deque()
         self._buffer_bytes = 0
         self._drop_buffer = threading.Event()  # drop_replay_buffer(): the publisher thread empties it
@@ -183,7 +189,7 @@ class EventPublisher:
         """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
         if self._num_pending + len(items) > _MAX_PENDING:
             self.num_dropped += self._num_pending + len(items)
-            # clears are kept: a welcome does not clear the shared tier, which they may name
+            # clears are kept (a welcome clears all anyway): their order with what follows matters
             self._pending = [p for p in self._pending if p[1] is None]
             self._num_pending, self._welcome_due = 0, True
             logger.warning("kvstrata: KV events queue overflowed; the whole state will be published instead")
@@ -230,7 +236,7 @@ class EventPublisher:
         return out
 
     def _whole_state(self) -> list[dict[str, Any]]:
-        """`AllBlocksCleared` of this store's own media, then every mirrored block, parents
+        """`AllBlocksCleared` (all this store announced), then every mirrored block, parents
         first (the caller sends the queued events before it)."""
         with self._lock:
             blocks = self._mirror.copy()
@@ -238,18 +244,27 @@ class EventPublisher:
                  for medium in MEDIA if bits & _BIT[medium])
         meta = self.source.meta()
         stored = stored_events(items, self.source.seed, self.source.block_size, meta)
-        return [cleared_event(_LOCAL_MEDIA, meta), *stored]
+        return [cleared_event(None, meta), *stored]
 
-    def _send(self, events: list[dict[str, Any]]) -> None:
+    def _send(self, events: list[dict[str, Any]]) -> int:
+        """Publish `events` in batches; the bytes sent."""
+        sent = 0
         for group in cut(events) or [[]]:
             self._seq += 1
             payload = encode_batch(group)
             self._pub.send_multipart([self.config.topic, self._seq.to_bytes(8, "big"), payload], copy=False)
             self._buffer.append((self._seq, payload))
             self._buffer_bytes += len(payload)
+            sent += len(payload)
             while len(self._buffer) > _REPLAY_BATCHES or self._buffer_bytes > _REPLAY_BYTES:
                 self._buffer_bytes -= len(self._buffer.popleft()[1])
             self.num_batches += 1
+        return sent
+
+    def _paid(self, nbytes: int) -> None:
+        """Pace whole states: the next waits until `nbytes` are paid for at the set rate."""
+        if self._heard:
+            self._next_whole = time.monotonic() + nbytes / WHOLE_STATE_BYTES_PER_S
 
     def _answer_replay(self) -> None:
         if self._drop_buffer.is_set():
@@ -271,11 +286,12 @@ class EventPublisher:
             else:
                 self.num_refused += 1
         elif start <= self._seq:  # older than the buffer: the whole state, tagged as of now
-            if self._peers.take(peer) and self._overall.take(""):
+            if time.monotonic() >= self._next_whole and self._peers.take(peer) and self._overall.take(""):
                 pending = self._take_pending()  # sent first: their numbers come before the reply's
                 if pending:
                     self._send(self._events(pending))
                 reply = [(self._seq, encode_batch(g)) for g in cut(self._whole_state())]
+                self._paid(sum(len(p) for _, p in reply))
                 self.num_snapshots += 1
             else:
                 self.num_refused += 1
@@ -309,14 +325,14 @@ class EventPublisher:
                 try:
                     ready = dict(poller.poll(int(_FLUSH_S * 1000)))
                     if ready.get(self._pub) and self._pub.recv()[:1] == b"\x01":  # a reader subscribed
-                        self._welcome_due = True
+                        self._welcome_due = self._heard = True
                     if ready.get(self._rep):
                         self._answer_replay()
                     now = time.monotonic()
-                    if self._welcome_due and now - last_welcome >= WELCOME_INTERVAL_S:
+                    if self._welcome_due and now - last_welcome >= WELCOME_INTERVAL_S and now >= self._next_whole:
                         self._welcome_due, last_welcome, last = False, now, now
-                        pending = self._take_pending()  # first: a clear of the shared tier among them
-                        self._send(self._events(pending) + self._whole_state())
+                        pending = self._take_pending()  # first: their order with the clear matters
+                        self._paid(self._send(self._events(pending) + self._whole_state()))
                         self.num_welcomes += 1
                         continue
                     pending = self._take_pending()
@@ -382,16 +398,3 @@ def _peer(frame: Any) -> str:
             return str(value)
     return "?"
 
-
-def new_epoch() -> int:
-    return secrets.randbits(62)
-
-
-def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
-                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
-    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
-    answers replays only where `replay` names an endpoint to bind."""
-    curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
-    if replay is None and not connect:
-        replay = default_replay_endpoint(endpoint)
-    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

@@ -13,11 +13,20 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from kvstore.events_wire import BadPayload, vllm_extras
 from tiers.base import BlockKey
 
 
 def is_described(key: BlockKey) -> bool:
-    return bool(key.tokens) and key.parent is not None and key.extras is not None
+    """Whether `key` can be announced: token ids, a parent, and extras that decode (a disk
+    may hand back damaged ones)."""
+    if not key.tokens or key.parent is None or key.extras is None:
+        return False
+    try:
+        vllm_extras(key.extras)
+    except BadPayload:
+        return False
+    return True
 
 
 class Mirror:

@@ -8,14 +8,16 @@ shared tier names itself by its identity. Nothing here needs the store's lock.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 from collections.abc import Sequence
 
 import xxhash
 
 from kvstore.config import StoreConfig
-from kvstore.events import EventPublisher, EventSource, new_epoch, publisher_config
-from kvstore.events_wire import medium_of
+from kvstore.events import EventPublisher, EventSource, PublisherConfig
+from kvstore.events_auth import CurveServer
+from kvstore.events_wire import default_replay_endpoint, medium_of
 from kvstore.hashing import BlockHash
 from kvstore.keying import Keyer
 from tiers.base import BlockKey, Tier
@@ -46,3 +48,17 @@ def open_publisher(config: StoreConfig, seed: BlockHash, tiers: Sequence[Tier], 
         tier.describe = publisher.complete
     keyer.on_keys = publisher.describe
     return publisher
+
+
+def new_epoch() -> int:
+    return secrets.randbits(62)
+
+
+def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
+                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
+    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
+    answers replays only where `replay` names an endpoint to bind."""
+    curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
+    if replay is None and not connect:
+        replay = default_replay_endpoint(endpoint)
+    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

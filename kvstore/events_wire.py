@@ -2,8 +2,9 @@
 router and indexer, llm-d's KV-cache indexer and `kvstrata router` all read.
 
 A message is three ZeroMQ frames, `[topic, seq, payload]`: `seq` is an 8-byte big-endian
-batch number counting from 0 per publisher lifetime, `payload` the msgpack array
-`[ts, events, dp_rank]`. Events are maps tagged by "type":
+batch number (vLLM counts from 0 per publisher lifetime; kvstrata from its start time in
+microseconds, so a restart's numbers continue above the last lifetime's), `payload` the
+msgpack array `[ts, events, dp_rank]`. Events are maps tagged by "type":
 
 - `BlockStored`: `block_hashes` (64-bit ints), `parent_block_hash` (the block before the
   first one, None for a sequence's first block), `token_ids` (every token of the blocks),
@@ -36,7 +37,7 @@ from urllib.parse import urlsplit
 import msgpack
 import numpy as np
 
-from kvstore.errors import ConfigError
+from kvstore.errors import ConfigError, InvalidInputError
 from tiers.base import BlockKey, TierTraits
 
 DEFAULT_PORT = 5590  # vLLM's own default is 5557: both can run on one host
@@ -46,6 +47,32 @@ SHARED = "SHARED"
 KVSTRATA = "kvstrata"
 MAX_MESSAGE_BYTES = 16 << 20  # zmq.MAXMSGSIZE of every receiving socket
 MAX_BATCH_TOKENS = 1 << 16  # a batch is cut into messages of at most this many tokens
+
+
+class BadPayload(InvalidInputError):
+    """Bytes from a peer that are not what they should be; the message says why."""
+
+
+def unpack_peer(payload: bytes) -> Any:
+    """The msgpack object of bytes from a peer, built only once they are known to hold it
+    whole: msgpack reserves room for every array or map as its header declares, so the
+    bytes are first skipped through (nothing is built; past 1024 levels of nesting it
+    stops) and must end exactly where the object does. Every element then stands on a
+    byte of its own and no length can exceed the payload's: what is built is bounded by
+    `len(payload)`, whatever the lengths declared or the nesting. `BadPayload` otherwise."""
+    n = len(payload)
+    limits = {"max_str_len": n, "max_bin_len": n, "max_array_len": n, "max_map_len": n // 2, "max_ext_len": 0}
+    try:
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(n, 1), **limits)
+        unpacker.feed(payload)
+        unpacker.skip()
+        if unpacker.tell() != n:
+            raise BadPayload(f"{n - unpacker.tell()} bytes after the msgpack object")
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, **limits)
+    except BadPayload:
+        raise
+    except Exception as exc:  # msgpack raises many types on garbage, truncation and deep nesting
+        raise BadPayload(f"not one whole msgpack object: {type(exc).__name__}") from None
 
 
 def medium_of(traits: TierTraits) -> str:
@@ -138,13 +165,17 @@ def token_list(tokens: bytes) -> list[int]:
 
 def vllm_extras(extras: bytes) -> tuple[str | None, list[Any] | None]:
     """(LoRA name, vLLM `extra_keys` entry) of one block from its canonical extras
-    (`kvstore.hashing.ExtraKeys.block_extras`)."""
+    (`kvstore.hashing.ExtraKeys.block_extras`; read back from a disk, they may be damaged:
+    `BadPayload` then)."""
     if not extras:
         return None, None
     lora: str | None = None
     mm: list[Any] = []
     salt: list[Any] = []
-    for item in msgpack.unpackb(extras, raw=False):
+    items = unpack_peer(bytes(extras))
+    if not isinstance(items, list) or not all(isinstance(i, list) and len(i) in (2, 3) for i in items):
+        raise BadPayload("block extras are not a list of [kind, value] items")
+    for item in items:
         if item[0] == "lora":
             lora = str(item[1])
         elif item[0] == "mm":

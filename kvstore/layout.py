@@ -19,6 +19,7 @@ DTYPES: dict[str, torch.dtype] = {
     "int8": torch.int8,
     "uint8": torch.uint8,
 }
+MAX_DIM = 1 << 31  # bound on a layout's dimensions and a block's tokens: what no KV cache comes near
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -55,8 +56,8 @@ class KVLayout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
-            if not is_int_at_least(value, 1):
-                raise ConfigError(f"KVLayout.{name} must be a positive int, got {value!r}")
+            if not is_int_at_least(value, 1) or value > MAX_DIM:
+                raise ConfigError(f"KVLayout.{name} must be an int in [1, {MAX_DIM}], got {value!r}")
         dtype = self.dtype
         if isinstance(dtype, str):
             if dtype.removeprefix("torch.") not in DTYPES:

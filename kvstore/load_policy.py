@@ -15,6 +15,9 @@ fixed rule) and "never" (nothing is loaded from below the pool: full recompute, 
 Until the prefill rate is known, "auto" loads everything; a tier not measured yet counts as
 free (its first load measures it).
 
+An engine whose scheduler runs in another process than the workers that measure (vLLM's
+multiprocess mode) hands the scheduler's policy the workers' estimates instead (`adopt`).
+
 Two guards keep "auto" from locking itself out of a tier:
 - a sample no engine or device could produce (a prefill faster than `MAX_PREFILL_RATE`, a
   load faster than `MAX_LOAD_BANDWIDTH`, or a zero or negative duration) is rejected and
@@ -28,8 +31,9 @@ Two guards keep "auto" from locking itself out of a tier:
 from __future__ import annotations
 
 import enum
+import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvstore.errors import ConfigError
 from tiers.base import TierKind
@@ -41,6 +45,18 @@ MAX_PREFILL_RATE = 1e8  # tokens per second
 # Faster than any memory a tier reads from (HBM3e is ~5e12 bytes/s; tiers are CPU and below).
 MAX_LOAD_BANDWIDTH = 1e13  # bytes per second
 PROBE_EVERY = 32  # decisions that recompute cached blocks, per probe that loads them
+
+
+def plausible_prefill_rate(rate: float) -> bool:
+    """Whether an engine could prefill at `rate` tokens per second (finite, > 0, at most
+    `MAX_PREFILL_RATE`)."""
+    return isinstance(rate, float | int) and math.isfinite(rate) and 0 < rate <= MAX_PREFILL_RATE
+
+
+def plausible_bandwidth(bandwidth: float) -> bool:
+    """Whether a tier could load at `bandwidth` bytes per second (finite, > 0, at most
+    `MAX_LOAD_BANDWIDTH`)."""
+    return isinstance(bandwidth, float | int) and math.isfinite(bandwidth) and 0 < bandwidth <= MAX_LOAD_BANDWIDTH
 
 
 class LoadPolicyMode(str, enum.Enum):
@@ -107,6 +123,21 @@ class LoadPolicy:
                 self.num_samples_rejected += 1
                 return False
             self._prefill_rate = self._mix(self._prefill_rate, num_tokens / seconds)
+        return True
+
+    def adopt(self, prefill_rate: float | None, bandwidths: Mapping[TierKind, float]) -> bool:
+        """Replace the measures with estimates made elsewhere (the engine's workers, in another
+        process): the prefill rate (None: not known yet) and each tier's bandwidth (a tier not
+        named: not measured yet). False, changing nothing, if any is impossible (counted in
+        `num_samples_rejected`)."""
+        if (prefill_rate is not None and not plausible_prefill_rate(prefill_rate)) or not all(
+                plausible_bandwidth(bw) for bw in bandwidths.values()):
+            with self._lock:
+                self.num_samples_rejected += 1
+            return False
+        with self._lock:
+            self._prefill_rate = None if prefill_rate is None else float(prefill_rate)
+            self._bandwidth = {kind: float(bw) for kind, bw in bandwidths.items()}
         return True
 
     def bandwidth(self, kind: TierKind) -> float | None:

@@ -3,10 +3,12 @@
 `register_metrics(store)` adds the store to its registry's one `StoreCollector` (the default
 registry unless given): every scrape reads each live store's `stats()` and its tiers'
 counters (and, for a tier with tenant quotas, each tenant's share under a hashed `tenant`
-label), so a store's hot path does no metric work beyond timing its calls into one latency
-histogram. Labels: `namespace` (a short digest of the store's namespace seed), `store` (which
-store of the process: several may share a registry) and `tier` (`pool`, `cpu`, `disk`,
-`remote`). Names and example queries: `docs/metrics.md`.
+label: only tenants holding blocks, at most `tiers.quota.LABELLED_TENANTS` a tier, the rest
+and the departed summed under `tenant="other"`), so a store's hot path does no metric work
+beyond timing its calls into one latency histogram. Labels: `namespace` (a short digest of
+the store's namespace seed), `store` (which store of the process: several may share a
+registry) and `tier` (`pool`, `cpu`, `disk`, `remote`). Names and example queries:
+`docs/metrics.md`.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ class StoreCollector:
 
     def _tenant_families(self, snapshots: list[tuple[str, KVCacheStore, StoreStats]]) -> Iterator[Any]:
         """Per-tenant shares of the tiers that keep quotas, labelled by the tenant's hash
-        (`tenant`: 16 hex digits, `default` for blocks without one), never its salt."""
+        (`tenant`: 16 hex digits, `default` for blocks without one, `other` for the sum of
+        the rest), never its salt. Bounded: the tier reports its labelled tenants only."""
         labels = ["namespace", "store", "tier", "tenant"]
         for metric, (doc, kind, value) in _PER_TENANT.items():
             family = _family(metric, doc, kind, labels)

@@ -31,6 +31,23 @@ class CloseResult(NamedTuple):
     num_refused: int
 
 
+class ClearResult(NamedTuple):
+    """What `clear()` did in the shared remote tier (the local tiers always clear whole).
+
+    Attributes:
+        complete: every block it had to delete is gone. False if the remote tier's sweep ran
+            out of time or met a fault (counted in the tier's `num_clears_incomplete`, with a
+            warning): the blocks left are of an old generation, which no reader of the
+            namespace finds, unless the generation itself could not be changed (the server
+            did not answer), and they take the server's memory until its LRU, their TTL or
+            the next clear.
+        num_remote_deleted: keys the remote tier deleted.
+    """
+
+    complete: bool
+    num_remote_deleted: int
+
+
 class LoadResult(NamedTuple):
     """What `retrieve_into` copied: `num_blocks` leading blocks, and how many each tier served."""
 

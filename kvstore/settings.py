@@ -15,7 +15,10 @@ naming the known ones, so a typo is never silently ignored.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
+import operator
 import os
 import re
 from collections.abc import Mapping
@@ -23,6 +26,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from kvstore.errors import ConfigError
+from tiers.plugins import MAX_INT  # the largest count or size a setting takes (what a C int64 holds)
 
 ENV_PREFIX = "KVSTRATA_"
 # Families of `KVSTRATA_*` owned by other layers: the library and connector leave them alone.
@@ -33,22 +37,41 @@ OTHER_FAMILIES = (TEST_PREFIX, BENCH_PREFIX)
 _MOVED = {ENV_PREFIX + old: family + old for family, names in (
     (TEST_PREFIX, ("REQUIRE_REDIS", "REQUIRE_VLLM", "REQUIRE_DYNAMO", "REL_SCALE", "REL_SEED", "REL_REPORT")),
     (BENCH_PREFIX, ("RESULTS", "WORKDIR"))) for old in names}
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]{1,30})\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)  # ASCII digits only
+_INT = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")  # int() would also take "1_0" and other scripts' digits
+_FLOAT = re.compile(r"^\s*[+-]?([0-9]{1,30}\.?[0-9]{0,30}|\.[0-9]{1,30})([eE][+-]?[0-9]{1,4})?\s*$")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 S = TypeVar("S", bound="EnvSettings")
 
 
-def parse_bytes(name: str, value: object) -> int:
-    """An int, or a string like "512MiB", "4G", "1048576" (K/M/G/T are powers of 1024)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0, got {value}")
-        return int(value)
+def shown(value: object, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: how an error names a bad value."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_int(value: object) -> int | None:
+    """An int (NumPy's included; never a bool or a float) or ASCII decimal text as an int; None if neither."""
+    if isinstance(value, bool):
+        return None
     if isinstance(value, str):
-        m = _SIZE.match(value)
-        if m:
-            return int(m.group(1)) * int(1024 ** " KMGT".index(m.group(2).upper() or " "))
-    raise ConfigError(f"{name} must be a byte count such as 1073741824 or '1GiB', got {value!r}")
+        return int(value) if _INT.match(value) else None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # any object: None if it is no integer
+    except TypeError:
+        return None
+
+
+def parse_bytes(name: str, value: object, high: int = MAX_INT) -> int:
+    """An int in [0, high], or a string like "512MiB", "4G", "1048576" (K/M/G/T are powers of 1024)."""
+    number = _as_int(value) if not isinstance(value, str) else None
+    if isinstance(value, str) and (m := _SIZE.match(value)):
+        number = int(m.group(1)) * int(1024 ** " KMGT".index(m.group(2).upper() or " "))
+    if number is None:
+        raise ConfigError(f"{name} must be a byte count such as 1073741824 or '1GiB', got {shown(value)}")
+    if not 0 <= number <= high:
+        raise ConfigError(f"{name} must be a byte count in [0, {high}], got {shown(value)}")
+    return number
 
 
 def parse_bool(name: str, value: object) -> bool:
@@ -57,19 +80,15 @@ def parse_bool(name: str, value: object) -> bool:
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise ConfigError(f"{name} must be a bool (true/false/1/0), got {value!r}")
+    raise ConfigError(f"{name} must be a bool (true/false/1/0), got {shown(value)}")
 
 
 def parse_int(name: str, value: object, low: int, high: int) -> int:
-    """An int in [low, high], or its text."""
-    try:
-        number = int(value)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        number = None
-    if isinstance(value, bool) or number is None or not low <= number <= high or (
-            isinstance(value, float) and value != number):
-        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(number)
+    """An int in [low, high], or its decimal text; never a bool or a float (not even 2.0)."""
+    number = _as_int(value)
+    if number is None or not low <= number <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {shown(value)}")
+    return number
 
 
 def parse_optional_int(name: str, value: object, low: int, high: int) -> int | None:
@@ -77,20 +96,46 @@ def parse_optional_int(name: str, value: object, low: int, high: int) -> int | N
     return None if value is None else parse_int(name, value, low, high)
 
 
-def parse_str(name: str, value: object, *, empty: bool = True) -> str:
-    """`value` if it is a str (non-empty unless `empty`)."""
+def parse_float(name: str, value: object, low: float, high: float, *, above_low: bool = False) -> float:
+    """A finite number in [low, high] (`above_low`: (low, high]), or its text; never a bool."""
+    number: float | None = None
+    if (isinstance(value, (int, float)) and not isinstance(value, bool)) or (isinstance(value, str)
+                                                                            and _FLOAT.match(value)):
+        with contextlib.suppress(OverflowError):  # an int beyond floats
+            number = float(value)
+    if number is None or not math.isfinite(number) or not (low < number if above_low else low <= number) \
+            or not number <= high:
+        interval = f"{'(' if above_low else '['}{low:g}, {high:g}]"
+        raise ConfigError(f"{name} must be a finite number in {interval}, got {shown(value)}")
+    return number
+
+
+def parse_str(name: str, value: object, *, empty: bool = True, secret: bool = False) -> str:
+    """`value` if it is a str of valid UTF-8 text (non-empty unless `empty`); a `secret` one
+    is never shown in the error."""
+    got = "a value that is not shown" if secret else shown(value)
     if not isinstance(value, str) or (not empty and not value):
-        raise ConfigError(f"{name} must be a{'' if empty else ' non-empty'} str, got {value!r}")
+        raise ConfigError(f"{name} must be a{'' if empty else ' non-empty'} str, got {got}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{name} is not valid UTF-8 text: {got}") from None
     return value
 
 
+def parse_optional_str(name: str, value: object) -> str | None:
+    """None, or a non-empty str of valid UTF-8 text."""
+    return None if value is None else parse_str(name, value, empty=False)
+
+
 def parse_path(name: str, value: object) -> str | None:
-    """None, or a non-empty path as a str."""
+    """None, or a non-empty path as a str (without NUL bytes, which no file name holds)."""
     if value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-        raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
-    return str(os.fspath(value))
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ConfigError(f"{name} must be a non-empty path, got {shown(value)}")
+    return path
 
 
 class EnvSettings:
@@ -136,8 +181,12 @@ class EnvSettings:
         """Merge `extra_config` over the variables of `environ` (default `os.environ`) over
         the defaults. Raises `ConfigError` naming an unknown key or variable, or a bad value."""
         environ = os.environ if environ is None else environ
+        if extra_config is not None and not isinstance(extra_config, Mapping):
+            what = (cls.KEYS_NAME or "settings").removesuffix(" keys")
+            raise ConfigError(f"{what} must be a mapping of names to values, got {shown(extra_config)}")
         extra = dict(extra_config or {})
-        unknown = sorted(set(extra) - set(cls.keys()))
+        known = set(cls.keys())
+        unknown = sorted((k for k in extra if k not in known), key=repr)
         if unknown:
             raise ConfigError(f"unknown {cls.KEYS_NAME or 'keys'} {unknown}; known: {cls.keys()}")
         cls.check_environ(environ)
@@ -189,7 +238,7 @@ class LibrarySettings(EnvSettings):
 
     def __post_init__(self) -> None:
         if self.remote_password is not None:
-            parse_str("remote_password", self.remote_password, empty=False)
+            parse_str("remote_password", self.remote_password, empty=False, secret=True)
 
     @classmethod
     def check_environ(cls, environ: Mapping[str, str]) -> None:

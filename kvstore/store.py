@@ -26,7 +26,7 @@ from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
 from kvstore.keying import Keyer
 from kvstore.lifecycle import Lifecycle
 from kvstore.load_policy import LoadPolicy
-from kvstore.results import CloseResult, LoadResult, RetrieveResult, StoreCounters, StoreStats
+from kvstore.results import ClearResult, CloseResult, LoadResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
@@ -343,21 +343,21 @@ class KVCacheStore:
         with self._work.outside():  # close() waits for it to end before closing the tiers
             return self._stack.flush()
 
-    def clear(self, *, all_namespaces: bool = False) -> None:
-        """Delete this store's blocks from every tier. The disk tier may be shared: only this
-        namespace's records go, unless `all_namespaces` (every record in `disk_path`, whoever
-        wrote it: a whole-directory wipe).
-
+    def clear(self, *, all_namespaces: bool = False) -> ClearResult:
+        """Delete this store's blocks from every tier; the result says whether the remote tier
+        finished (docs/remote.md). A shared disk or server loses only this namespace's blocks,
+        unless `all_namespaces` (all kvstrata wrote in `disk_path` and on the server, whoever).
         Work begun before the clear never brings its bytes back after it: a running `prefetch`
         inserts nothing, a queued `astore` stores nothing, nor does a `store` / `store_blocks`
         given an older `generation`."""
         with self._lock:
             self.check_open()
             self._generation += 1
-            self._stack.clear(all_namespaces=all_namespaces)
+            result = self._stack.clear(all_namespaces=all_namespaces)
             if self.events is not None:
                 for tier in self._stack.tiers:
                     self.events.on_clear(tier.kind)
+            return result
 
     def scrub(self) -> ScrubResult | None:
         """Validate every record of the tiers that keep checks (the disk); delete damaged ones

@@ -23,7 +23,7 @@ from tiers.disk_durability import DiskSync
 from tiers.eviction import eviction_config, parse_eviction
 from tiers.plugins import require_int
 from tiers.pool_config import PoolTierConfig, check_device, parse_demotion
-from tiers.remote_config import RemoteTierConfig, check_timeout
+from tiers.remote_config import MAX_TTL_S, RemoteTierConfig, check_timeout
 from tiers.remote_url import check_url
 from tiers.tier_config import TierConfig, tier_config
 
@@ -77,7 +77,7 @@ def flat_values(c: StoreConfig) -> dict[str, object]:
     if c.remote_url is not None:
         check_url(c.remote_url)
     if c.remote_ttl_s is not None:
-        require_int("StoreConfig.remote_ttl_s", c.remote_ttl_s, 1)
+        require_int("StoreConfig.remote_ttl_s", c.remote_ttl_s, 1, high=MAX_TTL_S)
     check_timeout(c.remote_timeout_s, "StoreConfig.remote_timeout_s")
     admission = parse_admission(c.demote_admission, "StoreConfig.demote_admission")
     if admission.kind is AdmissionKind.TINYLFU:

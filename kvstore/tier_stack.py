@@ -18,9 +18,11 @@ from typing import NamedTuple
 
 import torch
 
+from kvstore.results import ClearResult
 from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
 from tiers.blockbatch import take
 from tiers.errors import DiskFullError
+from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 
@@ -266,11 +268,18 @@ class TierStack:
         return next((i for i, t in enumerate(plan) if not self.tiers[t].traits.memory), len(plan))
 
     # -- housekeeping ------------------------------------------------------------------------
-    def clear(self, *, all_namespaces: bool = False) -> None:
+    def clear(self, *, all_namespaces: bool = False) -> ClearResult:
         """Delete this namespace's blocks from every tier (with `all_namespaces`, every block
-        kvstrata wrote in the tiers several namespaces share)."""
+        kvstrata wrote in the tiers several namespaces share). Returns whether the remote
+        tier's sweep finished, and how many keys it deleted (`RemoteTier.sweep`)."""
+        complete, deleted = True, 0
         for tier in self.tiers:
-            tier.clear(all_namespaces=all_namespaces)
+            if isinstance(tier, RemoteTier):
+                swept = tier.sweep(all_namespaces=all_namespaces)
+                complete, deleted = complete and swept.complete, deleted + swept.num_deleted
+            else:
+                tier.clear(all_namespaces=all_namespaces)
+        return ClearResult(complete, deleted)
 
     def scrub(self) -> ScrubResult | None:
         """Validate every block of the tiers that keep checks; delete the damaged ones. The

@@ -79,11 +79,15 @@ class RouterConfig:
             raise ConfigError("the router's token must be at least 16 characters")
 
     def authorized(self, header: str | None) -> bool:
-        """Whether an `Authorization` header carries the token (compared in constant time)."""
+        """Whether an `Authorization` header carries the token (compared in constant time).
+
+        Any header text is an answer, never an error: bytes that are not UTF-8 reach here as
+        aiohttp's surrogate escapes, which `surrogatepass` encodes (so they never match).
+        """
         if self.token is None:
             return True
         given = (header or "").removeprefix("Bearer ").strip()
-        return hmac.compare_digest(given.encode(), self.token.encode())
+        return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), self.token.encode("utf-8", "surrogatepass"))
 
 
 def read_token(path: str) -> str:

@@ -5,7 +5,9 @@ kind, and nothing decoded can hold more than the message's own bytes allow.
 Accepted: vLLM's batches `[ts, events, dp_rank?]` with events as tagged maps (`BlockStored`,
 `BlockRemoved`, `AllBlocksCleared`; other tags are ignored), block hashes as 64-bit ints
 (signed or unsigned) or bytes (their last 8, as vLLM converts them), and kvstrata's extra
-"kvstrata" map.
+"kvstrata" map. The payload is unpacked by `kvstore.events_wire.unpack_peer`: what it builds
+is bounded by the payload's size, whatever lengths or nesting it declares. No value a peer
+sent is ever printed (a deeply nested one would exhaust the interpreter's recursion).
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
+
+from kvstore.events_wire import BadPayload, unpack_peer
 
 MAX_BLOCK_SIZE = 1 << 16
 _MASK = (1 << 64) - 1
-_LIMITS = {"max_str_len": 1 << 20, "max_bin_len": 1 << 24, "max_array_len": 1 << 24, "max_map_len": 1 << 16,
-           "max_ext_len": 0}
 
 
-class BadMessage(ValueError):
+class BadMessage(BadPayload):
     """A message or event that cannot be used; the message says why."""
 
 
@@ -98,7 +99,7 @@ def _meta(value: object) -> Meta | None:
         raise BadMessage("the kvstrata map is not a map")
     epoch = value.get("epoch")
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int)):
-        raise BadMessage(f"epoch is not an int: {epoch!r:.40}")
+        raise BadMessage(f"epoch is not an int: a {type(epoch).__name__}")
     media = value.get("media")
     if media is not None:
         if not isinstance(media, list) or len(media) > 16:
@@ -106,7 +107,7 @@ def _meta(value: object) -> Meta | None:
         media = tuple(_text(m, "a medium", 32) or "" for m in media)
     size = value.get("block_size")
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE):
-        raise BadMessage(f"block_size is not an int in [1, {MAX_BLOCK_SIZE}]: {size!r:.40}")
+        raise BadMessage(f"block_size is not an int in [1, {MAX_BLOCK_SIZE}]: a {type(size).__name__}")
     return Meta(_text(value.get("instance"), "instance", 256), _text(value.get("model"), "model", 256), epoch,
                 _text(value.get("remote"), "remote", 1024), _text(value.get("ns"), "ns", 64), media, size)
 
@@ -116,7 +117,7 @@ def _stored(event: dict[Any, Any], meta: Meta | None) -> Stored:
     parent = event.get("parent_block_hash")
     size = event.get("block_size")
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_BLOCK_SIZE:
-        raise BadMessage(f"block_size is not an int in [1, {MAX_BLOCK_SIZE}]: {size!r:.40}")
+        raise BadMessage(f"block_size is not an int in [1, {MAX_BLOCK_SIZE}]: a {type(size).__name__}")
     tokens = event.get("token_ids")
     if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
         raise BadMessage(f"token_ids is not a list of {len(hashes)} x {size} tokens")
@@ -152,9 +153,9 @@ def decode_batch(payload: bytes) -> tuple[list[Event], int]:
     """The events of one message payload and how many of them were malformed (left out).
     Raises `BadMessage` if the payload is not a batch at all."""
     try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False, **_LIMITS)
-    except Exception as exc:  # msgpack raises many types on garbage (and on nesting too deep)
-        raise BadMessage(f"not msgpack: {type(exc).__name__}") from None
+        batch = unpack_peer(payload)
+    except BadPayload as exc:
+        raise BadMessage(str(exc)) from None
     if not isinstance(batch, list) or not 2 <= len(batch) <= 3 or not isinstance(batch[1], list):
         raise BadMessage("not a [ts, events, dp_rank] array")
     ts = batch[0]

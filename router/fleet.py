@@ -3,19 +3,27 @@ index they feed. Pure state, no I/O: the subscriber hands it decoded batches and
 what to request.
 
 Per source, batches apply in sequence. A batch numbered at or below the last one applied
-means the publisher restarted (vLLM and kvstrata count from 0 per lifetime), as does a new
-kvstrata epoch: the source's own blocks are forgotten. A skipped number is a gap: with a
-replay endpoint the source replays from the first batch missed (live batches are buffered
+means the publisher restarted (vLLM counts from 0 per lifetime), as does a new kvstrata
+epoch (kvstrata's numbers continue above its last lifetime's): the source's own blocks are
+forgotten, and the new lifetime's numbers are no gap. A skipped number is a gap: with a replay
+endpoint the source replays from the first batch missed (live batches are buffered
 meanwhile); without one, it carries on. Blocks are indexed by the router's own key chain
-(`router/keys.py`) computed from each block's parent and token ids; a block whose parent
-the source never announced, or whose extra keys a `/lookup` cannot express (multimodal
-inputs, prompt embeddings), is left out and counted.
+(`router/blocks.py`); a block whose parent the source never announced, or whose extra keys a
+`/lookup` cannot express, is left out and counted.
 
-A shared remote tier is a slot of its own, keyed by the remote tier's identity and the
-namespace fingerprint the publisher gives: every instance naming both can serve its blocks,
-and one model's clearing never touches another model's slot. Everything is bounded:
-sources, blocks per slot, distinct block sizes, remote slots, buffered batches; sources
-silent for `forget_after_s` are forgotten.
+A source may change only what it announced itself. Every block a source announces, in any
+tier, is in its own slot. A shared remote tier is a group of sources, keyed by the remote
+tier's identity and the namespace fingerprint they give: an instance reading it counts the
+remote blocks any member announced, so a block leaves the shared view only once no member
+holds it, and one member's removal or clear (or one claiming the group to send them) takes
+only its own. Everything is bounded: sources, blocks per slot, distinct block sizes, remote
+groups, buffered batches; sources silent for `forget_after_s` are forgotten.
+
+Work is bounded per source: forgetting a slot's blocks walks that slot's chain map (what it
+holds), never the index; each source has a budget of message bytes a second (decoding and
+applying cost about what the bytes hold) and of live batches claiming a restart or a clear
+a second. A message over a budget is dropped and counted, the sequence not advanced: the
+next batch taken shows the gap and is resynced as any other gap.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router import blocks
 from router.decode import Cleared, Event, Meta, Removed, Stored
-from router.index import KVIndex
-from router.keys import ROOT, block_key, chain, extras
-from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Slot, Source
+from router.index import KVIndex, tier_masks
+from router.keys import ROOT, chain
+from router.source import REMOTE_TIER, TIER_OF_MEDIUM, Bucket, Slot, Source
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +54,15 @@ class Limits:
     max_sources: int = 256
     max_blocks_per_slot: int = 1 << 21
     max_block_sizes: int = 4
-    max_remote_slots: int = 64
+    max_remote_slots: int = 64  # shared remote tiers (identity, namespace) known at once
     max_buffered: int = 1024
     stale_after_s: float = 5.0
     forget_after_s: float = 600.0
     replay_interval_s: float = 2.0
+    bytes_per_s: float = 8 << 20  # message bytes taken from one source a second ...
+    burst_bytes: float = 256 << 20  # ... and at once (a whole state of 2^21 blocks fits)
+    claims_per_s: float = 2.0  # live batches claiming a restart or a clear, per source a second ...
+    burst_claims: float = 10.0  # ... and at once
 
 
 class FleetView:
@@ -59,12 +72,13 @@ class FleetView:
         self.limits = limits or Limits()
         self.index = KVIndex()
         self.sources: dict[str, Source] = {}
-        self.remote_slots: dict[tuple[str, str], Slot] = {}
+        self.remote_groups: dict[tuple[str, str], set[str]] = {}  # -> endpoints of its members
         self._free: list[int] = []
         self._next = 0
         self._block_sizes: dict[int, set[str]] = {}  # block size -> endpoints using it
         self.num_batches = self.num_bad_messages = self.num_bad_events = self.num_unmapped = 0
         self.num_dropped_blocks = self.num_gaps = self.num_restarts = self.num_replays = self.num_forgotten = 0
+        self.num_throttled = 0
 
     # -- slots and sources ----------------------------------------------------------------
     def _slot(self) -> Slot:
@@ -73,8 +87,7 @@ class FleetView:
         return Slot(index)
 
     def _release(self, slot: Slot) -> None:
-        self.index.clear(slot.index)
-        slot.chain.clear()
+        blocks.drop(self.index, slot, 0xF)
         self._free.append(slot.index)
 
     def add(self, endpoint: str, name: str, *, replay: str | None = None, model: str | None = None,
@@ -87,6 +100,9 @@ class FleetView:
         if len(self.sources) >= self.limits.max_sources:
             raise FleetFull(f"the router already follows {len(self.sources)} sources (its limit)")
         src = Source(endpoint, name, self._slot(), replay, model, server_key, registered)
+        limits = self.limits
+        src.bytes_budget = Bucket(limits.bytes_per_s, limits.burst_bytes)
+        src.claims_budget = Bucket(limits.claims_per_s, limits.burst_claims)
         self.sources[endpoint] = src
         return src
 
@@ -99,8 +115,7 @@ class FleetView:
 
     def _forget(self, src: Source) -> None:
         """Free everything the source holds; it starts over with its next batch."""
-        self.index.clear(src.slot.index)
-        src.slot.chain.clear()
+        blocks.drop(self.index, src.slot, 0xF)
         self._set_remote(src, None)
         if src.block_size is not None:
             self._block_sizes.get(src.block_size, set()).discard(src.endpoint)
@@ -109,41 +124,66 @@ class FleetView:
         src.reset()
 
     def _set_remote(self, src: Source, remote: tuple[str, str] | None) -> None:
+        """Make `src` a member of the shared remote tier `remote` (None: of none). The remote
+        blocks it announced as a member of another are forgotten: they were not this one's.
+        Past `max_remote_slots` groups, its remote blocks count for its own instance only."""
         if remote == src.remote:
             return
         if src.remote is not None:
-            slot = self.remote_slots[src.remote]
-            slot.users -= 1
-            if slot.users == 0:
-                del self.remote_slots[src.remote]
-                self._release(slot)
+            blocks.drop(self.index, src.slot, 1 << REMOTE_TIER)
+            members = self.remote_groups[src.remote]
+            members.discard(src.endpoint)
+            if not members:
+                del self.remote_groups[src.remote]
         src.remote = None
-        if remote is not None:
-            shared = self.remote_slots.get(remote)
-            if shared is None:
-                if len(self.remote_slots) >= self.limits.max_remote_slots:
-                    return  # its remote blocks are then counted as unmapped
-                shared = self.remote_slots[remote] = self._slot()
-            shared.users += 1
+        if remote is not None and (remote in self.remote_groups
+                                   or len(self.remote_groups) < self.limits.max_remote_slots):
+            self.remote_groups.setdefault(remote, set()).add(src.endpoint)
             src.remote = remote
 
     # -- the stream -----------------------------------------------------------------------
+    def admit(self, src: Source, nbytes: int, now: float) -> bool:
+        """Whether a message of `nbytes` from `src` fits its budget of bytes (spent if so);
+        one that does not is counted as throttled and must be dropped undecoded."""
+        if src.bytes_budget is None or src.bytes_budget.take(nbytes, now):
+            return True
+        self._throttled(src, "bytes")
+        return False
+
+    def _throttled(self, src: Source, what: str) -> None:
+        src.num_throttled += 1
+        self.num_throttled += 1
+        if src.num_throttled & (src.num_throttled - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+            logger.warning("kvstrata router: %s is over its budget of %s a second: %d messages dropped so far",
+                           src.endpoint, what, src.num_throttled)
+
+    def _claims(self, src: Source, seq: int, events: list[Event]) -> bool:
+        """Whether a batch claims a restart or a clear (what costs the source's whole state)."""
+        if src.seq is not None and seq <= src.seq:
+            return True
+        return _new_epoch(src, events) or any(isinstance(e, Cleared) for e in events)
+
     def on_live(self, src: Source, seq: int, events: list[Event], now: float) -> int | None:
         """Take one live batch; returns the batch number to replay from when a replay should
-        be requested now (the caller requests it and then calls `on_replay`), else None."""
+        be requested now (the caller requests it and then calls `on_replay`), else None. A
+        batch claiming a restart or a clear over the source's budget is dropped (counted)."""
         src.last_seen = now
         src.num_batches += 1
         self.num_batches += 1
+        if (not src.replaying and src.claims_budget is not None and self._claims(src, seq, events)
+                and not src.claims_budget.take(1.0, now)):
+            self._throttled(src, "restarts and clears")
+            return None
         if src.replaying:
             if len(src.buffered) < self.limits.max_buffered:
                 src.buffered.append((seq, events))
             else:
                 src.num_dropped += 1  # the replay's answer no longer joins the live stream
             return None
-        if src.seq is not None and seq <= src.seq:
+        if (src.seq is not None and seq <= src.seq) or _new_epoch(src, events):
             self.num_restarts += 1
-            logger.info("kvstrata router: %s restarted (batch %d after %d)", src.endpoint, seq, src.seq)
-            self._forget(src)
+            logger.info("kvstrata router: %s restarted (batch %d after %s)", src.endpoint, seq, src.seq)
+            self._forget(src)  # a new lifetime: its numbers are no gap
         if src.seq is not None and seq > src.seq + 1:
             self.num_gaps += 1
             if self.start_replay(src, now):
@@ -185,19 +225,10 @@ class FleetView:
                 self._stored(src, event)
             elif isinstance(event, Removed):
                 tier = TIER_OF_MEDIUM.get(event.medium, -1)
-                slot = self._target(src, tier)
-                if slot is None:
+                if tier < 0:
                     self.num_bad_events += 1
                     continue
-                bit = 1 << tier
-                for h in event.hashes:
-                    entry = slot.chain.get(h)
-                    if entry is not None and entry[1] & bit:
-                        self.index.remove(slot.index, tier, (entry[0],))
-                        if entry[1] & ~bit:
-                            slot.chain[h] = (entry[0], entry[1] & ~bit)
-                        else:
-                            del slot.chain[h]
+                blocks.remove(self.index, src.slot, tier, event.hashes)
             elif isinstance(event, Cleared):
                 self._cleared(src, event)
 
@@ -205,20 +236,12 @@ class FleetView:
         if meta.epoch is not None:
             if src.epoch is not None and meta.epoch != src.epoch:
                 self.num_restarts += 1
-                self.index.clear(src.slot.index)
-                src.slot.chain.clear()
+                blocks.drop(self.index, src.slot, 0xF)
             src.epoch = meta.epoch
         src.announced_model = meta.model or src.announced_model
         if meta.block_size is not None and src.block_size is None:
             self._block_size_ok(src, meta.block_size)
         self._set_remote(src, (meta.remote, meta.namespace) if meta.remote and meta.namespace else None)
-
-    def _target(self, src: Source, tier: int) -> Slot | None:
-        if tier < 0:
-            return None
-        if tier == REMOTE_TIER and src.remote is not None:
-            return self.remote_slots.get(src.remote)
-        return src.slot
 
     def _block_size_ok(self, src: Source, size: int) -> bool:
         if src.block_size is not None:
@@ -231,58 +254,36 @@ class FleetView:
 
     def _stored(self, src: Source, event: Stored) -> None:
         tier = TIER_OF_MEDIUM.get(event.medium, -1)
-        slot = self._target(src, tier)
-        if slot is None or not self._block_size_ok(src, event.block_size):
+        n = len(event.hashes)
+        parent = ROOT if event.parent is None else self._parent(src, tier, event.parent)
+        if tier < 0 or not self._block_size_ok(src, event.block_size):
             self.num_bad_events += 1
-            src.num_unmapped += len(event.hashes)
-            self.num_unmapped += len(event.hashes)
-            return
-        bs, bit, lora = event.block_size, 1 << tier, event.lora_name
-        if event.parent is None:
-            parent: int | None = ROOT
-        else:
-            found = slot.chain.get(event.parent) or src.slot.chain.get(event.parent)
-            parent = found[0] if found is not None else None
-        buf = event.tokens.tobytes()
-        done = 0
-        for i, h in enumerate(event.hashes):
-            first = event.parent is None and i == 0
-            salt = _salt(event.extra_keys[i] if event.extra_keys else None, lora, first)
-            if parent is None or salt is False:
-                break
-            entry = slot.chain.get(h)
-            if entry is None and len(slot.chain) >= self.limits.max_blocks_per_slot:
-                src.num_dropped += len(event.hashes) - i
-                self.num_dropped_blocks += len(event.hashes) - i
-                return
-            extra = extras(salt if isinstance(salt, str) else None, lora, first)
-            key = block_key(parent, buf[i * bs * 4 : (i + 1) * bs * 4], extra)
-            if entry is not None and entry[0] != key:  # the same hash for other tokens: trust the latest
-                self.index.remove(slot.index, tier, (entry[0],))
-                entry = None
-            slot.chain[h] = (key, (entry[1] if entry is not None else 0) | bit)
-            self.index.add(slot.index, tier, (key,))
-            parent, done = key, i + 1
-        src.num_unmapped += len(event.hashes) - done
-        self.num_unmapped += len(event.hashes) - done
+            parent = None
+        written = blocks.Written(0, 0)
+        if parent is not None:
+            written = blocks.store(self.index, src.slot, tier, event, parent, self.limits.max_blocks_per_slot)
+        src.num_dropped += written.dropped
+        self.num_dropped_blocks += written.dropped
+        src.num_unmapped += n - written.done - written.dropped
+        self.num_unmapped += n - written.done - written.dropped
+
+    def _parent(self, src: Source, tier: int, parent: int) -> int | None:
+        """The router key of a block's parent: in the source's own chain map or, for a block
+        of a shared remote tier, in another member's (it may have written the prefix)."""
+        found = src.slot.chain.get(parent)
+        if found is None and tier == REMOTE_TIER and src.remote is not None:
+            for endpoint in self.remote_groups.get(src.remote, ()):
+                found = self.sources[endpoint].slot.chain.get(parent)
+                if found is not None and found[1] & 1 << REMOTE_TIER:
+                    break
+                found = None
+        return found[0] if found is not None else None
 
     def _cleared(self, src: Source, event: Cleared) -> None:
+        """Forget the source's own blocks in the media the clear names (all, naming none)."""
         media = event.meta.media if event.meta is not None else None
-        tiers = {0, 1, 2, 3} if media is None else {TIER_OF_MEDIUM[m] for m in media if m in TIER_OF_MEDIUM}
-        targets = [(src.slot, tiers)]
-        if media is not None and REMOTE_TIER in tiers and src.remote is not None:
-            remote = self.remote_slots.get(src.remote)
-            if remote is not None:
-                targets = [(src.slot, tiers - {REMOTE_TIER}), (remote, {REMOTE_TIER})]
-        for slot, which in targets:
-            mask = sum(1 << t for t in which)
-            for t in which:
-                self.index.clear(slot.index, t)
-            for h, (key, bits) in list(slot.chain.items()):
-                if bits & ~mask:
-                    slot.chain[h] = (key, bits & ~mask)
-                elif bits & mask:
-                    del slot.chain[h]
+        tiers = 0xF if media is None else sum({1 << TIER_OF_MEDIUM[m] for m in media if m in TIER_OF_MEDIUM})
+        blocks.drop(self.index, src.slot, tiers)
 
     # -- queries ----------------------------------------------------------------------------
     def alive(self, src: Source, now: float) -> bool:
@@ -303,14 +304,21 @@ class FleetView:
     def match(self, tokens: np.ndarray, salt: str | None, lora: str | None,
               instances: dict[str, list[Source]]) -> dict[str, tuple[list[int], int]]:
         """Per instance: blocks of the longest cached prefix of `tokens` by tier, `[pool, cpu,
-        disk, remote]`, and their block size. Hashes once per distinct block size."""
-        by_size: dict[int, list[tuple[str, list[tuple[int, int]]]]] = {}
+        disk, remote]`, and their block size: an instance counts its own sources' blocks in
+        every tier, and the remote blocks of every member of the shared remote tiers its
+        sources read. Hashes once per distinct block size."""
+        shared: dict[tuple[tuple[str, str], int | None], int] = {}  # (group, block size) -> members' remote bits
+        for group, members in self.remote_groups.items():
+            for member in (self.sources[e] for e in members):
+                key = (group, member.block_size)
+                shared[key] = shared.get(key, 0) | 1 << (4 * member.slot.index + REMOTE_TIER)
+        by_size: dict[int, list[tuple[str, tuple[int, int, int, int]]]] = {}
         for name, srcs in instances.items():
             for size in {s.block_size for s in srcs if s.block_size is not None}:
-                group = [(s.slot.index, 0xF) for s in srcs if s.block_size == size]
-                group += [(self.remote_slots[s.remote].index, 1 << REMOTE_TIER) for s in srcs
-                          if s.block_size == size and s.remote is not None and s.remote in self.remote_slots]
-                by_size.setdefault(size, []).append((name, group))
+                m0, m1, m2, m3 = tier_masks([(s.slot.index, 0xF) for s in srcs if s.block_size == size])
+                for group in {s.remote for s in srcs if s.remote is not None}:
+                    m3 |= shared.get((group, size), 0)
+                by_size.setdefault(size, []).append((name, (m0, m1, m2, m3)))
         out: dict[str, tuple[list[int], int]] = {name: ([0, 0, 0, 0], 0) for name in instances}
         for size, entries in by_size.items():
             keys = chain(tokens, size, salt, lora)
@@ -335,14 +343,7 @@ class FleetView:
         return removed
 
 
-def _salt(entry: object, lora: str | None, first: bool) -> str | bool | None:
-    """The cache salt of a block's vLLM `extra_keys` entry (None: none); False if the entry
-    holds what a `/lookup` cannot express, or a salt off a sequence's first block."""
-    items = list(entry) if isinstance(entry, list) else []
-    if lora is not None and items and items[0] == lora:
-        items = items[1:]
-    if not items:
-        return None
-    if len(items) == 1 and isinstance(items[0], str) and first:
-        return items[0]
-    return False
+def _new_epoch(src: Source, events: list[Event]) -> bool:
+    """Whether a batch names a kvstrata epoch other than the source's: a new lifetime."""
+    return src.epoch is not None and any(e.meta is not None and e.meta.epoch is not None and e.meta.epoch != src.epoch
+                                         for e in events)

@@ -83,7 +83,8 @@ def parse_body(raw: bytes) -> object:
         raise BadRequest("body is not JSON the router reads: nested too deeply") from None
 
 
-def _text(body: dict[str, Any], name: str) -> str | None:
+def text_field(body: dict[str, Any], name: str) -> str | None:
+    """`body[name]` if it is absent or valid UTF-8 text of at most 4096 characters; `BadRequest` if not."""
     value = body.get(name)
     if value is None:
         return None
@@ -130,9 +131,9 @@ def parse_query(body: object) -> LookupQuery:
                              or (isinstance(lora, int) and not -(2**63) <= lora < 2**64)):
         raise BadRequest(f"lora_id must be a 64-bit integer or a string, got {str(lora)[:80]}")
     if isinstance(lora, str):
-        lora = _text(body, "lora_id")
-    return LookupQuery(np.asarray(tokens, dtype="<u4"), _text(body, "cache_salt"),
-                       None if lora is None else str(lora), _text(body, "model"), _load(body.get("load")))
+        lora = text_field(body, "lora_id")
+    return LookupQuery(np.asarray(tokens, dtype="<u4"), text_field(body, "cache_salt"),
+                       None if lora is None else str(lora), text_field(body, "model"), _load(body.get("load")))
 
 
 class Chooser:

@@ -48,6 +48,8 @@ class RouterCollector:
             ("kvstrata_router_replays", "Replays requested.", fleet.num_replays),
             ("kvstrata_router_restarts", "Publisher restarts seen.", fleet.num_restarts),
             ("kvstrata_router_forgotten", "Sources forgotten after a long silence.", fleet.num_forgotten),
+            ("kvstrata_router_throttled", "Messages dropped over their source's budget (bytes, or restarts "
+             "and clears, a second).", fleet.num_throttled),
         ):
             yield CounterMetricFamily(name, text, value=value)
         yield GaugeMetricFamily("kvstrata_router_indexed_blocks", "Distinct blocks in the index.",

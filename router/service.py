@@ -20,12 +20,14 @@ from kvstore.errors import ConfigError
 from router.config import RouterConfig, Subscription
 from router.fleet import FleetFull, FleetView
 from router.index import TIERS
-from router.lookup import BadRequest, Chooser, parse_body, parse_query
+from router.lookup import BadRequest, Chooser, parse_body, parse_query, text_field
 from router.metrics import LatencyHistogram, RouterCollector
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 _OPEN = {"/healthz"}
+_ROUTES = {"/lookup": "POST", "/register": "POST", "/unregister": "POST", "/healthz": "GET", "/instances": "GET",
+           "/metrics": "GET"}
 
 
 def need_aiohttp() -> Any:
@@ -73,10 +75,12 @@ class Router:
         known = {"instance_id", "endpoint", "replay_endpoint", "model_name", "block_size", "server_public_key"}
         if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) or set(body) - known:
             raise BadRequest(f"register takes a JSON object with 'endpoint' and optionally {sorted(known)}")
+        name, key = body.get("instance_id"), text_field(body, "server_public_key")
+        if not isinstance(name, int) or isinstance(name, bool):  # Dynamo numbers its workers
+            name = text_field(body, "instance_id")
         try:
-            key = body.get("server_public_key")
-            sub = Subscription(body["endpoint"], str(body.get("instance_id") or ""), body.get("replay_endpoint"),
-                               body.get("model_name"), key.encode() if isinstance(key, str) else None)
+            sub = Subscription(body["endpoint"], str(name or ""), body.get("replay_endpoint"),
+                               text_field(body, "model_name"), None if key is None else key.encode())
             RouterConfig(subscriptions=(sub,), curve=self.config.curve, limits=self.config.limits)
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
@@ -149,6 +153,25 @@ class Router:
             return self.config.authorized(request.headers.get("Authorization"))
         return request.path not in ("/register", "/unregister") or _is_loopback(request.remote)
 
+    async def _expect(self, request: Any) -> None:
+        """`Expect: 100-continue`, or a 417 that does not quote the header: aiohttp's own
+        handler does, which fails on bytes that are not UTF-8 (a 500, before any middleware)."""
+        web = need_aiohttp()
+        if request.version != (1, 1):
+            return
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            self.num_bad_requests += 1
+            raise web.HTTPExpectationFailed(text="the only Expect header this router takes is 100-continue")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
+    async def _nowhere(self, request: Any) -> Any:
+        """Every other path and method (so that `_expect` answers for them too): 404 or 405."""
+        web = need_aiohttp()
+        if request.path not in _ROUTES:
+            raise web.HTTPNotFound()
+        raise web.HTTPMethodNotAllowed(request.method, [_ROUTES[request.path]])
+
     def app(self) -> Any:
         web = need_aiohttp()
 
@@ -162,6 +185,13 @@ class Router:
             except BadRequest as exc:
                 self.num_bad_requests += 1
                 return web.json_response({"error": str(exc)}, status=400)
+            except web.RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes do not decode as
+                self.num_bad_requests += 1
+                request.content.feed_eof()  # the rest is unreadable: no lingering read (and traceback) after this
+                response = web.json_response({"error": f"body cannot be read: {' '.join(str(exc).split())[:200]}"},
+                                             status=400)
+                response.force_close()
+                return response
             except web.HTTPException as exc:
                 if exc.status == 413:
                     self.num_bad_requests += 1
@@ -169,12 +199,10 @@ class Router:
                 return web.json_response({"error": exc.reason}, status=exc.status)
 
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[guard])
-        app.router.add_post("/lookup", self.lookup)
-        app.router.add_post("/register", self.register)
-        app.router.add_post("/unregister", self.unregister)
-        app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/instances", self.instances)
-        app.router.add_get("/metrics", self.metrics)
+        for path, method in _ROUTES.items():  # each path's handler is the method of its name
+            add = app.router.add_get if method == "GET" else app.router.add_post
+            add(path, getattr(self, path[1:]), expect_handler=self._expect)
+        app.router.add_route("*", "/{tail:.*}", self._nowhere, expect_handler=self._expect)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app

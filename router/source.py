@@ -1,10 +1,10 @@
-"""One event source as the router knows it, and the chain map of a slot.
+"""One event source as the router knows it, its slot's chain map, and its budgets.
 
 A source is one subscription: the endpoint the router connects to (its identity: nothing a
 message says can make it another source) and the instance name it reports under. Several
 sources may share a name (a kvstrata store and its engine's own vLLM events are one
 instance). Per source: the sequence of the batches applied, whether a replay is under way
-(live batches are buffered meanwhile, bounded), and its slot in the index.
+(live batches are buffered meanwhile, bounded), its slot in the index, and its budgets.
 """
 
 from __future__ import annotations
@@ -23,12 +23,33 @@ REMOTE_TIER = 3
 
 
 @dataclass
+class Bucket:
+    """A token bucket: `rate` a second, at most `burst`; starts full."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0  # full, on the first `take`
+    last: float = 0.0
+
+    def take(self, amount: float, now: float) -> bool:
+        """Spend `amount` if the bucket holds it (else spend nothing); whether it did."""
+        if self.tokens < 0:
+            self.tokens, self.last = self.burst, now
+        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < amount:
+            return False
+        self.tokens -= amount
+        return True
+
+
+@dataclass
 class Slot:
-    """A slot's chain map: publisher block hash -> (router key, tier bits held)."""
+    """A source's place in the index and its chain map: publisher block hash -> (router key,
+    tier bits held)."""
 
     index: int
     chain: dict[int, tuple[int, int]] = field(default_factory=dict)
-    users: int = 0  # sources reading it (remote slots)
 
 
 @dataclass
@@ -50,11 +71,14 @@ class Source:
     block_size: int | None = None
     announced_model: str | None = None
     epoch: int | None = None
-    remote: tuple[str, str] | None = None  # (remote identity, namespace fingerprint)
+    remote: tuple[str, str] | None = None  # the shared remote tier it is a member of (identity, namespace)
     num_batches: int = 0
     num_bad: int = 0
     num_unmapped: int = 0
     num_dropped: int = 0  # blocks past the bound on blocks per source
+    num_throttled: int = 0  # messages dropped over its budgets
+    bytes_budget: Bucket | None = None  # bytes of messages a second (set by the fleet)
+    claims_budget: Bucket | None = None  # live batches claiming a restart or a clear, a second
 
     @property
     def label(self) -> str | None:

@@ -2,7 +2,9 @@
 socket, vLLM's replay protocol) per source at a time. Every socket caps inbound messages
 (`zmq.MAXMSGSIZE`); with CURVE keys each source is authenticated by its public key. A
 message that does not decode is counted and logged (rate-limited), never the end of a
-subscription.
+subscription. Each message is paid for from its source's budget of bytes before it is
+decoded (`FleetView.admit`), and each yields the loop, so one source's flood cannot starve
+the others or the lookups.
 """
 
 from __future__ import annotations
@@ -89,17 +91,27 @@ class Subscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) != 3 or len(frames[1]) != 8:
-                    self._bad(src, f"{len(frames)} frames")
-                    continue
-                events = self._decode(src, frames[2])
-                if events is None:
-                    continue
-                start = self.fleet.on_live(src, int.from_bytes(frames[1], "big"), events, time.monotonic())
-                if start is not None:
-                    self._replay(src, start)
+                try:
+                    self._take(src, frames)
+                except Exception as exc:  # a fault of the router's own: counted, never the end of a subscription
+                    self._bad(src, f"{type(exc).__name__} applying it")
+                await asyncio.sleep(0)  # a message already queued does not yield: other sources and lookups go on
         finally:
             sock.close(linger=0)
+
+    def _take(self, src: Source, frames: list[bytes]) -> None:
+        """Decode and apply one live message (a replay is requested where the fleet asks)."""
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self._bad(src, f"{len(frames)} frames")
+            return
+        if not self.fleet.admit(src, len(frames[2]), time.monotonic()):
+            return  # over its budget: dropped undecoded (counted); the next batch taken shows the gap
+        events = self._decode(src, frames[2])
+        if events is None:
+            return
+        start = self.fleet.on_live(src, int.from_bytes(frames[1], "big"), events, time.monotonic())
+        if start is not None:
+            self._replay(src, start)
 
     def _replay(self, src: Source, start: int) -> None:
         task = asyncio.ensure_future(self._fetch(src, start))
@@ -129,6 +141,8 @@ class Subscriber:
                 if len(body) != 3 or len(body[1]) != 8:
                     self._bad(src, f"a replay reply of {len(frames)} frames")
                     continue
+                if not self.fleet.admit(src, len(body[2]), time.monotonic()):
+                    break  # over its budget: what came is applied, the rest is a gap
                 events = self._decode(src, body[2])
                 if events is not None:
                     batches.append((int.from_bytes(body[1], "big"), events))

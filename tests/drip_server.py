@@ -3,7 +3,8 @@ drips the replies to chosen commands one byte at a time, each byte well within a
 timeout, so only a bound on a call's total time ends the call.
 
 It speaks just enough RESP3 for redis-py and the tier: arrays of bulk strings in; out, a map
-for HELLO and CONFIG GET, `:1` for EXISTS, a long bulk string for GET, `+OK` for the rest.
+for HELLO and CONFIG GET, `:1` for EXISTS, a long bulk string for GET, `+OK` for the rest;
+commands on a namespace's generation key are never dripped (GET answers `GENERATION`).
 It counts connections opened and closed by the client (EOF or a reset while dripping).
 """
 
@@ -13,6 +14,13 @@ import socket
 import threading
 import time
 from types import TracebackType
+
+GENERATION = b"0123456789abcdef"
+
+
+def on_generation(command: list[bytes]) -> bool:
+    """Whether `command` reads or sets a namespace's generation (`tiers/remote_keys.py`)."""
+    return len(command) >= 2 and command[1].endswith(b":gen2")
 
 
 class DripServer:
@@ -55,6 +63,8 @@ class DripServer:
             return b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n"
         if name == "CONFIG":
             return b"%1\r\n$16\r\nmaxmemory-policy\r\n$11\r\nallkeys-lru\r\n"
+        if on_generation(command) and name == "GET":
+            return b"$%d\r\n%s\r\n" % (len(GENERATION), GENERATION)
         if name == "EXISTS":
             return b":1\r\n"
         if name == "GET":
@@ -71,7 +81,7 @@ class DripServer:
                 name = command[0].decode().upper()
                 self.commands.append(name)
                 reply = self._reply(command)
-                if name not in self.drip:
+                if name not in self.drip or on_generation(command):
                     conn.sendall(reply)
                     continue
                 for i in range(len(reply)):

@@ -12,8 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-from kvstore.errors import ConfigError
-from kvstore.settings import TEST_PREFIX, EnvSettings, parse_bool, parse_int, parse_str
+from kvstore.settings import TEST_PREFIX, EnvSettings, parse_bool, parse_float, parse_int, parse_str
 
 
 @dataclass(frozen=True)
@@ -49,13 +48,7 @@ class Switches(EnvSettings):
             set_(self, name, parse_bool(name, getattr(self, name)))
         parse_str("pool_device", self.pool_device, empty=False)
         parse_str("rel_report", self.rel_report, empty=False)
-        try:
-            scale = float(self.rel_scale)
-        except (TypeError, ValueError):
-            scale = -1.0
-        if not scale > 0:
-            raise ConfigError(f"rel_scale must be a number > 0, got {self.rel_scale!r}")
-        set_(self, "rel_scale", scale)
+        set_(self, "rel_scale", parse_float("rel_scale", self.rel_scale, 0, 1e6, above_low=True))
         set_(self, "rel_seed", parse_int("rel_seed", self.rel_seed, 0, 2**32 - 1))
 
 

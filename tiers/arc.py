@@ -29,7 +29,8 @@ class ARCPolicy(EvictionPolicy[K]):
 
     def __init__(self, capacity_blocks: int, *, ghost_x: float = GHOST_X) -> None:
         super().__init__(capacity_blocks)
-        self._ghost_limit = max(1, int(capacity_blocks * ghost_x))
+        self._ghost_x = ghost_x
+        self._ghost_limit = self._ghost_cap(capacity_blocks)
         self._t1: OrderedDict[K, None] = OrderedDict()
         self._t2: OrderedDict[K, None] = OrderedDict()
         self._b1: OrderedDict[K, None] = OrderedDict()
@@ -101,6 +102,22 @@ class ARCPolicy(EvictionPolicy[K]):
     def order(self) -> Iterator[K]:
         return itertools.chain(self._t1, self._t2)
 
+    def _ghost_cap(self, capacity_blocks: int) -> int:
+        """Entries of each ghost list for a tier of `capacity_blocks` blocks."""
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
+
+    @property
+    def num_remembered(self) -> int:
+        return len(self._b1) + len(self._b2)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return 2 * self._ghost_cap(capacity_blocks)
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        cap = self._ghost_cap(capacity_blocks)
+        trim(self._b1, cap)
+        trim(self._b2, cap)
+
     def clear(self) -> None:
         for d in (self._t1, self._t2, self._b1, self._b2):
             d.clear()
@@ -124,7 +141,7 @@ class ARCConfig(EvictionConfig):
     ghost_x: float = GHOST_X
 
     def __post_init__(self) -> None:
-        check_ratio("ARCConfig.ghost_x", self.ghost_x, upper=None)
+        object.__setattr__(self, "ghost_x", check_ratio("ARCConfig.ghost_x", self.ghost_x))
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return ARCPolicy(capacity_blocks, ghost_x=self.ghost_x)

@@ -1,4 +1,5 @@
-"""`copy_block`: one block's copy, single-threaded when both sides are in host memory.
+"""Host memory helpers: `copy_block` (one block's copy, single-threaded when both sides are in
+host memory) and `mapped_tensor` (a tensor over a mapping of its own).
 
 torch's CPU `copy_` splits even a small block over its OpenMP pool; on a busy machine (or
 inside an engine that pinned the pool to its own cores) the threads' hand-offs can cost a
@@ -7,6 +8,8 @@ thousand times the copy itself. A block is small enough that one thread's memcpy
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 
 import numpy as np
@@ -37,3 +40,17 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
             np.copyto(d, s)
             return
     dst.copy_(src)
+
+
+def mapped_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor over an anonymous memory mapping of its own.
+
+    Unlike `torch.empty`, whose large allocations malloc may carve out of a heap that earlier
+    frees left behind, the memory goes back to the OS as soon as the last tensor or view over it
+    is dropped (the mapping is unmapped), whatever else the process allocated before.
+    """
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    region = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)

@@ -22,7 +22,7 @@ from tiers.base import (
     plan_put,
 )
 from tiers.blockbatch import BlockBatch, copy_rows
-from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.blockcopy import copy_block, host_memory_bytes, mapped_tensor
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 from tiers.eviction import EvictionConfig, EvictionKind
 from tiers.residency import Residency, key_parent, key_tenant
@@ -68,7 +68,8 @@ class CPUTier(Tier):
         if num_bytes > host_memory_bytes():  # refuse before zero-filling into an OOM kill
             raise ConfigError(f"CPU tier of {num_bytes} bytes exceeds this machine's RAM ({host_memory_bytes()})")
         try:
-            self._slab = torch.empty((num_slots, *block_shape), dtype=dtype, pin_memory=pin_memory)
+            shape = (num_slots, *block_shape)  # a mapping of its own: close() returns it to the OS
+            self._slab = torch.empty(shape, dtype=dtype, pin_memory=True) if pin_memory else mapped_tensor(shape, dtype)
             self._slab.view(torch.uint8).zero_()  # fault every page in now, not on the hot path
         except (RuntimeError, MemoryError) as exc:
             raise ConfigError(f"CPU tier of {num_bytes} bytes cannot be allocated: {exc}") from None
@@ -142,6 +143,12 @@ class CPUTier(Tier):
     def tenant_stats(self) -> list[TenantStats]:
         """Per-tenant blocks and counters under hashed labels (empty without quotas)."""
         return self._res.tenant_stats()
+
+    @property
+    def num_tenants_tracked(self) -> int:
+        """Tenants whose eviction policy and counters the tier keeps: those holding blocks now
+        (0 without quotas). A tenant whose last block leaves is forgotten."""
+        return self._res.num_tenants_tracked
 
     def block_view(self, block_hash: BlockHash) -> torch.Tensor | None:
         """The slot tensor holding `block_hash` (a view: valid until the block is evicted)."""

@@ -31,10 +31,7 @@ def check_path(value: object, what: str) -> str:
 
 def check_disk_bytes(value: object, what: str) -> int:
     """`value` as a disk budget in bytes (> 0, at most `MAX_DISK_BYTES`); `ConfigError` naming `what`."""
-    size = require_int(what, value, 1)
-    if size > MAX_DISK_BYTES:
-        raise ConfigError(f"{what}={size} is above the maximum, {MAX_DISK_BYTES}")
-    return size
+    return require_int(what, value, 1, high=MAX_DISK_BYTES)
 
 
 @register_tier("disk")

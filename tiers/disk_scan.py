@@ -16,7 +16,7 @@ import numpy as np
 
 from tiers.base import BlockHash, BlockKey, ScrubResult
 from tiers.disk_codec import DiskCodec
-from tiers.disk_files import SlotFiles
+from tiers.disk_files import SlotFiles, file_name
 from tiers.disk_index import (
     DB_NAMES,
     FORMAT,
@@ -25,12 +25,13 @@ from tiers.disk_index import (
     Entry,
     Index,
     block_cost,
+    ns_tag,
     unpack_entry,
 )
 from tiers.disk_mirror import Mirror
 from tiers.disk_payload import payload_sum
 from tiers.errors import ConfigError, CorruptRecordError, UnverifiableRecordError
-from tiers.lmdb_env import _ENVS, begin
+from tiers.lmdb_env import _ENVS, TruncatedIndexError, begin, open_read_only
 
 unpack = unpack_entry
 _BE_TICK = 8
@@ -214,64 +215,124 @@ def wipe(ix: Index, txn: lmdb.Transaction, log_keep: int) -> None:
 @contextmanager
 def _read_only_index(path: str) -> Iterator[tuple[lmdb.Environment, Any]]:
     """The index under `path`, read-only: this process's open environment if it has one,
-    else a read-only open (readers take no writer lock)."""
+    else a read-only open checked as the store checks its own (`open_read_only`). Raises
+    `ConfigError` naming the problem if `path` holds no kvstrata disk tier this version reads."""
     real = os.path.realpath(path)
     shared = _ENVS.find(real)
     if shared is not None:
         yield shared, [shared.open_db(n) for n in DB_NAMES]
         return
+    env = open_read_only(path)
     try:
-        env = lmdb.open(real, readonly=True, lock=True, max_dbs=8, create=False)
-    except lmdb.Error as exc:
-        raise ValueError(f"{path!r} is not a readable LMDB environment: {exc}") from None
-    try:
-        with env.begin() as txn:
-            if all(txn.get(name) is not None for name in OLD_DB_NAMES):
-                raise ValueError(f"{path!r} holds a disk tier in kvstrata's first on-disk format, which this "
-                                 "version does not read")
         try:
+            with env.begin() as txn:
+                old = all(txn.get(name) is not None for name in OLD_DB_NAMES)
+            if old:
+                raise ConfigError(f"{path!r} holds a disk tier in kvstrata's first on-disk format, which this "
+                                  "version does not read")
             dbs = [env.open_db(n, create=False) for n in DB_NAMES]
-        except lmdb.Error:
-            raise ValueError(f"{path!r} is an LMDB environment but not a kvstrata disk tier") from None
+            with env.begin() as txn:
+                fmt = txn.get(b"format", db=dbs[-1])
+        except lmdb.Error as exc:
+            raise ConfigError(f"{path!r} is an LMDB environment but not a kvstrata disk tier ({exc})") from None
+        if fmt is not None and bytes(fmt) != FORMAT:
+            raise ConfigError(f"{path!r} holds a disk tier of format {bytes(fmt)[:40]!r}, which this version of "
+                              f"kvstrata does not read (it reads {FORMAT!r})")
         yield env, dbs
     finally:
         env.close()
 
 
+def _space(name: str) -> dict[str, Any]:
+    return {"namespace": name, "identity": None, "capacity_bytes": None, "blocks": 0, "bytes": 0,
+            "damaged_blocks": 0, "oldest_tick": None, "newest_tick": None}
+
+
+def _namespace_record(key: bytes, value: bytes, damage: list[dict[str, str]]) -> tuple[bytes, dict[str, Any]]:
+    """The tag and summary of one `ns:` record of the meta database, its damage noted (the
+    tag is recomputed from the namespace, so its blocks count under it whatever the record holds)."""
+    namespace = key[3:]
+    space, tag = _space(namespace.hex()), ns_tag(namespace)
+    where = f"namespace {namespace.hex()}"
+    try:
+        entry = msgpack.unpackb(value, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:  # some carry no text
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        damage.append({"where": where, "what": f"its record is not msgpack ({why})"[:300]})
+        return tag, space
+    if not isinstance(entry, dict):
+        damage.append({"where": where, "what": f"its record is a {type(entry).__name__}, not a map"})
+        return tag, space
+    space["identity"] = entry.get("identity")
+    named = entry.get("tag")
+    if named != tag:
+        named = named.hex() if isinstance(named, bytes) else repr(named)[:40]
+        damage.append({"where": where, "what": f"its record names tag {named}, not {tag.hex()}"})
+    capacity = entry.get("capacity_bytes")
+    if capacity is None or (type(capacity) is int and capacity >= 0):
+        space["capacity_bytes"] = capacity
+    else:
+        damage.append({"where": where, "what": f"its budget {str(capacity)[:40]!r} is not a byte count"})
+    return tag, space
+
+
 def summarize(path: str) -> dict[str, Any]:
     """Per-namespace summary of the disk tier at `path`: identity, budget, blocks, bytes,
-    least and most recent LRU ticks; the data files. Raises `ValueError` naming the problem
-    if `path` holds no kvstrata disk tier."""
+    least and most recent LRU ticks; the data files; and `damage`, one `{"where", "what"}`
+    for each namespace record or index entry that does not parse, each block whose slot lies
+    past the end of its data file, and a `data.mdb` shorter than its meta page says (then
+    nothing else is read). The pass goes on past each; payloads are not read. Raises
+    `ConfigError` (a `ValueError`) naming the problem if `path` holds no kvstrata disk tier."""
     if not os.path.isfile(os.path.join(path, "data.mdb")):
-        raise ValueError(f"{path!r} holds no kvstrata disk tier (no data.mdb)")
-    with _read_only_index(path) as (env, dbs):
-        index_db, _, _, _, meta = dbs
-        spaces: dict[bytes, dict[str, Any]] = {}
-        with env.begin(buffers=True) as txn:
-            for key, value in txn.cursor(db=meta):
-                if bytes(key).startswith(b"ns:"):
-                    entry = msgpack.unpackb(bytes(value), raw=False)
-                    tag = entry.get("tag") or b""
-                    spaces[tag] = {"namespace": bytes(key)[3:].hex(), "identity": entry.get("identity"),
-                                   "capacity_bytes": entry.get("capacity_bytes"), "blocks": 0, "bytes": 0,
-                                   "oldest_tick": None, "newest_tick": None}
-            for key, raw in txn.cursor(db=index_db):
-                tag = bytes(key)[:TAG_BYTES]
-                space = spaces.setdefault(tag, {"namespace": f"(unregistered tag {tag.hex()})", "identity": None,
-                                                "capacity_bytes": None, "blocks": 0, "bytes": 0,
-                                                "oldest_tick": None, "newest_tick": None})
-                try:
-                    e = unpack_entry(raw)
-                except CorruptRecordError:
-                    continue
-                space["blocks"] += 1
-                space["bytes"] += block_cost(e.slot_bytes)
-                old, new = space["oldest_tick"], space["newest_tick"]
-                space["oldest_tick"] = e.tick if old is None else min(old, e.tick)
-                space["newest_tick"] = e.tick if new is None else max(new, e.tick)
-        info = env.info()
+        raise ConfigError(f"{path!r} holds no kvstrata disk tier (no data.mdb)")
     files = SlotFiles(path).file_sizes()
-    return {"path": os.path.abspath(path), "map_bytes": info["map_size"],
-            "index_bytes": os.path.getsize(os.path.join(path, "data.mdb")),
-            "data_files": {str(size): n for size, n in sorted(files.items())},
-            "namespaces": {s.pop("namespace"): s for s in spaces.values()}}
+    report: dict[str, Any] = {"path": os.path.abspath(path), "map_bytes": 0,
+                              "index_bytes": os.path.getsize(os.path.join(path, "data.mdb")),
+                              "data_files": {str(size): n for size, n in sorted(files.items())}}
+    damage: list[dict[str, str]] = []
+    spaces: dict[bytes, dict[str, Any]] = {}
+    try:
+        with _read_only_index(path) as (env, dbs):
+            index_db, _, _, _, meta = dbs
+            try:
+                with env.begin(buffers=True) as txn:
+                    for key, value in txn.cursor(db=meta):
+                        if bytes(key).startswith(b"ns:"):
+                            tag, space = _namespace_record(bytes(key), bytes(value), damage)
+                            spaces[tag] = space
+                    for key, raw in txn.cursor(db=index_db):
+                        _count_entry(bytes(key), raw, spaces, files, damage)
+            except lmdb.Error as exc:  # a damaged page: what was read so far stands
+                damage.append({"where": "data.mdb", "what": f"LMDB stopped reading: {exc}"[:300]})
+            report["map_bytes"] = env.info()["map_size"]
+    except TruncatedIndexError as exc:  # nothing in the index may be touched: that is the damage
+        damage.append({"where": "data.mdb", "what": str(exc)})
+    return {**report, "namespaces": {s.pop("namespace"): s for s in spaces.values()}, "damage": damage}
+
+
+def _count_entry(key: bytes, raw: Any, spaces: dict[bytes, dict[str, Any]], files: dict[int, int],
+                 damage: list[dict[str, str]]) -> None:
+    """Count one index entry into its namespace's summary, or note what is wrong with it."""
+    tag = key[:TAG_BYTES]
+    space = spaces.get(tag)
+    if space is None:
+        space = spaces[tag] = _space(f"(unregistered tag {tag.hex()})")
+    where = f"block {key.hex()} of namespace {space['namespace']}"
+    try:
+        e = unpack_entry(raw)
+    except CorruptRecordError as exc:
+        space["damaged_blocks"] += 1
+        damage.append({"where": where, "what": f"its index entry is damaged ({exc})"})
+        return
+    end, size = e.slot * e.slot_bytes + e.length, files.get(e.slot_bytes)
+    if size is None or size < end:
+        space["damaged_blocks"] += 1
+        problem = "is missing" if size is None else f"holds {size} bytes"
+        damage.append({"where": where, "what": f"its payload ends at byte {end} of {file_name(e.slot_bytes)}, "
+                                               f"which {problem}: the file was truncated or removed"})
+        return
+    space["blocks"] += 1
+    space["bytes"] += block_cost(e.slot_bytes)
+    old, new = space["oldest_tick"], space["newest_tick"]
+    space["oldest_tick"] = e.tick if old is None else min(old, e.tick)
+    space["newest_tick"] = e.tick if new is None else max(new, e.tick)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import enum
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -119,6 +118,21 @@ class EvictionPolicy(abc.ABC, Generic[K]):
     def order(self) -> Iterator[K]:
         """The held keys, roughly in eviction order (the next to go first); changes nothing."""
 
+    @property
+    def num_remembered(self) -> int:
+        """Keys remembered after they left (ghosts, counts); 0 for a policy without history."""
+        return 0
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        """The most keys this policy remembers for a tier of `capacity_blocks` blocks (never
+        more than for its own capacity)."""
+        return 0
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        """Forget the oldest remembered keys beyond `history_limit(capacity_blocks)`: the
+        tier holds fewer blocks under this policy than it was made for (a tenant's share)."""
+        return None
+
     @abc.abstractmethod
     def clear(self) -> None:
         """Forget every key, history included."""
@@ -192,13 +206,16 @@ def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
         ghosts.popitem(last=False)
 
 
-def check_ratio(what: str, value: object, *, upper: float | None) -> None:
-    """Raise `ConfigError` naming `what` unless `value` is a finite number > 0 (and below
-    `upper` when given): a policy's share or multiple of its tier's capacity."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
-    if not ok or (upper is not None and not value < upper):  # type: ignore[operator]  # a number once ok
-        bound = "> 0" if upper is None else f"in (0, {upper:g})"
-        raise ConfigError(f"{what} must be a number {bound}, got {value!r}")
+MAX_RATIO = 1e6  # a policy's multiple of its tier's capacity: far past any use
+
+
+def check_ratio(what: str, value: object, *, upper: float = MAX_RATIO) -> float:
+    """`value` as a float > 0 and below `upper`: a policy's share or multiple of its tier's
+    capacity; `ConfigError` naming `what` otherwise (a bool, a string, NaN, too large)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < upper
+    if not ok:
+        raise ConfigError(f"{what} must be a number in (0, {upper:g}), got {value!r:.80}")
+    return float(value)  # type: ignore[arg-type]  # a number once ok
 
 
 @dataclass(frozen=True)

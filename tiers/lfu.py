@@ -35,7 +35,8 @@ class LFUPolicy(EvictionPolicy[K]):
         self._count: dict[K, int] = {}
         self._buckets: list[OrderedDict[K, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
         self._history: OrderedDict[K, int] = OrderedDict()
-        self._history_limit = max(1, int(capacity_blocks * history_x))
+        self._history_x = history_x
+        self._history_limit = self.history_limit(capacity_blocks)
         self._uses = 0
         self._age_every = AGE_X * capacity_blocks
         self._low = 1  # no non-empty bucket below this one
@@ -117,6 +118,16 @@ class LFUPolicy(EvictionPolicy[K]):
     def order(self) -> Iterator[K]:
         return itertools.chain.from_iterable(self._buckets)
 
+    @property
+    def num_remembered(self) -> int:
+        return len(self._history)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._history_x))
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        trim(self._history, self.history_limit(capacity_blocks))
+
     def clear(self) -> None:
         self._count.clear()
         self._history.clear()
@@ -145,7 +156,7 @@ class LFUConfig(EvictionConfig):
     history_x: float = HISTORY_X
 
     def __post_init__(self) -> None:
-        check_ratio("LFUConfig.history_x", self.history_x, upper=None)
+        object.__setattr__(self, "history_x", check_ratio("LFUConfig.history_x", self.history_x))
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return LFUPolicy(capacity_blocks, history_x=self.history_x)

@@ -48,8 +48,12 @@ def _check_address_space(map_size: int, path: str) -> None:
     probe.close()
 
 
+class TruncatedIndexError(ConfigError):
+    """`data.mdb` is shorter than its meta page says: nothing in it may be touched."""
+
+
 def _check_data_file(env: lmdb.Environment, real: str) -> None:
-    """The data file must hold every page its meta page says is in use."""
+    """The data file must hold every page its meta page says is in use (`TruncatedIndexError`)."""
     info, stat = env.info(), env.stat()
     need = (info["last_pgno"] + 1) * stat["psize"]
     try:
@@ -57,7 +61,7 @@ def _check_data_file(env: lmdb.Environment, real: str) -> None:
     except OSError:
         return  # a subdir-less layout or a file that is not there: LMDB itself reports it
     if size < need:
-        raise ConfigError(
+        raise TruncatedIndexError(
             f"disk tier at {real!r}: data.mdb holds {size} bytes but its meta page uses {need}: the file was "
             "truncated; move it away (or delete it) to start an empty disk tier"
         )
@@ -104,6 +108,27 @@ def acquire_env(path: str, map_size: int, sync: bool) -> tuple[str, lmdb.Environ
         return env
 
     return real, _ENVS.acquire(real, open_env, on_share=grow)
+
+
+def open_read_only(path: str) -> lmdb.Environment:
+    """A read-only open of the LMDB environment under `path` (readers take no writer lock;
+    not shared, the caller closes it), checked as `acquire_env` checks its own. Raises
+    `ConfigError` if there is none, `TruncatedIndexError` if its data file is shorter than
+    its meta page says (touching the missing pages would kill the process with SIGBUS)."""
+    real = os.path.realpath(path)
+    try:
+        env = lmdb.open(real, readonly=True, lock=True, max_dbs=8, create=False)
+    except (lmdb.Error, MemoryError, OverflowError, ValueError) as exc:
+        why = str(exc)
+        with contextlib.suppress(OSError):
+            why = f"data.mdb of {os.path.getsize(os.path.join(real, 'data.mdb'))} bytes: {why}"
+        raise ConfigError(f"{path!r} is not a readable LMDB environment ({why})") from None
+    try:
+        _check_data_file(env, real)
+    except BaseException:
+        env.close()
+        raise
+    return env
 
 
 def release_env(real: str) -> None:

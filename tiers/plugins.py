@@ -43,11 +43,14 @@ def is_int_at_least(value: object, low: int) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
 
 
-def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError) -> int:
-    """`value` as an int >= `low`, else `error` naming it: the one check of every count, size
-    and index kvstrata takes from a caller."""
-    if not is_int_at_least(value, low):
-        bound = "> 0" if low == 1 else f">= {low}"
+MAX_INT = 2**63 - 1  # the largest count or size a config takes (what a C int64 holds)
+
+
+def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError, high: int = MAX_INT) -> int:
+    """`value` as an int in [low, high] (never a bool or a float), else `error` naming it: the
+    one check of every count, size and index kvstrata takes from a caller."""
+    if not is_int_at_least(value, low) or value > high:  # type: ignore[operator]  # an int once at least low
+        bound = ("> 0" if low == 1 else f">= {low}") if high == MAX_INT else f"in [{low}, {high}]"
         raise error(f"{name} must be an int {bound}, got {value!r}")
     assert isinstance(value, (int, np.integer))
     return int(value)

@@ -7,10 +7,15 @@ time left, and no more (a connect: at most `socket_connect_timeout`), and once i
 operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
 by itself: a large read may wait on a busy server as long as the whole call ends in time.
 redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
-half-read state.
+half-read state. A deadline may also bound the bytes its calls receive (`max_reply_bytes`):
+redis-py reads whatever length a reply claims, so a server that answers INFO with
+`$1073741824` and keeps sending would fill memory until the deadline; past the bound a
+receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
 
 `Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
 writes never makes a read a miss), its circuit breaker and its rate-limited warning.
+`Server` makes a tier's calls: each within its deadline and its bound on replies, each
+fault counted in its kind's `Health`, never raised.
 """
 
 from __future__ import annotations
@@ -22,28 +27,41 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from tiers.remote_url import UrlParts, parse
+from tiers.remote_stream import Op, Streams
+from tiers.remote_url import UrlParts, parse, redacted, scrub
+from tiers.resp import ReplyTooLong
 
 logger = logging.getLogger("tiers.remote")
 
 WARN_EVERY_S = 10.0
+REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
 _FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
 _local = threading.local()
 
 
 @contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
+def deadline(seconds: float, max_reply_bytes: int) -> Iterator[None]:
     """Bound every socket operation of this thread's redis calls in the block to end within
-    `seconds` from now, together."""
-    previous = getattr(_local, "deadline", None)
+    `seconds` from now, together, and to receive at most `max_reply_bytes`, together."""
+    previous = getattr(_local, "deadline", None), getattr(_local, "budget", None)
     _local.deadline = time.monotonic() + seconds
+    _local.budget = [max_reply_bytes, max_reply_bytes]  # left, bound
     try:
         yield
     finally:
-        _local.deadline = previous
+        _local.deadline, _local.budget = previous
+
+
+def _charge(nbytes: int) -> None:
+    """Count `nbytes` received against this thread's bound; `ReplyTooLong` once past it."""
+    budget: list[int] | None = getattr(_local, "budget", None)
+    if budget is not None:
+        budget[0] -= nbytes
+        if budget[0] < 0:
+            raise ReplyTooLong("replies of one call", budget[1] - budget[0], budget[1])
 
 
 def _time_left() -> float | None:
@@ -92,11 +110,15 @@ class _DeadlineSocket:
 
     def recv(self, size: int, *flags: int) -> bytes:
         self._arm()
-        return self._sock.recv(size, *flags)  # type: ignore[no-any-return]
+        data: bytes = self._sock.recv(size, *flags)
+        _charge(len(data))
+        return data
 
     def recv_into(self, buffer: Any, *args: int) -> int:
         self._arm()
-        return self._sock.recv_into(buffer, *args)  # type: ignore[no-any-return]
+        n: int = self._sock.recv_into(buffer, *args)
+        _charge(n)
+        return n
 
     def sendall(self, data: Any, *flags: int) -> None:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
@@ -230,3 +252,91 @@ class RateLimitedWarning:
                 return
             held, self._held, self._last = self._held, 0, now
         logger.warning("kvstrata: %s%s", message, f" ({held} more like it since the last warning)" if held else "")
+
+
+class Server:
+    """The calls of one tier to its server (or cluster): one client, connected on first use,
+    and windowed pipelines on it (`tiers/remote_stream.py`). A round trip moving `nbytes`
+    must end within `timeout_s + nbytes / min_rate_bps` and receive at most its replies'
+    bound (and `REPLY_SLACK`), else it is a fault; reads and writes keep apart `Health`."""
+
+    def __init__(self, url: str, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
+                 window_bytes: int, password: str | None) -> None:
+        self.url = url
+        self.parts = parse(url)
+        self._password = password  # used where the URL has none
+        self._secrets = self.parts.secrets + [s for s in (password,) if s]
+        self._timeout_s = timeout_s
+        self._min_rate_bps = min_rate_bps
+        self._window_bytes = window_bytes
+        self.reads, self.writes = Health("read", cooldown_s), Health("write", cooldown_s)
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._streams: Streams | None = None
+
+    def limit(self, nbytes: int) -> float:
+        """The deadline of a round trip moving `nbytes`."""
+        return self._timeout_s + nbytes / self._min_rate_bps
+
+    def _connect(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                with deadline(self._timeout_s, REPLY_SLACK):
+                    self._client = connect(self.url, self._timeout_s, self.parts, self._password)
+                self._streams = Streams(self._client, self._window_bytes)
+            return self._client
+
+    def call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any], reply_bytes: int) -> Any:
+        """`fn(client)` within the deadline for `nbytes`, receiving at most `reply_bytes` (and
+        `REPLY_SLACK`); None if the server fails, the deadline passes, it sends more, or
+        `health`'s breaker is open. A list of replies with a command the server refused (its
+        exception in its place) is returned as is. Each fault is counted in `health`, with a
+        rate-limited warning."""
+        if not health.available():
+            return None
+        try:
+            with deadline(self.limit(nbytes), reply_bytes + REPLY_SLACK):
+                result = fn(self._connect())
+        except Exception as exc:  # every server fault is a miss or a dropped write
+            self.fault(health, what, exc)
+            return None
+        refused = [r for r in result if isinstance(r, Exception)] if isinstance(result, list) else []
+        if refused:  # e.g. OOM from a full noeviction server
+            self.fault(health, f"{what} ({len(refused)} of {len(result)} commands)", refused[0])
+        else:
+            health.ok()
+        return result
+
+    def caller(self, health: Health) -> Callable[[str, int, Callable[[Any], Any], int], Any]:
+        """`call` with `health` bound."""
+        return lambda what, nbytes, fn, reply_bytes: self.call(health, what, nbytes, fn, reply_bytes)
+
+    def stream(self, health: Health, what: str, nbytes: int, ops: list[Op], on_reply: Callable[[int, Any], bool],
+               buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
+        """Run `ops` as a windowed pipeline within the deadline for `nbytes`, passing each
+        reply to `on_reply` until it returns False; False if the call failed as a whole.
+        Errors (refused commands, a lost connection, a reply longer than its `Op.limit`) are
+        one fault of `health` per call."""
+        replies = 2 * sum(op.limit for op in ops)  # a cluster may send a call twice
+        return self.call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
+            ops, on_reply, buffer_for), replies) is not None
+
+    def pipelined(self, health: Health, what: str, nbytes: int, commands: Callable[[Any], object]) -> list[Any] | None:
+        """The replies to the commands `commands(pipe)` queues, in one round trip (None: a
+        fault). A command the server refused has its exception in its place."""
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        replies: list[Any] | None = self.call(health, what, nbytes, run, nbytes)
+        return replies
+
+    def fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"remote tier {redacted(self.url)}: {what} failed "
+                     f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a dead connection
+            if self._client is not None:
+                self._client.close()

@@ -12,6 +12,7 @@ from tiers.remote import RemoteTier, check_url
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
 _RAW = RawConfig()
+MAX_TTL_S = 1 << 32  # a record's expiry, in seconds: what a server takes
 
 
 def check_timeout(value: object, what: str) -> float:
@@ -45,7 +46,7 @@ class RemoteTierConfig(TierConfig):
     def __post_init__(self) -> None:
         check_url(self.url)
         if self.ttl_s is not None:
-            require_int("RemoteTierConfig.ttl_s", self.ttl_s, 1)
+            require_int("RemoteTierConfig.ttl_s", self.ttl_s, 1, high=MAX_TTL_S)
         check_timeout(self.timeout_s, "RemoteTierConfig.timeout_s")
         object.__setattr__(self, "codec", codec_config(self.codec, "RemoteTierConfig.codec"))
 

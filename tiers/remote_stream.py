@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from tiers.resp import Buffer, Oversized, ReplyError, RespReader, command, send_all
+from tiers.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
 
-__all__ = ["Op", "Oversized", "ReplyError", "Streams", "command"]
+__all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
 
 # The reply to one command (a bulk value only during the callback that receives it), or the
 # exception that ended its connection.
@@ -34,12 +34,14 @@ _REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often afte
 
 class Op(NamedTuple):
     """One command: the key that routes it, its packed buffers, the bytes it moves both
-    ways (for the window) and whether its reply is a bulk value to read into a buffer."""
+    ways (for the window), whether its reply is a bulk value to read into a buffer, and the
+    most its reply may hold on the wire (a longer claim ends the connection: `ReplyTooLong`)."""
 
     key: bytes
     buffers: list[Buffer]
     cost: int
     bulk: bool = False
+    limit: int = SMALL_REPLY
 
 
 class _Lane:
@@ -85,7 +87,7 @@ class _Lane:
         if self.error is not None:
             return self.error
         try:
-            reply = self.reader.bulk_into(buffer_for) if op.bulk else self.reader.reply()
+            reply = self.reader.bulk_into(buffer_for, op.limit) if op.bulk else self.reader.reply(op.limit)
         except Exception as exc:  # a timeout, a dropped connection, a protocol error
             self.fail(exc)
             return exc

@@ -103,6 +103,11 @@ class Residency(Generic[K]):
         return [] if self._book is None else self._book.stats()
 
     @property
+    def num_tenants_tracked(self) -> int:
+        """Tenants whose policy and counters are kept (those holding blocks; 0 without quotas)."""
+        return 0 if self._book is None else self._book.num_tenants_tracked
+
+    @property
     def has_tenants(self) -> bool:
         """Whether quotas are on (and hits are counted per tenant)."""
         return self._book is not None
@@ -112,18 +117,16 @@ class Residency(Generic[K]):
         book = self._book
         if book is not None:
             for key in keys:
-                tenant = self._held[key]
-                book.counters[tenant].num_hits += 1
-                book.active(tenant)
+                book.hit(self._held[key])
 
     def order(self) -> list[K]:
         """Every held block, roughly in eviction order (each tenant's in turn); changes nothing."""
         if self._book is None:
             return list(self._policy.order())
-        return [k for pol in self._book.policies.values() for k in pol.order()]
+        return list(self._book.order())
 
     def _policy_of(self, key: K) -> EvictionPolicy[K]:
-        return self._policy if self._book is None else self._book.policies[self._held[key]]
+        return self._policy if self._book is None else self._book.policy(self._held[key])
 
     # -- uses ------------------------------------------------------------------------------
     def _used(self, key: K) -> bool:
@@ -189,8 +192,7 @@ class Residency(Generic[K]):
         if self._book is None:
             self._policy.insert(key)
         else:
-            self._book.policy(tenant).insert(key)
-            self._book.added(tenant)
+            self._book.insert(tenant, key)
         if self._counts_uses or self.on_use:
             self._used(key)
 
@@ -210,13 +212,15 @@ class Residency(Generic[K]):
             return self._policy.pop_many(num)  # (no children: no links either)
         victims: list[K] = []
         spared, limit, strand = 0, 2 * len(self._held) + 2, not self.keep_prefixes
+        book = self._book
         while len(victims) < num:
-            pol = self._policy if self._book is None else self._book.policy(
-                self._book.source(tenant, num - len(victims)))
-            key = pol.pop()
+            source, key = (NO_TENANT, self._policy.pop()) if book is None else book.pop(tenant, num - len(victims))
             if key in pins or (not strand and key in children):
-                pol.restore(key)
-                pol.access(key)  # moves it away from the eviction end
+                if book is None:
+                    self._policy.restore(key)
+                else:
+                    book.restore(source, key)
+                self._policy_of(key).access(key)  # moves it away from the eviction end
                 spared += 1
                 if spared > limit:
                     strand, spared = True, 0
@@ -232,7 +236,10 @@ class Residency(Generic[K]):
     def restore(self, victims: Sequence[K]) -> None:
         """Undo `take_victims`: the victims are evictable again, first to go, as they were."""
         for key in reversed(victims):
-            self._policy_of(key).restore(key)
+            if self._book is None:
+                self._policy.restore(key)
+            else:
+                self._book.restore(self._held[key], key)
             parent = self._parent.get(key)
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
@@ -251,7 +258,10 @@ class Residency(Generic[K]):
     def discard(self, key: K) -> None:
         """Forget a held block leaving the tier outside eviction (deleted, failed validation),
         pinned or not."""
-        self._policy_of(key).remove(key)
+        if self._book is None:
+            self._policy.remove(key)
+        else:
+            self._book.remove(self._held[key], key)
         parent = self._parent.pop(key, None)
         if parent is not None:
             self._unlink_child(parent)
@@ -261,7 +271,7 @@ class Residency(Generic[K]):
         tenant = self._held.pop(key)
         self._last_use.pop(key, None)
         if self._pins.pop(key, None) is not None and self._book is not None:
-            self._book.counters[tenant].num_pinned -= 1
+            self._book.pinned(tenant, -1)
         if self._children.pop(key, None) is not None:  # its children lose their link
             for child in [c for c, p in self._parent.items() if p == key]:
                 del self._parent[child]
@@ -291,7 +301,7 @@ class Residency(Generic[K]):
         count = self._pins.get(key, 0)
         self._pins[key] = count + 1
         if count == 0 and self._book is not None:
-            self._book.counters[self._held[key]].num_pinned += 1
+            self._book.pinned(self._held[key], 1)
         return True
 
     def unpin(self, key: K) -> None:
@@ -307,7 +317,7 @@ class Residency(Generic[K]):
             return
         del self._pins[key]
         if self._book is not None:
-            self._book.counters[self._held[key]].num_pinned -= 1
+            self._book.pinned(self._held[key], -1)
 
     def is_pinned(self, key: K) -> bool:
         return key in self._pins

@@ -5,6 +5,11 @@ command; `send_all` hands the whole list to the kernel with `sendmsg` (scatter-g
 system call for many commands. `RespReader` parses replies from its own 64 KiB buffer, and
 reads a bulk reply's value with `recv_into` straight into a buffer the caller chooses (one
 copy, by the kernel), so a value is never assembled piecewise or copied again in Python.
+
+Nothing a server claims is trusted: every reply is read against the most its command can
+return (the caller's `limit`, in bytes on the wire). A longer claim (a bulk length, an
+aggregate's count, nesting deeper than `_MAX_DEPTH`) is a `ReplyTooLong` before anything is
+allocated or read for it: the connection is out of step and must be closed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from typing import Any, Protocol
 _SMALL = 4096  # arguments shorter than this are copied into the command's header bytes
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 _READ_SIZE = 1 << 16  # the reader's own buffer
+SMALL_REPLY = 64  # the bound of a reply that is a status, an integer or a short string
+_PUSH_BYTES = 1 << 16  # the bound of a RESP3 push message skipped before a reply
+_MAX_DEPTH = 8  # aggregates nested deeper are a protocol error
+_MIN_ITEM = 3  # the shortest element of an aggregate on the wire ("_\r\n")
 Buffer = bytes | bytearray | memoryview
 
 
@@ -29,6 +38,15 @@ class Socket(Protocol):
 class ProtocolError(ConnectionError):
     """The server sent something that is not the RESP reply expected: the connection's
     state is unknown and it must be closed."""
+
+
+class ReplyTooLong(ProtocolError):
+    """A reply claiming more than its command can return (`claimed` bytes or elements over
+    `limit`): refused before anything was allocated or read for it."""
+
+    def __init__(self, what: str, claimed: int, limit: int) -> None:
+        super().__init__(f"{what} of {claimed} claimed, more than the {limit} bytes this reply may hold")
+        self.claimed, self.limit = claimed, limit
 
 
 class ReplyError(Exception):
@@ -158,57 +176,73 @@ class RespReader:
             self._exact(scratch[:take])
             size -= take
 
-    def reply(self) -> Any:
+    def reply(self, limit: int = SMALL_REPLY) -> Any:
         """The next reply, RESP3 push messages skipped: bytes (a simple or bulk string),
         int, float, bool, None, a list (arrays, sets and maps flattened), or a `ReplyError`
-        (returned, not raised)."""
+        (returned, not raised). `ReplyTooLong` if it claims more than `limit` bytes on the
+        wire (a push message: `_PUSH_BYTES`)."""
         while True:
-            kind, value = self._any()
-            if kind != b">":
+            line = self._line()
+            push = line[:1] == b">"
+            value = self._parse(line, [_PUSH_BYTES if push else limit], 0)
+            if not push:
                 return value
 
-    def _any(self) -> tuple[bytes, Any]:
-        line = self._line()
+    def _parse(self, line: bytes, budget: list[int], depth: int) -> Any:
+        """The reply that `line` begins, charged against `budget[0]` (the bytes it may still
+        take on the wire)."""
         kind, rest = line[:1], line[1:]
+        budget[0] -= len(line) + 2
+        if budget[0] < 0:
+            raise ReplyTooLong("a reply line", len(line) + 2, budget[0] + len(line) + 2)
         try:
             if kind == b"+":
-                return kind, rest
+                return rest
             if kind == b"-":
-                return kind, ReplyError(rest.decode(errors="replace"))
+                return ReplyError(rest.decode(errors="replace"))
             if kind in (b":", b"("):
-                return kind, int(rest)
+                return int(rest)
             if kind in (b"$", b"=", b"!"):
                 size = int(rest)
                 if size < 0:
-                    return kind, None
+                    return None
+                if size + 2 > budget[0]:
+                    raise ReplyTooLong("a bulk string", size, budget[0])
+                budget[0] -= size + 2
                 data = bytearray(size)
                 self._exact(memoryview(data))
                 self._crlf()
-                return kind, ReplyError(data.decode(errors="replace")) if kind == b"!" else bytes(data)
+                return ReplyError(data.decode(errors="replace")) if kind == b"!" else bytes(data)
             if kind == b"_":
-                return kind, None
+                return None
             if kind == b"#":
-                return kind, rest == b"t"
+                return rest == b"t"
             if kind == b",":
-                return kind, float(rest)
+                return float(rest)
             if kind in (b"*", b"~", b">", b"%", b"|"):
                 count = int(rest) * (2 if kind in (b"%", b"|") else 1)
-                items = [self._any()[1] for _ in range(max(count, 0))]
-                return kind, None if count < 0 else items
+                if count * _MIN_ITEM > budget[0]:
+                    raise ReplyTooLong("an aggregate", count, budget[0])
+                if depth >= _MAX_DEPTH:
+                    raise ReplyTooLong("nesting", depth + 1, _MAX_DEPTH)
+                items = [self._parse(self._line(), budget, depth + 1) for _ in range(max(count, 0))]
+                return None if count < 0 else items
         except ValueError:
             pass
         raise ProtocolError(f"not a RESP reply: {line[:40]!r}")
 
-    def bulk_into(self, buffer_for: Callable[[int], memoryview | None]) -> memoryview | Oversized | ReplyError | None:
-        """The next reply, a bulk string, read into `buffer_for(length)` (a view of exactly
-        that many bytes; None: longer than wanted, read and dropped, `Oversized` returned).
-        None for a null reply; a `ReplyError` for an error; `ProtocolError` for anything else."""
+    def bulk_into(self, buffer_for: Callable[[int], memoryview | None],
+                  limit: int) -> memoryview | Oversized | ReplyError | None:
+        """The next reply, a bulk string of at most `limit` bytes, read into
+        `buffer_for(length)` (a view of exactly that many bytes; None: longer than wanted, read
+        and dropped, `Oversized` returned). None for a null reply; a `ReplyError` for an
+        error; `ReplyTooLong` for a longer claim (nothing read for it); `ProtocolError` for
+        anything else."""
         while True:
             line = self._line()
             kind = line[:1]
             if kind == b">":  # a push message before the reply: parse it whole and skip it
-                self._start -= len(line) + 2
-                self._any()
+                self._parse(line, [_PUSH_BYTES], 0)
                 continue
             break
         if kind == b"$":
@@ -218,6 +252,8 @@ class RespReader:
                 raise ProtocolError(f"bad bulk length: {line[:40]!r}") from None
             if size < 0:
                 return None
+            if size > limit:
+                raise ReplyTooLong("a bulk string", size, limit)
             dst = buffer_for(size)
             if dst is None:
                 self._skip(size)

@@ -33,7 +33,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def __init__(self, capacity_blocks: int, *, small_share: float = SMALL_SHARE, ghost_x: float = GHOST_X) -> None:
         super().__init__(capacity_blocks)
         self._small_limit = max(1, int(capacity_blocks * small_share))
-        self._ghost_limit = max(1, int(capacity_blocks * ghost_x))
+        self._ghost_x = ghost_x
+        self._ghost_limit = self.history_limit(capacity_blocks)
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
@@ -106,6 +107,16 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def order(self) -> Iterator[K]:
         return itertools.chain(self._small, self._main)
 
+    @property
+    def num_remembered(self) -> int:
+        return len(self._ghost)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        trim(self._ghost, self.history_limit(capacity_blocks))
+
     def clear(self) -> None:
         for d in (self._small, self._main, self._ghost, self._freq):
             d.clear()
@@ -130,8 +141,8 @@ class S3FIFOConfig(EvictionConfig):
     ghost_x: float = GHOST_X
 
     def __post_init__(self) -> None:
-        check_ratio("S3FIFOConfig.small_share", self.small_share, upper=1.0)
-        check_ratio("S3FIFOConfig.ghost_x", self.ghost_x, upper=None)
+        object.__setattr__(self, "small_share", check_ratio("S3FIFOConfig.small_share", self.small_share, upper=1.0))
+        object.__setattr__(self, "ghost_x", check_ratio("S3FIFOConfig.ghost_x", self.ghost_x))
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return S3FIFOPolicy(capacity_blocks, small_share=self.small_share, ghost_x=self.ghost_x)

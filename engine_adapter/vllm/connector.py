@@ -18,7 +18,9 @@ pipeline stage (`store_config.py`); vLLM's hybrid KV cache manager is supported
 Processes: when the scheduler and the worker share a process they share the stores; when they
 do not (vLLM's default multiprocess mode, and always under tensor or pipeline parallelism),
 the scheduler opens disk-only views of every worker's stores under the same `disk_path`, sees
-what the workers wrote through to it, and calls a block a hit only where all of them hold it.
+what the workers wrote through to it, and calls a block a hit only where all of them hold it;
+the workers' load-policy rates reach it through vLLM's worker-to-scheduler metadata
+(`policy_rates.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -40,7 +43,8 @@ from engine_adapter.vllm.engine_metrics import KVStrataPromMetrics, KVStrataStat
 from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.group_worker import GroupedWorker
 from engine_adapter.vllm.metrics_server import serve_metrics
-from engine_adapter.vllm.parallel import Place, this_worker
+from engine_adapter.vllm.parallel import Place, parallel_sizes, this_worker
+from engine_adapter.vllm.policy_rates import RatesBook, WorkerRates
 from engine_adapter.vllm.scheduler_side import ConnectorScheduler
 from engine_adapter.vllm.settings import ConnectorSettings
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
@@ -49,6 +53,7 @@ from engine_adapter.vllm.store_config import StorePlanner
 from engine_adapter.vllm.transfer_plan import StepPlan
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
+from kvstore.tier_factory import known_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,6 +63,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,18 @@ class TierConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells the worker for one step."""
 
     plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class TierWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: their load-policy rates, where they
+    changed (vLLM gathers every worker's of the step with `aggregate`)."""
+
+    reports: tuple[WorkerRates, ...] = ()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> TierWorkerMetadata:
+        extra = other.reports if isinstance(other, TierWorkerMetadata) else ()
+        return TierWorkerMetadata(self.reports + extra)
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -82,11 +100,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: GroupedWorker | None = None
         self._scheduler: ConnectorScheduler | None = None
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # request -> its hit by source
+        self._place = Place(1, 0, 1, 0)
+        self._rates_sent: WorkerRates | None = None  # the worker's last report to the scheduler
+        self._rates: RatesBook | None = None  # the scheduler's record of them (workers elsewhere)
         # With several KV cache groups vLLM takes no failed block ids: every load runs in the
         # background, and a failed one makes vLLM recompute the request whole.
         several = len(kv_cache_config.kv_cache_groups) > 1
         if role == KVConnectorRole.WORKER:
-            place = this_worker(vllm_config)
+            place = self._place = this_worker(vllm_config)
             self.store_planner.publish(place)
             stores = self.store_planner.worker_stores(place)
             if not stores:
@@ -99,13 +120,19 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
                                          async_saves=self.settings.async_saves, fail_whole_requests=several)
         else:
-            lookup = self._open_scheduler_stores()
-            self.store_config = lookup.stores[lookup.primary][0].config
+            lookup, shared = self._open_scheduler_stores()
+            primary_store = lookup.stores[lookup.primary][0]
+            self.store_config = primary_store.config
+            if not shared:  # the workers measure in other processes: their rates come with their output
+                tp, pp = parallel_sizes(vllm_config)
+                self._rates = RatesBook(tp, pp, primary_store.config.block_bytes,
+                                        [t.kind for t in primary_store.tiers],
+                                        frozenset(kind.value for kind in known_tiers()))
             if several and not self.settings.async_loads:
                 logger.warning("kvstrata: async_loads is off but this model has several KV cache groups: its loads "
                                "run in the background anyway (vLLM can then recompute a failed one)")
             self._scheduler = ConnectorScheduler(
-                lookup.stores[lookup.primary][0], self.store_planner.block_size, self._stats,
+                primary_store, self.store_planner.block_size, self._stats,
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
                 async_only=several)
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
@@ -115,16 +142,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._store_keys.append(config)
         return acquire_store(config)
 
-    def _open_scheduler_stores(self) -> GroupLookup:
-        """The scheduler's stores: the worker's own where it lives in this process, else
-        disk-only views of every worker's stores."""
+    def _open_scheduler_stores(self) -> tuple[GroupLookup, bool]:
+        """The scheduler's stores: the worker's own where it lives in this process (True: shared,
+        with their load policy), else disk-only views of every worker's stores (False)."""
         rules, primary = self.store_planner.rules, self.store_planner.primary
         own = self.store_planner.worker_stores(Place(1, 0, 1, 0)) if len(self.store_planner.places) == 1 else []
         if own and all(find_store(gs.config) is not None for gs in own):  # share the worker's tiers
             stores: list[list[KVCacheStore]] = [[] for _ in rules]
             for gs in own:
                 stores[gs.group].append(self._open(gs.config))
-            return GroupLookup(rules, stores, primary)
+            return GroupLookup(rules, stores, primary), True
         if self.settings.disk_path is None:
             raise ConfigError(
                 "kvstrata: the vLLM scheduler runs in another process than the workers "
@@ -135,7 +162,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("kvstrata: scheduler and workers are in different processes and write_through is off: "
                            "the scheduler sees blocks only once they reach disk")
         views = [[self._open(c) for c in configs] for configs in self.store_planner.every_shard()]
-        return GroupLookup(rules, views, primary)
+        return GroupLookup(rules, views, primary), False
 
     @property
     def worker(self) -> GroupedWorker:
@@ -185,6 +212,15 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         """(requests whose delayed free may happen now, requests whose background load ended)."""
         return self.worker.get_finished(finished_req_ids)
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """After each step: this worker's load-policy rates where they changed since its last
+        report (the scheduler may run in another process: `update_connector_output`)."""
+        rates = self.worker.rates(self._place.pp_rank, self._place.tp_rank)
+        if rates == self._rates_sent:
+            return None
+        self._rates_sent = rates
+        return TierWorkerMetadata((rates,))
+
     def shutdown(self) -> None:
         """Release the stores (the last user of each in this process flushes and closes it)."""
         if self._worker is not None:
@@ -208,6 +244,16 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return TierConnectorMetadata(self.scheduler.build_plan(scheduler_output))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """A step's output from the workers: where they run in other processes, their load-policy
+        rates become this scheduler's (`policy_rates.py`)."""
+        meta = connector_output.kv_connector_worker_meta
+        if self._rates is None or meta is None:
+            return
+        reports = meta.reports if isinstance(meta, TierWorkerMetadata) else (meta,)  # anything else: refused
+        if self._rates.take(reports) and self._rates.apply(self.scheduler.store.load_policy):
+            self._stats.count("policy_rate_updates", 1)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._hit_sources.pop(request.request_id, None)
@@ -258,6 +304,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             policy = self._scheduler.store.load_policy
             self._stats.set("policy_skipped_blocks", policy.num_blocks_skipped)
             self._stats.set("policy_probes", policy.num_probes)
+            if self._rates is not None:
+                self._stats.set("policy_rates_rejected", self._rates.rejected)
         deltas = self._stats.take_deltas()
         return KVStrataStats(data=deltas) if deltas else None
 

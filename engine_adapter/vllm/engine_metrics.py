@@ -48,6 +48,8 @@ COUNTERS = {
     "policy_probes": "Hits loaded whole to measure the tiers again although the load policy would skip part.",
     "prefill_samples": "Forward passes timed for the load policy's prefill rate.",
     "prefill_samples_rejected": "Forward-pass timings the load policy rejected as impossible.",
+    "policy_rate_updates": "Times the scheduler's load policy took new rates from workers in other processes.",
+    "policy_rates_rejected": "Worker rate reports the scheduler refused as malformed or impossible.",
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine_adapter.vllm.policy_rates import WorkerRates
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.store_config import GroupStore
 from engine_adapter.vllm.transfer_plan import StepPlan
@@ -58,6 +59,7 @@ class GroupedWorker:
     def __init__(self, stores: Sequence[tuple[GroupStore, KVCacheStore]], primary: int, num_blocks: int,
                  stats: ConnectorStats, *, async_saves: bool = True, fail_whole_requests: bool = False) -> None:
         self.parts: list[tuple[int, bool, ConnectorWorker]] = []  # (group, writer, worker)
+        self.primary = primary
         for spec, store in stores:
             group_stats = stats if spec.group == primary else GroupStats(stats, f"group{spec.group}_")
             worker = ConnectorWorker(store, spec.config, list(spec.layer_names), num_blocks,
@@ -136,6 +138,12 @@ class GroupedWorker:
         """vLLM's forward pass of this step has ended."""
         for worker in self.workers:
             worker.forward_ended()
+
+    def rates(self, pp_rank: int, tp_rank: int) -> WorkerRates:
+        """The load-policy estimates of the primary group's store (the one the scheduler's policy
+        decides with), or of the first group this worker holds."""
+        worker = next((w for g, _, w in self.parts if g == self.primary), self.parts[0][2])
+        return worker.rates(pp_rank, tp_rank)
 
     def flush(self) -> None:
         for worker in self.workers:

@@ -63,8 +63,9 @@ class ConnectorScheduler:
     def hit_tokens(self, token_ids: Sequence[int], extra_keys: ExtraKeys | None) -> int:
         """The planner's lookup: the prefix every group and shard holds (waiting first for
         blocks this process's worker still has queued), cut by the load policy to the leading
-        blocks worth loading (the worker in this process reports the prefill rate; until
-        then, all of them) and back to a length every group can serve. Keeps each block's
+        blocks worth loading (at the rates the workers measured: shared in this process, or
+        reported through vLLM from theirs; until then, all of them) and back to a length
+        every group can serve. Keeps each block's
         tier for `get_num_new_matched_tokens`."""
         self._kinds = self.lookup.locate(token_ids, extra_keys)
         self._chain = self.lookup.primary_chain

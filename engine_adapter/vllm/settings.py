@@ -22,11 +22,14 @@ from kvstore.settings import (
     parse_bool,
     parse_bytes,
     parse_optional_int,
+    parse_optional_str,
     parse_path,
     parse_str,
+    shown,
 )
 from tiers.codecs import CodecKind, parse_codec
 from tiers.disk_durability import DiskSync
+from tiers.remote_url import check_url
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +48,9 @@ class ConnectorSettings(EnvSettings):
         disk_path: LMDB directory; shared by every engine and process that names it. Needed
             when vLLM's scheduler and worker run in different processes.
         disk_bytes: disk-tier capacity.
+        disk_read_bps: cap the disk tier's reads at this many bytes per second (e.g. "50MiB";
+            None: no cap), to leave a shared device's bandwidth to other work; the load policy
+            measures the capped rate.
         hash_algo: `xxh3_128` (default) or `sha256`.
         namespace: extra text mixed into every key (e.g. a checkpoint revision the model
             path does not show). Default "" where `StoreConfig`'s is "default": the connector
@@ -101,6 +107,7 @@ class ConnectorSettings(EnvSettings):
     cpu_bytes: int = 1 << 30
     disk_path: str | None = None
     disk_bytes: int = 8 << 30
+    disk_read_bps: int | None = None
     hash_algo: HashAlgo = HashAlgo.XXH3_128
     namespace: str = ""
     write_through: bool = True
@@ -128,6 +135,10 @@ class ConnectorSettings(EnvSettings):
         set_ = object.__setattr__
         set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
         set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
+        if self.disk_read_bps is not None:
+            set_(self, "disk_read_bps", parse_bytes("disk_read_bps", self.disk_read_bps))
+            if self.disk_read_bps == 0:
+                raise ConfigError("disk_read_bps must be > 0 bytes per second (None: no cap), got 0")
         set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
         set_(self, "disk_sync", DiskSync.parse(self.disk_sync, "disk_sync"))
         set_(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "load_policy"))
@@ -139,8 +150,11 @@ class ConnectorSettings(EnvSettings):
         for name in ("disk_path", "stats_path"):
             set_(self, name, parse_path(name, getattr(self, name)))
         parse_str("namespace", self.namespace)
-        if self.remote_url is not None and not isinstance(self.remote_url, str):
-            raise ConfigError(f"remote_url must be a URL string, got {self.remote_url!r}")
+        parse_str("events_topic", self.events_topic)
+        for name in ("events_endpoint", "events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
+            parse_optional_str(name, getattr(self, name))  # their types always, even where nothing reads them
+        if self.remote_url is not None:
+            check_url(self.remote_url)  # its errors show the URL redacted: never the password
         if self.events_endpoint is not None:
             check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
                          self.events_curve_cert, self.events_curve_clients, self.events_insecure,
@@ -148,9 +162,9 @@ class ConnectorSettings(EnvSettings):
         if self.instance_id is not None:
             parse_str("instance_id", self.instance_id, empty=False)
         set_(self, "metrics_port", parse_optional_int("metrics_port", self.metrics_port, 1, 65535))
-        host = self.metrics_host
-        if not isinstance(host, str) or not host or any(c.isspace() for c in host):
-            raise ConfigError(f"metrics_host must be a host name or address, got {self.metrics_host!r}")
+        host = parse_str("metrics_host", self.metrics_host, empty=False)
+        if any(c.isspace() for c in host):
+            raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")
         if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
             raise ConfigError("the connector enables no tier: set cpu_bytes > 0, disk_path or remote_url")
 
@@ -172,7 +186,8 @@ def store_config(s: ConnectorSettings, *, layout: KVLayout, block_size: int, nam
                   "codec_group": head_size}
     return StoreConfig(
         layout=layout, block_size=block_size, namespace=namespace, cpu_bytes=cpu_bytes,
-        disk_path=s.disk_path, disk_bytes=s.disk_bytes, hash_algo=s.hash_algo, verify_tokens=s.verify_tokens,
+        disk_path=s.disk_path, disk_bytes=s.disk_bytes, disk_read_bps=s.disk_read_bps, hash_algo=s.hash_algo,
+        verify_tokens=s.verify_tokens,
         disk_sync=s.disk_sync, write_through=saves and s.write_through and s.disk_path is not None,
         remote_url=s.remote_url, **codecs,  # type: ignore[arg-type]
         events_endpoint=s.events_endpoint if publishes else None,

@@ -26,6 +26,7 @@ import torch
 
 from engine_adapter.vllm.forward_timer import ForwardTimer
 from engine_adapter.vllm.paged_blocks import PagedKVBlocks
+from engine_adapter.vllm.policy_rates import TierShares, WorkerRates, worker_rates
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
 from kvstore import KVCacheStore, StoreConfig
@@ -101,6 +102,7 @@ class ConnectorWorker:
         self._delayed: set[str] = set()  # frees vLLM waits for: reported once their load ended
         self._told_finished: set[str] = set()  # requests vLLM said finished (get_finished)
         self.timer = ForwardTimer()  # the forward pass of each step, for the load policy
+        self.tier_shares = TierShares()  # the blocks each tier served recently (policy_rates.py)
         # Asynchronous saves: this thread's chains; each job takes a copy of the keys it needs.
         self._save_chains: dict[str, BlockChain] = {}
 
@@ -157,6 +159,7 @@ class ConnectorWorker:
         result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block,
                                           extra_keys=load.extra_keys, chain=chain)
         paged.scatter(staging, load.block_ids[: result.num_blocks])
+        self.tier_shares.add(result.blocks_per_tier)
         for tier, count in result.blocks_per_tier.items():
             self.stats.count(f"load_tokens_{tier.value}", count * bs)
         if result.num_blocks < n:  # evicted since the lookup: vLLM recomputes these
@@ -238,6 +241,10 @@ class ConnectorWorker:
         for num_tokens, seconds in self.timer.samples():
             accepted = policy.observe_prefill(num_tokens, seconds)
             self.stats.count("prefill_samples" if accepted else "prefill_samples_rejected", 1)
+
+    def rates(self, pp_rank: int, tp_rank: int) -> WorkerRates:
+        """This worker's load-policy estimates, for a scheduler in another process."""
+        return worker_rates(self.store.load_policy, self.tier_shares, pp_rank, tp_rank)
 
     def _write_job(self, save: BlockTransfer, staging: torch.Tensor, chain: BlockChain,
                    hashes: Sequence[bytes]) -> None:

@@ -12,11 +12,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import pytest
 import torch
-import xxhash
 
 from cli.redis_servers import RedisServer, redis_server
 from kvstore import KVCacheStore, KVLayout, StoreConfig
@@ -30,7 +28,7 @@ from tiers.disk_files import slot_bytes_for
 from tiers.disk_index import pack_entry
 from tiers.disk_payload import payload_sum
 from tiers.lmdb import LMDBTier, PayloadLocation, bytes_per_block
-from tiers.lmdb_record import RecordCodec
+from tiers.lmdb_record import RecordCodec, pack_record, parse_record
 from tiers.remote import RemoteTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
@@ -336,7 +334,7 @@ def test_damaged_encoded_records_are_misses_and_deleted(server: RedisServer, kin
         value = client.get(remote.server_key(key.block_hash))
         # a flipped payload bit fails the checksum; a payload that fails to decode under a
         # valid checksum (a hostile or buggy writer) fails in the codec
-        for damaged in (_flip_last(value), _undecodable(value, key, store.seed)):
+        for damaged in (_flip_last(value), _undecodable(value, key)):
             client.set(remote.server_key(key.block_hash), damaged)
             out = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             assert remote.get_into([key], [out]) == 0
@@ -368,31 +366,17 @@ def _rewrite_entry(path: Path, loc: PayloadLocation, *, codec: int | None = None
     diskdamage.put_entries(path, {loc.index_key: pack_entry(e)})
 
 
-def _header(record: bytes) -> bytes:
-    hlen = int.from_bytes(record[4:8], "little")
-    return record[8 : 8 + hlen]
-
-
-def _repack(record: bytes, header: dict[str, object], payload: bytes) -> bytes:
-    packed = msgpack.packb(header, use_bin_type=True)
-    return b"KVS1" + len(packed).to_bytes(4, "little") + packed + payload
-
-
 def _flip_last(record: bytes) -> bytes:
     return record[:-1] + bytes([record[-1] ^ 0x10])
 
 
-def _undecodable(record: bytes, key: BlockKey, seed: bytes) -> bytes:
-    """The record with a payload its codec refuses (a zero scale, or a broken zstd frame) and a
-    checksum recomputed over it."""
-    header = msgpack.unpackb(_header(record))
-    payload = bytearray(record[8 + len(_header(record)) :])
+def _undecodable(record: bytes, key: BlockKey) -> bytes:
+    """The record with a payload its codec refuses (a zero scale, or a broken zstd frame),
+    sealed again with a checksum that holds."""
+    header, view = parse_record(record, key.block_hash)
+    payload = bytearray(view)
     if header["c"] == CodecKind.ZSTD.value:
         payload[-4:] = b"\xff\xff\xff\xff"
     else:
         payload[0:2] = b"\0\0"
-    h = xxhash.xxh3_64()
-    for part in (key.block_hash, seed + key.tokens + header.get("par", b"") + header.get("ext", b""), payload):
-        h.update(part)
-    header["xxh"] = h.digest()
-    return _repack(record, header, bytes(payload))
+    return bytes(pack_record(header, payload))

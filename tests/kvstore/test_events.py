@@ -139,7 +139,7 @@ def test_a_restarted_store_clears_and_announces_its_warm_disk_root_first(tmp_pat
             events = [e for _, b in reader.drain(0.5) for e in b]
             if sum(len(e["block_hashes"]) for e in events if e["type"] == "BlockStored") >= len(hashes):
                 break
-        assert events[0]["type"] == "AllBlocksCleared" and "SHARED" not in events[0]["kvstrata"]["media"]
+        assert events[0]["type"] == "AllBlocksCleared" and events[0]["kvstrata"]["media"] is None  # all it announced
         disk = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "DISK"]
         assert disk and disk[0]["parent_block_hash"] is None and disk[0]["block_hashes"][0] == hashes[0]
         assert [h for e in disk for h in e["block_hashes"]] == hashes
@@ -337,4 +337,58 @@ def test_records_without_a_parent_are_read_but_not_announced(tmp_path: Path) -> 
         assert got.num_tokens == 8 and got.kv is not None and got.kv.equal(kv)
     finally:
         reader.close()
+        store.close()
+
+
+def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
+    """Extras read back from a disk may be damaged: decoding them is bounded by their size,
+    and a key with extras that do not decode is counted, never announced (nor a raw msgpack
+    or type error on the publisher's thread)."""
+    from kvstore.events_mirror import Mirror
+    from kvstore.events_wire import BadPayload, vllm_extras
+    from tiers.base import BlockKey
+
+    damaged = [b"\xdd\xff\xff\xff\xff", msgpack.packb(5), msgpack.packb([["lora"]]), msgpack.packb([[]]),
+               msgpack.packb([["salt", "s"]]) + b"\x00", b"\x91" * 2000]
+    for extras in damaged:
+        with pytest.raises(BadPayload):
+            vllm_extras(extras)
+    assert vllm_extras(msgpack.packb([["lora", "ad"], ["salt", "s"]])) == ("ad", ["ad", "s"])
+    mirror = Mirror(16)
+    for i, extras in enumerate(damaged):
+        assert mirror.stored(1, BlockKey(bytes([i]) * 32, b"\x01\x00\x00\x00", b"\x00" * 32, extras)) is None
+    assert mirror.num_undescribed == len(damaged) and not mirror.blocks
+
+
+def test_a_reader_subscribing_again_and_again_cannot_make_the_store_broadcast_its_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every subscription calls for a welcome, the whole state broadcast to every reader (each
+    router then ingests all of it): after one of B bytes, the next waits B / the rate."""
+    monkeypatch.setattr(events_mod, "WELCOME_INTERVAL_S", 0.0)
+    monkeypatch.setattr(events_mod, "WHOLE_STATE_BYTES_PER_S", 200.0)
+    port = free_port_pair()
+    store = _store(tmp_path / "d", port)
+    ctx = zmq.Context()
+    xsub = ctx.socket(zmq.XSUB)
+    xsub.setsockopt(zmq.LINGER, 0)
+    try:
+        store.store(list(range(32)), make_kv(32))  # a whole state of more than 200 bytes
+        xsub.connect(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)
+        assert store.events is not None
+        before = store.events.num_welcomes
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3:
+            xsub.send(b"\x01")  # subscribe again
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        welcomes = store.events.num_welcomes - before
+        assert 1 <= welcomes <= 2 + elapsed, welcomes  # each over 200 bytes: at most one a second
+        reader = Reader(port)
+        store.events.drop_replay_buffer()
+        assert reader.replay(0) == [], "a whole-state replay waits its turn too: only the end marker"
+        reader.close()
+    finally:
+        xsub.close(linger=0)
+        ctx.term()
         store.close()

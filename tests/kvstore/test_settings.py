@@ -101,8 +101,10 @@ def test_switches_parse_their_family() -> None:
     s = Switches.from_sources(None, {"KVSTRATA_TEST_REQUIRE_REDIS": "1", "KVSTRATA_TEST_POOL_DEVICE": "cuda",
                                      "KVSTRATA_TEST_REL_SCALE": "2.5", "KVSTRATA_TEST_REL_SEED": "3"})
     assert (s.require_redis, s.require_vllm, s.pool_device, s.rel_scale, s.rel_seed) == (True, False, "cuda", 2.5, 3)
-    with pytest.raises(ConfigError, match="rel_scale must be a number > 0, got '0'"):
+    with pytest.raises(ConfigError, match=r"rel_scale must be a finite number in \(0, .*\], got '0'"):
         Switches.from_sources(None, {"KVSTRATA_TEST_REL_SCALE": "0"})
+    with pytest.raises(ConfigError, match=r"rel_scale must be a finite number .* got 'inf'"):
+        Switches.from_sources(None, {"KVSTRATA_TEST_REL_SCALE": "inf"})
     with pytest.raises(ConfigError, match="unknown keys"):  # variables only
         Switches.from_sources({"require_redis": True}, {})
     assert BenchSettings.from_sources(None, {"KVSTRATA_BENCH_RESULTS": "/r"}).results == "/r"

@@ -2,13 +2,15 @@
 (`python -m dynamo.indexer`, from `.venv-dynamo`: `bash scripts/setup_dynamo.sh`), subscribed
 to kvstrata stores in their own processes, reports per instance the same longest prefix as
 each store's own lookup, with CPU-tier blocks in its host tier and disk blocks in its lower
-tier; evictions disappear and a restart over a warm disk is announced."""
+tier; evictions disappear and a restart over a warm disk is announced, without what the
+disk lost while the store was down."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import pytest
 from cli.ports import free_port
 from tests import ROOT
 from tests.conftest import BLOCK
-from tests.router.test_router import Instance, doc, wait_for
+from tests.router.test_router import Instance, discard_from_disk, doc, wait_for
 from tests.switches import switches
 
 pytestmark = pytest.mark.dynamo
@@ -127,13 +129,43 @@ def test_dynamos_indexer_sees_what_each_store_holds(indexer: Indexer, tmp_path: 
         expect(indexer, first, {3: []})
         expect(indexer, second, {3: ["cpu"] * 4})
         # a restart over a warm disk: the store clears its old state and announces the disk
+        # (Dynamo's subscription reconnects by itself, and takes the new lifetime's batches)
         a = a.restart()
         made.append(a)
         truth[1] = a.call("where", long_doc)
         assert truth[1] == ["disk"] * 10
-        indexer.post("/unregister", {"instance_id": 1, "model_name": "m"})
-        indexer.register(1, a)  # Dynamo's ZeroMQ client does not reconnect by itself
         expect(indexer, long_doc, {1: truth[1], 2: truth[2]})
+    finally:
+        for inst in made:
+            if inst.proc.poll() is None:
+                inst.kill()
+
+
+def test_a_restarted_store_makes_dynamo_forget_what_its_disk_lost(indexer: Indexer, tmp_path: Path) -> None:
+    """A store announces blocks and stops; while it is down another process evicts some from
+    its disk; it restarts. Dynamo's indexer, still subscribed, no longer shows the evicted
+    blocks (and still shows the rest): a starting store clears what its readers knew of it
+    (vLLM's `AllBlocksCleared`) in batches numbered above its last lifetime's, which Dynamo
+    would otherwise drop as already seen."""
+    from cli.ports import free_port_pair
+
+    a = Instance("a", free_port_pair(), tmp_path / "a", 4)
+    made = [a]
+    try:
+        indexer.register(1, a)
+        gone, kept = doc(1, 4), doc(2, 4)
+        a.call("store", gone)
+        a.call("store", kept)  # 4 CPU slots: `gone` is demoted to disk
+        expect(indexer, gone, {1: a.call("where", gone)})
+        expect(indexer, kept, {1: a.call("where", kept)})
+        time.sleep(3)  # a lifetime of some batches (a heartbeat a second), as any store's
+        a.close()  # persists the CPU tier: both on disk
+        discard_from_disk(tmp_path / "a", gone)
+        a = a.restart()
+        made.append(a)
+        assert a.call("where", gone) == [] and a.call("where", kept) == ["disk"] * 4
+        expect(indexer, gone, {1: []})
+        expect(indexer, kept, {1: ["disk"] * 4})
     finally:
         for inst in made:
             if inst.proc.poll() is None:

@@ -13,7 +13,7 @@ from kvstore.errors import ConfigError
 from router import keys as keys_mod
 from router.decode import decode_batch
 from router.fleet import FleetFull, FleetView, Limits
-from router.index import KVIndex
+from router.index import KVIndex, tier_masks
 from router.lookup import BadRequest, Chooser, Scoring, parse_body, parse_query
 
 BS = 4
@@ -61,14 +61,18 @@ def test_index_counts_the_fastest_tier_of_each_group() -> None:
     index.add(0, 1, keys[:4])  # slot 0: cpu
     index.add(0, 0, keys[:2])  # and pool for the first two
     index.add(1, 2, keys)  # slot 1: disk
-    assert index.match(keys, [[(0, 0xF)], [(1, 0xF)]]) == [[2, 2, 0, 0], [0, 0, 5, 0]]
+    assert index.match(keys, [tier_masks([(0, 0xF)]), tier_masks([(1, 0xF)])]) == [[2, 2, 0, 0], [0, 0, 5, 0]]
     index.remove(1, 2, keys[2:3])  # a hole ends slot 1's prefix
-    assert index.match(keys, [[(1, 0xF)]]) == [[0, 0, 2, 0]]
+    assert index.match(keys, [tier_masks([(1, 0xF)])]) == [[0, 0, 2, 0]]
     index.add(2, 3, keys)  # a remote slot read by slot 1 fills the hole
-    assert index.match(keys, [[(1, 0xF), (2, 1 << 3)]]) == [[0, 0, 4, 1]]
-    for slot in range(3):
-        index.clear(slot)
-    assert len(index) == 0
+    assert index.match(keys, [tier_masks([(1, 0xF), (2, 1 << 3)])]) == [[0, 0, 4, 1]]
+    index.add(2, 3, keys)  # again: nothing changes
+    assert [index.count(s, t) for s, t in ((0, 0), (0, 1), (1, 2), (2, 3))] == [2, 4, 4, 5]
+    index.remove(0, 1, keys)
+    index.remove(0, 0, keys)
+    index.remove(1, 2, keys)
+    index.remove(2, 3, keys)
+    assert len(index) == 0 and index.count(2, 3) == 0
 
 
 def test_blocks_are_indexed_by_the_routers_own_chain_with_salt_and_lora() -> None:
@@ -150,6 +154,10 @@ def test_restarts_gaps_and_replays() -> None:
     fleet.on_live(src, 1, batch(stored([5], None, list(range(4)), meta={"epoch": 7})), 0.0)
     fleet.on_live(src, 2, batch(cleared(["CPU"], epoch=8)), 0.0)
     assert fleet.num_restarts == 2 and match(fleet, list(range(4))) == {"a": [0, 0, 0, 0]}
+    # a kvstrata store's next lifetime numbers its batches above the last one's: with a new
+    # epoch that is a restart, not a gap to replay
+    assert fleet.on_live(src, 10**15, batch(stored([6], None, list(range(4)), meta={"epoch": 9})), 0.0) is None
+    assert fleet.num_restarts == 3 and not src.replaying and match(fleet, list(range(4))) == {"a": [0, 1, 0, 0]}
 
 
 def test_everything_kept_per_source_is_bounded() -> None:
@@ -224,3 +232,61 @@ def test_weights_parse_and_validate() -> None:
         Scoring.parse_weights("gpu=1")
     with pytest.raises(ConfigError, match="tier weights"):
         Scoring((1.0, 2.0, 0.0, 0.0))
+
+
+class NoScan(dict):  # type: ignore[type-arg]
+    """The index's dict, refusing every walk over it."""
+
+    def _walk(self, *args: Any) -> Any:
+        raise AssertionError("the whole index was walked")
+
+    items = keys = values = __iter__ = _walk  # type: ignore[assignment]
+
+
+def test_a_restart_costs_what_its_source_holds_and_claims_are_rate_limited() -> None:
+    """A source claiming a new epoch and a clear 150 times a second: what it holds is
+    forgotten without walking the index, at most the burst and the rate of its claims are
+    taken (the rest counted as throttled), and no other source loses a block."""
+    fleet = FleetView()
+    fleet.add("tcp://honest:1", "honest")
+    flood = fleet.add("tcp://flood:1", "flood")
+    tokens = list(range(4 * 4096))
+    feed(fleet, "tcp://honest:1", stored(list(range(1, 4097)), None, tokens, meta={"epoch": 1}))
+    fleet.index._blocks = NoScan(fleet.index._blocks)  # a structural check: nothing walks the index
+    for i in range(150):
+        flood.last_seen = 0.0
+        fleet.on_live(flood, i, batch(stored([i + 1], None, tokens[:4], meta={"epoch": i, "instance": f"x{i}"}),
+                                      cleared(None, epoch=i)), i / 150)
+    limits = fleet.limits
+    taken = 150 - fleet.num_throttled
+    assert 1 <= taken <= limits.burst_claims + limits.claims_per_s + 1 and flood.num_throttled == fleet.num_throttled
+    assert match(fleet, tokens)["honest"] == [0, 4096, 0, 0]
+    assert fleet.index.count(flood.slot.index, 1) <= 1
+
+
+def test_a_source_changes_only_what_it_announced_in_a_shared_tier() -> None:
+    """A hostile source claiming a victim's remote identity and namespace (both public in
+    its events) and clearing the shared tier, or removing its blocks, takes nothing of the
+    victim's: a block leaves the shared view only once no member announcing it holds it."""
+    fleet = FleetView()
+    meta = {"remote": "redis://r:6379", "ns": "ns-x", "epoch": 1, "block_size": BS}
+    for name in ("a", "b", "evil"):
+        fleet.add(f"tcp://{name}:1", name)
+        feed(fleet, f"tcp://{name}:1", cleared(["GPU", "CPU", "DISK"], **meta))
+    tokens = list(range(8))
+    feed(fleet, "tcp://a:1", stored([1, 2], None, tokens, "SHARED", meta=meta))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 2], "b": [0, 0, 0, 2], "evil": [0, 0, 0, 2]}
+    feed(fleet, "tcp://evil:1", cleared(["SHARED"], **meta), removed([1, 2], "SHARED"), cleared(None, **meta))
+    feed(fleet, "tcp://evil:1", stored([1, 2], None, tokens, "SHARED", meta=meta), cleared(["SHARED"], **meta))
+    feed(fleet, "tcp://evil:1", cleared(None, **{**meta, "epoch": 2}))  # a "restart" of its own
+    assert match(fleet, tokens)["b"] == [0, 0, 0, 2]
+    # two members announce a block: it stays until both have dropped it
+    feed(fleet, "tcp://b:1", stored([1], None, tokens[:4], "SHARED", meta=meta))
+    feed(fleet, "tcp://a:1", cleared(["SHARED"], **meta))
+    assert match(fleet, tokens)["evil"] == [0, 0, 0, 1]
+    feed(fleet, "tcp://b:1", removed([1], "SHARED"))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0], "evil": [0, 0, 0, 0]}
+    # a member moving to another tier takes its remote blocks with it (they were not the new one's)
+    feed(fleet, "tcp://a:1", stored([1, 2], None, tokens, "SHARED", meta=meta))
+    feed(fleet, "tcp://a:1", cleared(["GPU"], **{**meta, "ns": "ns-y"}))
+    assert match(fleet, tokens) == {"a": [0, 0, 0, 0], "b": [0, 0, 0, 0], "evil": [0, 0, 0, 0]}

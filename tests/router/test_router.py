@@ -239,6 +239,40 @@ def test_restarted_instance_announces_its_warm_disk_and_evictions_show(fleet: An
     expect(router2, doc(2, 4), {"c": ["cpu"] * 4})
 
 
+def discard_from_disk(disk: Path, tokens: list[int]) -> None:
+    """Another process evicts the blocks of `tokens` from a store's disk while it is down."""
+    from kvstore import KVCacheStore, StoreConfig
+    from tests.conftest import LAYOUT
+
+    store = KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(disk),
+                                     disk_bytes=16 << 20, disk_sync=False))
+    try:
+        disk_tier = next(t for t in store.tiers if t.kind.value == "disk")
+        assert disk_tier.discard(store.block_hashes(tokens)) == len(tokens) // BLOCK
+    finally:
+        store.close()
+
+
+def test_a_restarted_store_makes_the_router_forget_what_its_disk_lost(fleet: Any, routers: Any,
+                                                                         tmp_path: Path) -> None:
+    """A store announces blocks and stops; another process evicts some from its disk; it
+    restarts (its batch numbers continue above the last lifetime's, its epoch is new): the
+    router no longer shows the evicted blocks and still shows the rest."""
+    a = fleet("a", cpu_blocks=4)
+    router = routers([a.subscription])
+    gone, kept = doc(1, 4), doc(2, 4)
+    a.call("store", gone)
+    a.call("store", kept)
+    expect(router, gone, {"a": a.call("where", gone)})
+    expect(router, kept, {"a": a.call("where", kept)})
+    a.close()
+    discard_from_disk(tmp_path / "a", gone)
+    a = fleet("a", cpu_blocks=4, port=a.port)  # the same endpoint, over the same disk
+    assert a.call("where", gone) == [] and a.call("where", kept) == ["disk"] * 4
+    expect(router, gone, {"a": []})
+    expect(router, kept, {"a": ["disk"] * 4})
+
+
 def test_a_dead_instance_stops_being_a_candidate(fleet: Any, routers: Any) -> None:
     a, b = fleet("a"), fleet("b")
     router = routers([a.subscription, b.subscription], "--stale-after", "2")
@@ -357,6 +391,62 @@ def test_one_models_clear_leaves_another_models_remote_blocks(fleet: Any, router
         expect(router, d, truth)
         a.call("clear")
         expect(router, d, {"a": [], "b": b.call("where", d)})
+
+
+def test_a_source_claiming_anothers_remote_tier_cannot_clear_it(fleet: Any, routers: Any) -> None:
+    """The remote tier's identity and namespace fingerprint are in every store's events: a
+    hostile source claiming both and clearing the shared tier (and removing its blocks by
+    the hashes it read) takes only what it announced itself, nothing of the victims'."""
+    import msgpack
+    import zmq
+
+    from tests.redis_fixtures import redis_server
+
+    ctx = zmq.Context()
+    evil = ctx.socket(zmq.XPUB)
+    evil.setsockopt(zmq.LINGER, 0)
+    evil_port = free_port_pair()
+    evil.bind(f"tcp://127.0.0.1:{evil_port}")
+    spy = ctx.socket(zmq.SUB)
+    spy.setsockopt(zmq.LINGER, 0)
+    spy.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        with redis_server() as server:
+            a = fleet("a", disk=False, cpu_blocks=16, remote=server.url)
+            b = fleet("b", disk=False, remote=server.url)
+            router = routers([a.subscription, b.subscription, f"evil=tcp://127.0.0.1:{evil_port}"])
+            spy.connect(a.endpoint)
+            d = doc(1, 16)  # 64 tokens
+            a.call("store", d)
+            a.call("flush")
+            assert b.call("where", d) == ["remote"] * 16
+            expect(router, d, {"a": ["cpu"] * 16, "b": ["remote"] * 16})
+            meta: dict[str, Any] = {}
+            hashes: list[int] = []
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not (meta and len(hashes) >= 16):  # what any reader sees
+                if spy.poll(200):
+                    for event in msgpack.unpackb(spy.recv_multipart()[2])[1]:
+                        meta = event["kvstrata"]
+                        if event["type"] == "BlockStored" and event["medium"] == "SHARED":
+                            hashes += event["block_hashes"]
+            assert meta.get("remote") and meta.get("ns") and len(hashes) >= 16
+            assert evil.poll(20_000)
+            evil.recv()
+            claims = [{"type": "AllBlocksCleared", "kvstrata": {**meta, "media": ["SHARED"]}},
+                      {"type": "BlockRemoved", "block_hashes": hashes, "medium": "SHARED", "kvstrata": meta},
+                      {"type": "AllBlocksCleared", "kvstrata": {**meta, "epoch": 7, "media": None}}]
+            for seq, event in enumerate(claims):
+                evil.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([time.time(), [event], 0])])
+            wait_for(lambda: router.get("/instances")[1].get("evil", {}).get("sources", [{}])[0].get("seq") == 2,
+                     "the router to take the hostile batches")
+            answer = router.lookup(d)
+            assert answer["instances"]["b"]["by_tier"] == by_tier(["remote"] * 16), answer
+            assert answer["instances"]["a"]["by_tier"] == by_tier(["cpu"] * 16), answer
+    finally:
+        spy.close(linger=0)
+        evil.close(linger=0)
+        ctx.term()
 
 
 @pytest.mark.slow

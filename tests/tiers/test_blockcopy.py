@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import kvstore  # noqa: F401  (before tiers: `import tiers` alone is circular today)
+from tests import ROOT
 from tiers.blockcopy import copy_block
 
 
@@ -32,3 +38,37 @@ def test_copy_block_strided_views() -> None:
     t = torch.zeros(3, 8).t()  # last dim strided: falls back to torch
     copy_block(t, torch.ones(8, 3))
     assert torch.equal(t, torch.ones(8, 3))
+
+
+
+_SLAB_IN_A_HEAP = """
+import ctypes, gc, json
+assert ctypes.CDLL(None).mallopt(-4, 0) == 1  # M_MMAP_MAX = 0: malloc serves large blocks from its heap
+import torch
+import kvstore
+from tiers.cpu import CPUTier
+
+def mapping(addr):
+    for line in open("/proc/self/maps"):
+        start, end = (int(x, 16) for x in line.split()[0].split("-"))
+        if start <= addr < end:
+            return [start, end, line.split()[-1] if len(line.split()) > 5 else ""]
+
+tier = CPUTier(64, (2, 2, 16, 4, 64), torch.bfloat16, pin_memory=False)
+before = mapping(tier.slab.data_ptr())
+tier.close()
+gc.collect()
+print(json.dumps([before, mapping(before[0])]))
+"""
+
+
+def test_a_cpu_slab_has_a_mapping_of_its_own_that_close_returns() -> None:
+    """Even where malloc would carve a large block out of its heap (here: mmap disabled for
+    malloc), the CPU tier's slab is a mapping of its own, and closing the tier unmaps it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _SLAB_IN_A_HEAP], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before[2] != "[heap]" and before[1] - before[0] >= 64 * 2 * 2 * 16 * 4 * 64 * 2, before
+    assert after is None or after[:2] != before[:2], (before, after)

@@ -230,6 +230,33 @@ def test_simulated_tiers_never_exceed_capacity(kind: EvictionKind) -> None:
     assert top.admission.num_refused > 0 and top.admission.num_admitted > 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_trim_history_keeps_what_a_smaller_tier_would(kind: EvictionKind) -> None:
+    """A policy that remembered many evicted keys, told its tier now holds 2 blocks for it,
+    keeps at most what a 2-block policy keeps, the most recently evicted; the next eviction
+    does not grow it past its own limit, and a limit is never above its own capacity's."""
+    policy: EvictionPolicy[int] = make_policy(kind, 50)
+    for key in range(200):
+        policy.insert(key)
+    for _ in range(150):
+        policy.pop()
+    assert policy.num_remembered <= policy.history_limit(50)
+    if kind is EvictionKind.LRU:
+        assert policy.num_remembered == policy.history_limit(2) == 0
+    else:
+        assert policy.num_remembered > policy.history_limit(2) > 0
+    last = policy.pop()
+    policy.trim_history(2)
+    assert policy.num_remembered <= policy.history_limit(2)
+    assert policy.history_limit(10_000) == policy.history_limit(50)
+    policy.check_integrity()
+    if kind is not EvictionKind.LRU:  # the key evicted last is still remembered (and leaves the history)
+        kept = policy.num_remembered
+        policy.insert(last)
+        assert policy.num_remembered == kept - 1
+        policy.check_integrity()
+
+
 def test_each_policy_is_registered_with_a_config_of_its_own() -> None:
     assert EVICTION_POLICIES.names()[:4] == ["lru", "s3fifo", "arc", "lfu"] == [k.value for k in EvictionKind]
     assert eviction_config("s3fifo") == S3FIFOConfig() and eviction_config(EvictionKind.ARC).name == "arc"
@@ -243,7 +270,7 @@ def test_each_policy_is_registered_with_a_config_of_its_own() -> None:
     assert isinstance(make_policy(LFUConfig(history_x=0.5), 4), LFUPolicy)
     with pytest.raises(ConfigError, match=r"^w: S3FIFOConfig\.small_share must be a number in \(0, 1\), got 1\.5$"):
         eviction_config({"type": "s3fifo", "small_share": 1.5}, "w")
-    with pytest.raises(ConfigError, match=r"^w: ARCConfig\.ghost_x must be a number > 0, got True$"):
+    with pytest.raises(ConfigError, match=r"^w: ARCConfig\.ghost_x must be a number in \(0, 1e\+06\), got True$"):
         eviction_config({"type": "arc", "ghost_x": True}, "w")
     with pytest.raises(ConfigError, match=r"^w='fifo2' is not a registered eviction policy; registered: \['lru', "):
         eviction_config("fifo2", "w")

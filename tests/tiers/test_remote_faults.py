@@ -64,7 +64,8 @@ def test_a_reply_dripped_a_byte_at_a_time_is_a_miss_within_the_deadline(command:
     every 0.2 s, a single one takes longer than the timeout; replies that do arrive in time
     count, so a faster drip would answer a lookup a block per call.)"""
     timeout = 0.5
-    with DripServer({command}, interval_s=0.05 if command == "GET" else 0.2) as server:
+    # a value a record's length could be (a longer one is refused unread: test_remote_hostile.py)
+    with DripServer({command}, interval_s=0.05 if command == "GET" else 0.2, reply_bytes=4096) as server:
         store = _remote_only(server.url, remote_timeout_s=timeout)
         try:
             t = _tokens(3, 7)

@@ -59,10 +59,10 @@ def test_replies_of_every_kind_however_split(pair: tuple[socket.socket, socket.s
     assert reader.reply() == [b"a", 7]  # the push message was skipped
     assert reader.reply() == [b"k", b"v"]
     buf = bytearray(len(value))
-    got = reader.bulk_into(lambda n: memoryview(buf)[:n])
+    got = reader.bulk_into(lambda n: memoryview(buf)[:n], len(value))
     assert isinstance(got, memoryview) and bytes(got) == value
-    assert reader.bulk_into(lambda n: None) == Oversized(5)  # read and dropped: the stream stays in step
-    assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)))) == b"big"  # type: ignore[arg-type]
+    assert reader.bulk_into(lambda n: None, 1 << 20) == Oversized(5)  # read and dropped: the stream stays in step
+    assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)) == b"big"  # type: ignore[arg-type]
     assert reader.reply() == 1 and reader.idle
     thread.join(5)
 
@@ -71,11 +71,11 @@ def test_null_error_and_push_before_a_bulk_reply(pair: tuple[socket.socket, sock
     a, b = pair
     b.sendall(b"$-1\r\n_\r\n-MOVED 3999 127.0.0.1:6381\r\n>2\r\n$4\r\npush\r\n:1\r\n$2\r\nok\r\n")
     reader = RespReader(a)
-    assert reader.bulk_into(lambda n: memoryview(bytearray(n))) is None
-    assert reader.bulk_into(lambda n: memoryview(bytearray(n))) is None
-    moved = reader.bulk_into(lambda n: memoryview(bytearray(n)))
+    assert reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20) is None
+    assert reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20) is None
+    moved = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)
     assert isinstance(moved, ReplyError) and moved.is_redirect
-    assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)))) == b"ok"  # type: ignore[arg-type]
+    assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)) == b"ok"  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("garbage", [b"?what\r\n", b"$abc\r\n", b"$3\r\nabcXY", b":1\r\n"])
@@ -84,7 +84,7 @@ def test_anything_but_the_reply_expected_is_a_protocol_error(pair: tuple[socket.
     a, b = pair
     b.sendall(garbage)
     with pytest.raises(ProtocolError):
-        RespReader(a).bulk_into(lambda n: memoryview(bytearray(n)))
+        RespReader(a).bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)
 
 
 def test_a_closed_connection_mid_value_is_an_error_not_a_hang(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -92,7 +92,7 @@ def test_a_closed_connection_mid_value_is_an_error_not_a_hang(pair: tuple[socket
     b.sendall(b"$100\r\nonly part")
     b.close()
     with pytest.raises(ConnectionError):
-        RespReader(a).bulk_into(lambda n: memoryview(bytearray(n)))
+        RespReader(a).bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)
 
 
 def test_a_reply_line_longer_than_the_buffer_is_a_protocol_error(pair: tuple[socket.socket, socket.socket]) -> None:
@@ -118,7 +118,7 @@ def test_a_real_server_reads_what_send_all_packs(protocol: int) -> None:
     with redis_server() as server, socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         reader = RespReader(sock)
         send_all(sock, command("HELLO", protocol))
-        assert isinstance(reader.reply(), list)
+        assert isinstance(reader.reply(4096), list)
         buffers = [p for i, v in enumerate(values) for p in command(b"SET", b"key:%d" % i, v)]
         buffers += [p for i in range(len(values)) for p in command(b"GET", b"key:%d" % i)]
         buffers += command(b"GET", b"absent") + command(b"INCR", b"key:5")
@@ -126,9 +126,9 @@ def test_a_real_server_reads_what_send_all_packs(protocol: int) -> None:
         for _ in range(20):
             assert [reader.reply() for _ in values] == [b"OK"] * len(values)
             for v in values:
-                got = reader.bulk_into(lambda n: memoryview(bytearray(n)))
+                got = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)
                 assert isinstance(got, memoryview) and bytes(got) == v
-            assert reader.bulk_into(lambda n: memoryview(bytearray(n))) is None
+            assert reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20) is None
             err = reader.reply()
             assert isinstance(err, ReplyError) and "not an integer" in str(err)
         assert reader.idle

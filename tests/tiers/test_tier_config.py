@@ -3,7 +3,10 @@ plain JSON, validating its own fields, and opening its tier with a store's `Tier
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from tiers.cpu_config import CPUTierConfig
 from tiers.disk_config import DiskTierConfig
 from tiers.disk_durability import DiskSync
 from tiers.errors import ConfigError
+from tiers.eviction import EVICTION_POLICIES, eviction_config
 from tiers.lmdb import LMDBTier
 from tiers.pool_config import PoolTierConfig
 from tiers.remote_config import RemoteTierConfig
@@ -66,7 +70,8 @@ def test_tier_configs_from_plain_json(tmp_path: Path) -> None:
     ({"type": "cpu", "capacity_bytes": 1, "admission": {"type": "seen", "threshold": 1}},
      r"^t: CPUTierConfig\.admission: AdmitSeen\.threshold must be an int in \[2, 15\], got 1$"),
     ({"type": "disk", "path": ""}, r"^t: DiskTierConfig\.path must be a non-empty path without NUL bytes, got ''$"),
-    ({"type": "disk", "path": "/x", "capacity_bytes": 1 << 45}, r"^t: DiskTierConfig\.capacity_bytes=\d+ is above"),
+    ({"type": "disk", "path": "/x", "capacity_bytes": 1 << 45},
+     r"^t: DiskTierConfig\.capacity_bytes must be an int in \[1, 17592186044416\], got"),
     ({"type": "disk", "path": "/x", "codec": "int3"}, r"^t: DiskTierConfig\.codec='int3' is not a registered codec"),
     ({"type": "disk", "path": "/x", "sync": "sometimes"}, r"^t: DiskTierConfig\.sync must be a bool or one of"),
     ({"type": "remote", "url": "http://x"}, r"^t: .*redis"),
@@ -125,3 +130,44 @@ def test_a_tier_config_must_name_the_tier_it_opens() -> None:
     with pytest.raises(ConfigError, match=r"must name the Tier subclass it opens, with its kind and traits, as `tier`"):
         register_tier("nameless")(Nameless)
     assert "nameless" not in TIERS.names()
+
+
+# The fields each built-in tier needs, so that one field at a time can be made hostile.
+BASE = {"pool": {"num_blocks": 4}, "cpu": {"capacity_bytes": 1 << 20}, "disk": {"path": "/x"},
+        "remote": {"url": "redis://127.0.0.1:1"}}
+HOSTILE: list[object] = [
+    float("inf"), float("nan"), -1, 0, 2**63, 2**64, 10**400, 2.5, 1.0, "", [], {}, None, True, False, (), b"1",
+    object(), "Infinity", "NaN", "x\x00y", "\udcff", "x" * 5000, {"type": 3}, {"type": "lru", "x": 1},
+    {"type": "none", "module_path": ""}, {"type": "x", "module_path": "os"},
+]
+
+
+@pytest.mark.parametrize("name", sorted(BASE))
+def test_every_tier_field_takes_or_names_each_hostile_value(name: str) -> None:
+    """Each value is taken (and then of a plain type its field's annotation names, or a config
+    object) or refused with one `ConfigError` naming the field; never another exception."""
+    fields = [f for f in dataclasses.fields(TIERS.get(name)) if f.init]
+    for f in fields:
+        for value in HOSTILE:
+            try:
+                made = tier_config({"type": name, **BASE[name], f.name: value}, "t")
+            except ConfigError as exc:
+                assert f.name in str(exc) and "\n" not in str(exc), (name, f.name, value, str(exc))
+                continue
+            taken = getattr(made, f.name)
+            assert not isinstance(taken, float) or math.isfinite(taken), (name, f.name, value)
+            assert taken is None or isinstance(taken, (bool, int, float, str, enum.Enum)) or \
+                dataclasses.is_dataclass(taken), (name, f.name, value, taken)
+
+
+@pytest.mark.parametrize("policy", ["s3fifo", "arc", "lfu"])
+def test_every_policy_field_takes_or_names_each_hostile_value(policy: str) -> None:
+    for f in dataclasses.fields(EVICTION_POLICIES.get(policy)):
+        for value in HOSTILE:
+            try:
+                made = eviction_config({"type": policy, f.name: value}, "t")
+            except ConfigError as exc:
+                assert f.name in str(exc) and "\n" not in str(exc), (policy, f.name, value, str(exc))
+                continue
+            taken = getattr(made, f.name)
+            assert isinstance(taken, float) and 0 < taken < 1e6, (policy, f.name, value, taken)

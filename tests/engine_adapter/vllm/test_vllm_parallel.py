@@ -12,7 +12,15 @@ import pytest
 
 from bench.tiny_arch import build_tiny_arch
 from bench.tiny_model import build_tiny_llama
-from tests.engine_adapter.vllm.vllm_engines import connector, disk_blocks, per_worker, prompt, reply, run_engine
+from tests.engine_adapter.vllm.vllm_engines import (
+    connector,
+    disk_blocks,
+    per_worker,
+    prompt,
+    reply,
+    run_engine,
+    stat,
+)
 from tests.switches import need_vllm
 
 need_vllm()
@@ -40,6 +48,9 @@ def test_llama_is_served_by_kvstrata_across_ranks(layout: str, tmp_path: Path) -
     assert per_worker(first, "save_new_blocks") == [9, 9]
     assert disk_blocks(spec["connector"]) == [9, 9]  # under two namespaces: never each other's keys
     assert per_worker(first, "load_tokens_cpu") == [288, 288]
+    # Every worker's load-policy rates reached the scheduler, none refused (policy_rates.py).
+    assert stat(first, "policy_rate_updates", "scheduler") >= 1
+    assert stat(first, "policy_rates_rejected") == 0
     restart = run_engine({**spec, "prompts": [ids]}, env=TWO_CPUS)
     assert reply(restart, 0) == (288, out)
     assert per_worker(restart, "load_tokens_disk") == [288, 288]
