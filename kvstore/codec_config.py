@@ -1,67 +1,65 @@
-"""The codec settings of a `StoreConfig`: parsed, checked against its layout and tiers, and the
-part of them that enters the store's identity.
+"""The codecs of a store's tiers: checked against its layout, the lossy ones a store reads, and
+the part of them that enters its identity.
 
-Isolation rule: a lossy codec on an enabled tier changes the bytes a store may return, so it
-enters `StoreConfig.identity()` (the root of every key): a store that accepts lossy bytes
-and one that wants exact KV share no key in any tier, and stores accepting different lossy
-codecs share none either. A lossless codec changes no byte a reader gets and stays out.
+Isolation rule: a lossy codec on a tier changes the bytes a store may return, so it enters
+`StoreConfig.identity()` (the root of every key): a store that accepts lossy bytes and one
+that wants exact KV share no key in any tier, and stores accepting different lossy codecs
+share none either. A lossless codec changes no byte a reader gets and stays out. Which
+codecs these are is read from each tier config's `codec`, whatever the tier.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from kvstore.errors import ConfigError
-from tiers.codecs import CodecKind, build_codec, parse_codec
+from kvstore.layout import parse_dtype
+from tiers.codecs import CodecConfig, CodecKind
+from tiers.tier_config import TierConfig
 
-if TYPE_CHECKING:
-    from kvstore.config import StoreConfig
+
+def parse_codec_dtype(value: object, layout_dtype: torch.dtype) -> torch.dtype | None:
+    """`StoreConfig.codec_dtype` as a torch dtype (or None); `ConfigError` for an unknown one,
+    or one other than the layout's on a layout that is not opaque uint8 bytes."""
+    if value is None:
+        return None
+    dtype = parse_dtype(value, "StoreConfig.codec_dtype")
+    if layout_dtype != torch.uint8 and dtype != layout_dtype:
+        raise ConfigError(f"StoreConfig.codec_dtype={dtype} differs from the layout's {layout_dtype}; "
+                          "it is for opaque uint8 layouts only")
+    return dtype
 
 
-def check_codecs(config: StoreConfig) -> None:
-    """Parse `disk_codec`, `remote_codec` and `codec_dtype` in place and open each enabled
-    tier's codec once on the layout (a missing library, an integer KV dtype for a lossy
-    codec, or groups that do not divide a row raise `ConfigError` naming the field)."""
-    from kvstore.config import _DTYPES, require_int
-
-    for name in ("disk_codec", "remote_codec"):
-        object.__setattr__(config, name, parse_codec(getattr(config, name), f"StoreConfig.{name}"))
-    if config.codec_dtype is not None:
-        dtype = config.codec_dtype
-        if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-            dtype = _DTYPES[dtype.removeprefix("torch.")]
-        if not isinstance(dtype, torch.dtype) or str(dtype).removeprefix("torch.") not in _DTYPES:
-            raise ConfigError(f"StoreConfig.codec_dtype must be one of {sorted(_DTYPES)}, got {config.codec_dtype!r}")
-        object.__setattr__(config, "codec_dtype", dtype)
-        if config.layout.dtype != torch.uint8 and dtype != config.layout.dtype:
-            raise ConfigError(f"StoreConfig.codec_dtype={dtype} differs from the layout's {config.layout.dtype}; "
-                              "it is for opaque uint8 layouts only")
-    if config.codec_group is not None:
-        require_int("StoreConfig.codec_group", config.codec_group, 1)
-    for name, kind, enabled in (("disk_codec", config.disk_codec, config.disk_path is not None),
-                                ("remote_codec", config.remote_codec, config.remote_url is not None)):
-        if kind is not CodecKind.NONE and enabled:
+def check_tier_codecs(codecs: Sequence[tuple[str, CodecConfig | None]], block_shape: tuple[int, ...],
+                      dtype: torch.dtype, codec_dtype: torch.dtype | None, group: int | None) -> None:
+    """Open each tier's codec (`what`, config) other than raw once on the layout: a missing
+    library, an integer KV dtype for a lossy codec, or groups that do not divide a row raise
+    `ConfigError` naming `what`."""
+    for what, codec in codecs:
+        if codec is not None and codec.kind is not CodecKind.NONE:
             try:
-                build_codec(kind, config.block_shape, config.layout.dtype, element_dtype=config.codec_dtype,
-                            group=config.codec_group)
+                codec.build(block_shape, dtype, element_dtype=codec_dtype, group=group)
             except ConfigError as exc:
-                raise ConfigError(f"StoreConfig.{name}={kind.label!r}: {exc}") from None
+                raise ConfigError(f"{what}={codec.kind.label!r}: {exc}") from None
 
 
-def lossy_codecs(config: StoreConfig) -> list[str]:
-    """The lossy codecs of the enabled tiers, sorted by name (empty: every tier is exact)."""
-    kinds = {k for k, on in ((config.disk_codec, config.disk_path is not None),
-                             (config.remote_codec, config.remote_url is not None)) if on and k.lossy}
-    return sorted(k.label for k in kinds)
+def lossy_kinds(tiers: Iterable[TierConfig]) -> frozenset[CodecKind]:
+    """The lossy codecs the tiers write: what every tier of the store reads besides exact KV."""
+    return frozenset(t.codec.kind for t in tiers if t.codec is not None and t.codec.lossy)
 
 
-def codec_identity(config: StoreConfig) -> list[object]:
+def lossy_codecs(tiers: Iterable[TierConfig]) -> list[str]:
+    """The lossy codecs of `tiers`, sorted by name (empty: every tier is exact)."""
+    return sorted(k.label for k in lossy_kinds(tiers))
+
+
+def codec_identity(tiers: Iterable[TierConfig], codec_dtype: torch.dtype | None, group: int | None) -> list[object]:
     """What of the codec settings enters the identity: nothing for exact stores, else the
     lossy codecs with the element dtype and group they quantize with."""
-    lossy = lossy_codecs(config)
+    lossy = lossy_codecs(tiers)
     if not lossy:
         return []
-    dtype = None if config.codec_dtype is None else str(config.codec_dtype).removeprefix("torch.")
-    return [["lossy", lossy, dtype, config.codec_group]]
+    dtype = None if codec_dtype is None else str(codec_dtype).removeprefix("torch.")
+    return [["lossy", lossy, dtype, group]]

@@ -1,47 +1,34 @@
-"""Frozen, validated configuration: the KV layout and the store's settings."""
+"""Frozen, validated configuration of a store: `StoreConfig` (its tiers, fastest first, and the
+store-level settings), `HashAlgo`; the KV layout is `kvstore/layout.py`'s."""
 
 from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
-import numpy as np
 import torch
 
+from kvstore.codec_config import codec_identity, lossy_codecs, parse_codec_dtype
 from kvstore.errors import ConfigError
+from kvstore.layout import DTYPES, MAX_DIM, KVLayout, dtype_name
 from kvstore.load_policy import LoadPolicyMode
-from kvstore.settings import MAX_INT, parse_bool, parse_optional_str, parse_str
-from tiers.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
+from kvstore.settings import parse_bool, parse_optional_str, parse_str
+from kvstore.tier_configs import flat_values, parse_given, store_tiers
+from tiers.admission import ADMIT_ALL, AdmissionSpec
 from tiers.codecs import CodecKind
+from tiers.disk_config import MAX_DISK_BYTES
 from tiers.disk_durability import DiskSync
-from tiers.eviction import EvictionKind, parse_eviction
+from tiers.eviction import EvictionKind
 from tiers.gpu_pool import DemotionPolicy
+from tiers.plugins import is_int_at_least, require_int
+from tiers.tier_config import TierConfig
 
-# dtypes a KV cache is held in. uint8 covers engines whose blocks are opaque bytes.
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-}
-
-
-MAX_DISK_BYTES = 1 << 44  # 16 TiB: the LMDB map (twice the budget) stays inside the address space
-MAX_DIM = 1 << 31  # bound on a layout's dimensions and a block's tokens: what no KV cache comes near
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Canonical short name of a supported torch dtype ('bfloat16', ...)."""
-    name = str(dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise ConfigError(f"unsupported KV dtype {dtype}; expected one of {sorted(_DTYPES)}")
-    return name
-
+__all__ = ["DTYPES", "MAX_DIM", "MAX_DISK_BYTES", "HashAlgo", "KVLayout", "StoreConfig", "dtype_name",
+           "is_int_at_least", "parse_hash_algo", "require_int"]
 
 class HashAlgo(str, enum.Enum):
     """Hash function of the block-hash chain."""
@@ -61,73 +48,6 @@ def parse_hash_algo(value: HashAlgo | str) -> HashAlgo:
         raise ConfigError(
             f"hash_algo must be one of {[a.value for a in HashAlgo]}, got {value!r}"
         ) from None
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Shape and dtype of one token's KV: `num_layers` x (K, V) x `num_kv_heads` x `head_dim`.
-
-    A block of `block_size` tokens is the tensor `[num_layers, 2, block_size, num_kv_heads,
-    head_dim]`; `dtype` may be given as a torch dtype or its name.
-    """
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype = torch.bfloat16
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if not is_int_at_least(value, 1) or value > MAX_DIM:
-                raise ConfigError(f"KVLayout.{name} must be an int in [1, {MAX_DIM}], got {value!r}")
-        dtype = self.dtype
-        if isinstance(dtype, str):
-            if dtype.removeprefix("torch.") not in _DTYPES:
-                raise ConfigError(f"unsupported KV dtype {dtype!r}; expected one of {sorted(_DTYPES)}")
-            object.__setattr__(self, "dtype", _DTYPES[dtype.removeprefix("torch.")])
-        elif isinstance(dtype, torch.dtype):
-            dtype_name(dtype)
-        else:
-            raise ConfigError(f"KVLayout.dtype must be a torch.dtype or name, got {dtype!r}")
-
-    @property
-    def dtype_name(self) -> str:
-        return dtype_name(self.dtype)
-
-    @property
-    def element_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def token_bytes(self) -> int:
-        """Bytes of KV per token, K and V of every layer together."""
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.element_bytes
-
-    def block_shape(self, block_size: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, block_size, self.num_kv_heads, self.head_dim)
-
-    def block_bytes(self, block_size: int) -> int:
-        return self.token_bytes * block_size
-
-    def identity(self) -> list[object]:
-        """Canonical, hashable description that enters every block key."""
-        return [self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_name]
-
-
-def is_int_at_least(value: object, low: int) -> bool:
-    """Whether `value` is an int (NumPy ints included, bools not) of at least `low`."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value >= low)
-
-
-def require_int(name: str, value: object, low: int, error: type[Exception] = ConfigError, high: int = MAX_INT) -> int:
-    """`value` as an int in [low, high] (never a bool or a float), else `error` naming it: the
-    one check of every count, size and index kvstrata takes from a caller."""
-    if not is_int_at_least(value, low) or value > high:  # type: ignore[operator]
-        bound = ("> 0" if low == 1 else f">= {low}") if high == MAX_INT else f"in [{low}, {high}]"
-        raise error(f"{name} must be an int {bound}, got {value!r}")
-    assert isinstance(value, (int, np.integer))
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -232,6 +152,12 @@ class StoreConfig:
         codec_group: elements per scale of a lossy codec on an opaque layout (default 64; the
             head size keeps a scale to one head vector). Structured layouts scale keys per
             channel and values per head vector instead.
+        tiers: the tiers, fastest first, each a tier config (`PoolTierConfig`, `CPUTierConfig`,
+            `DiskTierConfig`, `RemoteTierConfig` from `tiers/*_config.py`, or a tier's from
+            outside kvstrata), a registered name, or a plain dict `{"type": NAME_OR_CLASS,
+            "module_path": "pkg.mod", ...its fields}` (`tiers/plugins.py`). Empty (default):
+            the flat tier fields above (`pool_*`, `cpu_*`, `demote_admission`, `disk_*`,
+            `remote_*`) build them, the same store; given, those keep their defaults.
     """
 
     layout: KVLayout
@@ -272,31 +198,15 @@ class StoreConfig:
     remote_codec: CodecKind = CodecKind.NONE
     codec_dtype: torch.dtype | None = None
     codec_group: int | None = None
+    tiers: Sequence[TierConfig | Mapping[str, Any] | str] = ()  # a tuple of TierConfig once built
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError(f"StoreConfig.layout must be a KVLayout, got {self.layout!r}")
         require_int("StoreConfig.block_size", self.block_size, 1, high=MAX_DIM)
-        require_int("StoreConfig.cpu_bytes", self.cpu_bytes, 0)
-        require_int("StoreConfig.disk_bytes", self.disk_bytes, 1, high=MAX_DISK_BYTES)
-        require_int("StoreConfig.pool_blocks", self.pool_blocks, 0)
         for name in ("verify_tokens", "write_through", "persist_on_close", "cpu_checksums", "events_insecure",
                      "events_connect"):  # never a truthy stand-in: "false" is False, [] an error
             object.__setattr__(self, name, parse_bool(f"StoreConfig.{name}", getattr(self, name)))
-        if self.pool_device is not None:
-            try:
-                if not isinstance(self.pool_device, (str, torch.device)):
-                    raise TypeError(f"a str or torch.device, not {type(self.pool_device).__name__}")
-                if torch.device(self.pool_device).type == "meta":
-                    raise ValueError("meta tensors hold no data")
-            except (RuntimeError, TypeError, ValueError) as exc:
-                raise ConfigError(f"StoreConfig.pool_device={self.pool_device!r} is not a device: {exc}") from None
-        try:
-            object.__setattr__(self, "pool_demotion", DemotionPolicy(self.pool_demotion))
-        except ValueError:
-            raise ConfigError(
-                f"StoreConfig.pool_demotion must be 'on_evict' or 'write_through', got {self.pool_demotion!r}"
-            ) from None
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ConfigError(f"StoreConfig.namespace must be a non-empty str, got {self.namespace!r}")
         try:
@@ -304,50 +214,13 @@ class StoreConfig:
         except UnicodeEncodeError as exc:
             raise ConfigError(f"StoreConfig.namespace is not valid UTF-8 text: {exc}") from None
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        object.__setattr__(self, "disk_sync", DiskSync.parse(self.disk_sync, "StoreConfig.disk_sync"))
-        if self.disk_path is not None:
-            try:
-                path = os.fspath(self.disk_path)
-            except TypeError:
-                raise ConfigError(f"StoreConfig.disk_path must be a path, got {self.disk_path!r}") from None
-            if not isinstance(path, str) or not path or "\x00" in path:
-                raise ConfigError(f"StoreConfig.disk_path must be a non-empty path without NUL bytes, got {path!r}")
-            object.__setattr__(self, "disk_path", path)
-        if 0 < self.cpu_bytes < self.block_bytes:
-            raise ConfigError(
-                f"StoreConfig.cpu_bytes={self.cpu_bytes} holds no block of {self.block_bytes} "
-                "bytes; use 0 to disable the CPU tier"
-            )
-        if self.disk_path is not None and self.disk_bytes < 2 * self.block_bytes:
-            raise ConfigError(
-                f"StoreConfig.disk_bytes={self.disk_bytes} is below two blocks "
-                f"({2 * self.block_bytes} bytes)"
-            )
-        if self.remote_url is not None:
-            from tiers.remote import check_url
-
-            check_url(self.remote_url)
-        if self.remote_ttl_s is not None:
-            require_int("StoreConfig.remote_ttl_s", self.remote_ttl_s, 1, high=1 << 32)
-        if not isinstance(self.remote_timeout_s, (int, float)) or isinstance(self.remote_timeout_s, bool) \
-                or not 0 < self.remote_timeout_s <= 60:
-            raise ConfigError(f"StoreConfig.remote_timeout_s must be in (0, 60] seconds, got {self.remote_timeout_s!r}")
-        object.__setattr__(self, "cpu_eviction", parse_eviction(self.cpu_eviction, "StoreConfig.cpu_eviction"))
-        admission = parse_admission(self.demote_admission, "StoreConfig.demote_admission")
-        if admission.kind is AdmissionKind.TINYLFU:
-            raise ConfigError("StoreConfig.demote_admission must be 'all' or 'seen:N'; 'tinylfu' compares with "
-                              "the lower tier's victim, which the CPU tier does not know")
-        object.__setattr__(self, "demote_admission", admission)
-        if self.cpu_tenant_quota_bytes is not None:
-            quota = require_int("StoreConfig.cpu_tenant_quota_bytes", self.cpu_tenant_quota_bytes, 1)
-            if quota < self.block_bytes:
-                raise ConfigError(f"StoreConfig.cpu_tenant_quota_bytes={quota} holds no block of "
-                                  f"{self.block_bytes} bytes")
+        object.__setattr__(self, "tiers", parse_given(self.tiers))
+        if not self.tiers:
+            for name, value in flat_values(self).items():
+                object.__setattr__(self, name, value)
         require_int("StoreConfig.io_threads", self.io_threads, 1, high=1024)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         object.__setattr__(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "StoreConfig.load_policy"))
-        if self.disk_read_bps is not None:
-            require_int("StoreConfig.disk_read_bps", self.disk_read_bps, 1)
         parse_str("StoreConfig.events_topic", self.events_topic)
         for name in ("events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
             parse_optional_str(f"StoreConfig.{name}", getattr(self, name))  # even where nothing reads them
@@ -362,18 +235,22 @@ class StoreConfig:
             if value is not None and (not isinstance(value, str) or not value or len(value) > 256):
                 raise ConfigError(f"StoreConfig.{name} must be a non-empty str of at most 256 characters, "
                                   f"got {value!r}")
-        from kvstore.codec_config import check_codecs
+        object.__setattr__(self, "codec_dtype", parse_codec_dtype(self.codec_dtype, self.layout.dtype))
+        if self.codec_group is not None:
+            require_int("StoreConfig.codec_group", self.codec_group, 1)
+        object.__setattr__(self, "tier_configs", store_tiers(self))  # a bad tier is refused here, not on open
 
-        check_codecs(self)
-        if self.pool_blocks == 0 and self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
-            raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url")
+    @cached_property
+    def tier_configs(self) -> tuple[TierConfig, ...]:
+        """The tiers a store of this config opens, fastest first: `tiers`, or the sequence
+        the flat tier fields stand for (`kvstore/tier_configs.py`); built and checked when the
+        config is."""
+        return store_tiers(self)
 
     @property
     def lossy_codecs(self) -> list[str]:
-        """The lossy codecs of the enabled tiers, sorted by name (empty: every tier is exact)."""
-        from kvstore.codec_config import lossy_codecs
-
-        return lossy_codecs(self)
+        """The lossy codecs of the tiers, sorted by name (empty: every tier is exact)."""
+        return lossy_codecs(self.tier_configs)
 
     @cached_property
     def block_bytes(self) -> int:
@@ -389,8 +266,7 @@ class StoreConfig:
 
     def identity(self) -> list[object]:
         """What makes two stores' keys comparable: namespace, layout, block size, algorithm,
-        and the lossy codecs a store reads blocks through (with the element dtype and group
-        they quantize with). Exact stores keep the identity they had before codecs existed."""
-        from kvstore.codec_config import codec_identity
-
-        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codec_identity(self)]
+        and the lossy codecs its tiers write (with the element dtype and group they quantize
+        with). Exact stores keep the identity they had before codecs existed."""
+        codecs = codec_identity(self.tier_configs, self.codec_dtype, self.codec_group)
+        return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codecs]

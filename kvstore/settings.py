@@ -26,6 +26,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from kvstore.errors import ConfigError
+from tiers.plugins import MAX_INT  # the largest count or size a setting takes (what a C int64 holds)
 
 ENV_PREFIX = "KVSTRATA_"
 # Families of `KVSTRATA_*` owned by other layers: the library and connector leave them alone.
@@ -40,7 +41,6 @@ _SIZE = re.compile(r"^\s*([0-9]{1,30})\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)  #
 _INT = re.compile(r"^\s*[+-]?[0-9]{1,30}\s*$")  # int() would also take "1_0" and other scripts' digits
 _FLOAT = re.compile(r"^\s*[+-]?([0-9]{1,30}\.?[0-9]{0,30}|\.[0-9]{1,30})([eE][+-]?[0-9]{1,4})?\s*$")
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
-MAX_INT = 2**63 - 1  # the largest count or size a setting takes (what a C int64 holds)
 S = TypeVar("S", bound="EnvSettings")
 
 
@@ -216,7 +216,7 @@ class EnvSettings:
                 "| --- |" + (" --- |" if with_keys else "") + " --- | --- | --- |"]
         for f in fields(cls):  # type: ignore[arg-type]
             default = f.default if f.default is not MISSING else None
-            shown = getattr(default, "label", default.value) if isinstance(default, enum.Enum) else default
+            shown = getattr(default, "label", default.value if isinstance(default, enum.Enum) else default)
             key = f" `{f.name}` |" if with_keys else ""
             rows.append(f"| {f.name} |{key} `{cls.PREFIX}{f.name.upper()}` | `{shown!r}` | "
                         f"{described.get(f.name, '')} |")

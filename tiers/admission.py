@@ -6,18 +6,23 @@ al., TOS'17): a count-min sketch of small saturating counters, all halved every 
 capacities of additions, so old popularity fades and memory stays a few bytes per block.
 Hashing is pure and deterministic: a key's sketch positions are the same in every process.
 
-Policies (`AdmissionSpec`): `all` admits everything (no sketch); `seen:N` admits a block once it
-was used N times (vLLM's store threshold); `tinylfu` admits a block only if it was used more
-often than the block it would evict (TinyLFU's rule; a tier with room admits everything).
+Rules, each a config class registered by name (`register_admission`, `ADMISSION_RULES`):
+`all` admits everything (no sketch); `seen` admits a block once it was used `threshold` times
+(vLLM's store threshold); `tinylfu` admits a block only if it was used more often than the
+block it would evict (TinyLFU's rule; a tier with room admits everything). The strings
+`all`, `seen:N`, `tinylfu` name them too (`AdmissionSpec`); a rule outside kvstrata is named
+by a dict `{"type": ..., "module_path": ...}` (`tiers/plugins.py`).
 """
 
 from __future__ import annotations
 
+import abc
 import enum
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 from tiers.errors import ConfigError
+from tiers.plugins import Registry
 
 _ROWS = 4
 _MAX = 15  # counters saturate here (4 bits in TinyLFU)
@@ -94,22 +99,117 @@ class AdmissionKind(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class AdmissionSpec:
-    """A parsed admission setting: `all`, `seen:N` (N >= 2) or `tinylfu`."""
+class AdmissionRule(abc.ABC):
+    """An admission rule's config: a frozen dataclass registered by name with
+    `register_admission` (`ADMISSION_RULES`), deciding whether a block may enter a tier."""
 
-    kind: AdmissionKind = AdmissionKind.ALL
+    @property
+    def kind(self) -> str:
+        """Its registered name (an `AdmissionKind` for kvstrata's rules)."""
+        name = ADMISSION_RULES.name_of(self)
+        return AdmissionKind(name) if name in AdmissionKind._value2member_map_ else name
+
+    @property
+    def counts_uses(self) -> bool:
+        """Whether it needs the tier's uses counted (in a `FrequencySketch`)."""
+        return True
+
+    @property
+    def needs_victim(self) -> bool:
+        """Whether it compares a block with the block its entry would evict (a tier that does
+        not know the lower tier's victim cannot run it)."""
+        return False
+
+    @abc.abstractmethod
+    def admit(self, sketch: FrequencySketch | None, key: Hashable, victim: Hashable | None) -> bool:
+        """Whether `key` may enter; `sketch` holds the counted uses (None unless `counts_uses`),
+        `victim` is the block its entry would evict (None: the tier has room). Changes nothing."""
+
+
+ADMISSION_RULES: Registry[AdmissionRule] = Registry("admission rule", AdmissionRule, ("tiers.admission",))
+register_admission = ADMISSION_RULES.register
+
+
+@register_admission("all")
+@dataclass(frozen=True)
+class AdmitAll(AdmissionRule):
+    """Everything is admitted; no use is counted."""
+
+    @property
+    def counts_uses(self) -> bool:
+        return False
+
+    def admit(self, sketch: FrequencySketch | None, key: Hashable, victim: Hashable | None) -> bool:
+        return True
+
+
+@register_admission("seen")
+@dataclass(frozen=True)
+class AdmitSeen(AdmissionRule):
+    """A block used at least `threshold` times (2..15) while counted (vLLM's store threshold)."""
+
+    threshold: int = 2
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if not isinstance(t, int) or isinstance(t, bool) or not 2 <= t <= _MAX:
+            raise ConfigError(f"AdmitSeen.threshold must be an int in [2, {_MAX}], got {t!r}")
+
+    def admit(self, sketch: FrequencySketch | None, key: Hashable, victim: Hashable | None) -> bool:
+        assert sketch is not None  # counts_uses
+        return sketch.estimate(key) >= self.threshold
+
+
+@register_admission("tinylfu")
+@dataclass(frozen=True)
+class AdmitTinyLFU(AdmissionRule):
+    """A block used more often than the block it would evict (TinyLFU's rule)."""
+
+    @property
+    def needs_victim(self) -> bool:
+        return True
+
+    def admit(self, sketch: FrequencySketch | None, key: Hashable, victim: Hashable | None) -> bool:
+        assert sketch is not None  # counts_uses
+        return victim is None or sketch.estimate(key) > sketch.estimate(victim)
+
+
+@dataclass(frozen=True)
+class AdmissionSpec(AdmissionRule):
+    """A rule as its string names it: `all`, `seen:N` (N >= 2) or `tinylfu` (`parse_admission`)."""
+
+    kind: AdmissionKind = AdmissionKind.ALL  # a field where other rules have a property
     threshold: int = 0  # for SEEN: uses needed
 
     def __str__(self) -> str:
         return f"seen:{self.threshold}" if self.kind is AdmissionKind.SEEN else self.kind.value
 
+    @property
+    def rule(self) -> AdmissionRule:
+        """The registered rule it names."""
+        if self.kind is AdmissionKind.SEEN:
+            return AdmitSeen(self.threshold)
+        return AdmitTinyLFU() if self.kind is AdmissionKind.TINYLFU else AdmitAll()
+
+    @property
+    def counts_uses(self) -> bool:
+        return self.rule.counts_uses
+
+    @property
+    def needs_victim(self) -> bool:
+        return self.rule.needs_victim
+
+    def admit(self, sketch: FrequencySketch | None, key: Hashable, victim: Hashable | None) -> bool:
+        return self.rule.admit(sketch, key, victim)
+
 
 ADMIT_ALL = AdmissionSpec()
 
 
-def parse_admission(value: AdmissionSpec | str, name: str = "admission") -> AdmissionSpec:
-    """`value` as an `AdmissionSpec`; `ConfigError` naming `name` and the forms otherwise."""
-    if isinstance(value, AdmissionSpec):
+def parse_admission(value: AdmissionRule | str, name: str = "admission") -> AdmissionRule:
+    """`value` as a rule: a rule as it is, a string as an `AdmissionSpec`; `ConfigError`
+    naming `name` and the forms otherwise."""
+    if isinstance(value, AdmissionRule):
         return value
     text = value.strip().lower() if isinstance(value, str) else None
     if text in ("all", "tinylfu"):
@@ -119,15 +219,29 @@ def parse_admission(value: AdmissionSpec | str, name: str = "admission") -> Admi
     raise ConfigError(f"{name} must be 'all', 'tinylfu' or 'seen:N' with N in [2, 15], got {value!r}")
 
 
-class Admission:
-    """Counts uses (`record`) and answers whether a block may enter a tier (`admit`).
+def admission_rule(value: object, what: str = "admission") -> AdmissionRule:
+    """`value` as a rule: an `AdmissionRule`, a string `parse_admission` reads, a registered
+    name, or a dict with its `type` (`tiers/plugins.py`); `ConfigError` naming `what` otherwise."""
+    if isinstance(value, str):
+        try:
+            return parse_admission(value, what)
+        except ConfigError:
+            if value not in ADMISSION_RULES.names():
+                raise
+    return ADMISSION_RULES.config_from(value, what=what)
 
-    Counters `num_admitted` / `num_refused` count the answers. With `all` nothing is recorded.
+
+class Admission:
+    """Counts uses (`record`) and answers whether a block may enter a tier (`admit`), by its
+    rule (`spec`).
+
+    Counters `num_admitted` / `num_refused` count the answers. A rule that counts no uses
+    (`all`) records nothing.
     """
 
-    def __init__(self, spec: AdmissionSpec | str, expected_keys: int) -> None:
+    def __init__(self, spec: AdmissionRule | str, expected_keys: int) -> None:
         self.spec = parse_admission(spec)
-        self.sketch = None if self.spec.kind is AdmissionKind.ALL else FrequencySketch(expected_keys)
+        self.sketch = FrequencySketch(expected_keys) if self.spec.counts_uses else None
         self.num_admitted = 0
         self.num_refused = 0
 
@@ -143,13 +257,7 @@ class Admission:
     def admit(self, key: Hashable, victim: Hashable | None = None) -> bool:
         """Whether `key` may enter; `victim` is the block its entry would evict (None: the tier
         has room). Counts the answer; changes no use count."""
-        sketch = self.sketch
-        if sketch is None:
-            ok = True
-        elif self.spec.kind is AdmissionKind.SEEN:
-            ok = sketch.estimate(key) >= self.spec.threshold
-        else:
-            ok = victim is None or sketch.estimate(key) > sketch.estimate(victim)
+        ok = self.spec.admit(self.sketch, key, victim)
         if ok:
             self.num_admitted += 1
         else:

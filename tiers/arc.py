@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from tiers.eviction import EvictionKind, EvictionPolicy, K, trim
+from tiers.eviction import EvictionConfig, EvictionKind, EvictionPolicy, K, check_ratio, register_eviction, trim
 
 GHOST_X = 4.0  # entries of each ghost list, in tier capacities (ARC: one; 4x measured better here)
 
@@ -129,3 +131,17 @@ class ARCPolicy(EvictionPolicy[K]):
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
         if max(len(self._b1), len(self._b2)) > self._ghost_limit:
             raise RuntimeError("ARC: a ghost list is over its limit (a bug)")
+
+
+@register_eviction("arc")
+@dataclass(frozen=True)
+class ARCConfig(EvictionConfig):
+    """ARC: `ghost_x` is the entries of each ghost list, in tier capacities."""
+
+    ghost_x: float = GHOST_X
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ghost_x", check_ratio("ARCConfig.ghost_x", self.ghost_x))
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return ARCPolicy(capacity_blocks, ghost_x=self.ghost_x)

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import xxhash
 
-from tiers.admission import Admission, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.admission import Admission, AdmissionKind, AdmissionRule, parse_admission
 from tiers.base import (
     BlockHash,
     BlockKey,
@@ -24,7 +24,7 @@ from tiers.base import (
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes, mapped_tensor
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
-from tiers.eviction import EvictionKind
+from tiers.eviction import EvictionConfig, EvictionKind
 from tiers.residency import Residency, key_parent, key_tenant
 
 _SPILL_CHUNK = 64  # blocks per lower-tier write when spilling
@@ -56,8 +56,8 @@ class CPUTier(Tier):
         verify_tokens: bool = True,
         pin_memory: bool | None = None,
         checksum: bool = False,
-        eviction: EvictionKind | str = EvictionKind.LRU,
-        demote_admission: AdmissionSpec | str = "all",
+        eviction: EvictionConfig | EvictionKind | str = EvictionKind.LRU,
+        demote_admission: AdmissionRule | str = "all",
         tenant_quota_blocks: int | None = None,
     ) -> None:
         if num_slots <= 0:
@@ -122,7 +122,7 @@ class CPUTier(Tier):
         return iter(list(self._index))
 
     @property
-    def eviction(self) -> EvictionKind:
+    def eviction(self) -> EvictionConfig:
         return self._res.eviction
 
     @property

@@ -10,6 +10,11 @@ stores it again); `refresh` is the same use seen again by another call of one re
 store reads a prefix, promotes it and stores it: three calls, one use). Frequency-counting
 policies count only `access`; both make the key recent. `bench trace --policy` measures every
 policy here against plain LRU and Belady's optimum on the Mooncake traces (docs/performance.md).
+
+Each policy registers a config class of its own by name beside it (`register_eviction`,
+`EVICTION_POLICIES`): `lru` here, `s3fifo`, `arc` and `lfu` in their files; a tier names one as
+a name, a config object, or a dict `{"type": ..., "module_path": ...}` for a policy outside
+kvstrata (`tiers/plugins.py`).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import abc
 import enum
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
-from typing import ClassVar, Generic, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
 
 from tiers.errors import ConfigError
+from tiers.plugins import Registry
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -199,15 +206,55 @@ def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
         ghosts.popitem(last=False)
 
 
-def make_policy(kind: EvictionKind | str, capacity_blocks: int) -> EvictionPolicy[K]:
-    """A new, empty policy of `kind` for a tier of `capacity_blocks` blocks."""
-    from tiers.arc import ARCPolicy
-    from tiers.lfu import LFUPolicy
-    from tiers.s3fifo import S3FIFOPolicy
+MAX_RATIO = 1e6  # a policy's multiple of its tier's capacity: far past any use
 
-    kind = parse_eviction(kind)
-    classes: dict[EvictionKind, type[EvictionPolicy[K]]] = {
-        EvictionKind.LRU: LRUPolicy, EvictionKind.S3FIFO: S3FIFOPolicy,
-        EvictionKind.ARC: ARCPolicy, EvictionKind.LFU: LFUPolicy,
-    }
-    return classes[kind](capacity_blocks)
+
+def check_ratio(what: str, value: object, *, upper: float = MAX_RATIO) -> float:
+    """`value` as a float > 0 and below `upper`: a policy's share or multiple of its tier's
+    capacity; `ConfigError` naming `what` otherwise (a bool, a string, NaN, too large)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < upper
+    if not ok:
+        raise ConfigError(f"{what} must be a number in (0, {upper:g}), got {value!r:.80}")
+    return float(value)  # type: ignore[arg-type]  # a number once ok
+
+
+@dataclass(frozen=True)
+class EvictionConfig(abc.ABC):
+    """An eviction policy's config: a frozen dataclass registered by name with
+    `register_eviction` beside the policy, whose `make` builds a new, empty policy."""
+
+    @property
+    def name(self) -> str:
+        """The name it is registered as."""
+        return EVICTION_POLICIES.name_of(self)
+
+    @abc.abstractmethod
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        """A new, empty policy for a tier of `capacity_blocks` blocks."""
+
+
+EVICTION_POLICIES: Registry[EvictionConfig] = Registry(
+    "eviction policy", EvictionConfig, ("tiers.eviction", "tiers.s3fifo", "tiers.arc", "tiers.lfu"))
+register_eviction = EVICTION_POLICIES.register
+
+
+@register_eviction("lru")
+@dataclass(frozen=True)
+class LRUConfig(EvictionConfig):
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return LRUPolicy(capacity_blocks)
+
+
+def eviction_config(value: object, what: str = "eviction") -> EvictionConfig:
+    """`value` as an eviction policy's config: an `EvictionConfig`, an `EvictionKind` or a
+    registered name (its defaults), or a dict with its `type` (`tiers/plugins.py`);
+    `ConfigError` naming `what` otherwise."""
+    if isinstance(value, EvictionKind):
+        value = value.value
+    return EVICTION_POLICIES.config_from(value, what=what)
+
+
+def make_policy(kind: EvictionConfig | EvictionKind | str, capacity_blocks: int) -> EvictionPolicy[K]:
+    """A new, empty policy of `kind` for a tier of `capacity_blocks` blocks."""
+    policy: EvictionPolicy[K] = eviction_config(kind).make(capacity_blocks)
+    return policy

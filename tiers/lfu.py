@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from tiers.eviction import EvictionKind, EvictionPolicy, K, trim
+from tiers.eviction import EvictionConfig, EvictionKind, EvictionPolicy, K, check_ratio, register_eviction, trim
 
 MAX_COUNT = 15  # counts saturate here (4 bits, as TinyLFU's counters)
 AGE_X = 8  # every AGE_X capacities of uses, every count is halved (old popularity fades)
@@ -144,3 +146,17 @@ class LFUPolicy(EvictionPolicy[K]):
                 raise RuntimeError("LFU: a non-empty bucket lies below the lowest mark (a bug)")
         if self._history.keys() & self._count.keys():
             raise RuntimeError("LFU: a held key is also in the history (a bug)")
+
+
+@register_eviction("lfu")
+@dataclass(frozen=True)
+class LFUConfig(EvictionConfig):
+    """LFU: `history_x` is the counts of evicted keys remembered, in tier capacities."""
+
+    history_x: float = HISTORY_X
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "history_x", check_ratio("LFUConfig.history_x", self.history_x))
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return LFUPolicy(capacity_blocks, history_x=self.history_x)

@@ -28,8 +28,10 @@ class LayoutCodecs:
         """This layout's codec `kind`; `ConfigError` if it cannot be built."""
         codec = self._codecs.get(kind)
         if codec is None:
-            codec = self._codecs[kind] = build_codec(kind, self._shape, self._dtype,
-                                                     element_dtype=self.spec.element_dtype, group=self.spec.group)
+            spec = self.spec
+            config = spec.config if spec.config is not None and kind is spec.kind else None  # the writer's own
+            codec = self._codecs[kind] = build_codec(kind, self._shape, self._dtype, element_dtype=spec.element_dtype,
+                                                     group=spec.group, config=config)
         return codec
 
     def reader(self, codec_id: int, what: str) -> Codec:

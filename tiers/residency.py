@@ -22,7 +22,7 @@ from collections.abc import Hashable, Sequence
 from typing import Generic, Protocol
 
 from tiers.base import BlockHash, BlockKey, TenantStats
-from tiers.eviction import EvictionKind, EvictionPolicy, K, make_policy
+from tiers.eviction import EvictionConfig, EvictionKind, EvictionPolicy, K, eviction_config, make_policy
 from tiers.quota import NO_TENANT, TenantBook
 
 _NOT_SEEN = -1
@@ -57,12 +57,12 @@ class Residency(Generic[K]):
     victims before adding blocks.
     """
 
-    def __init__(self, capacity_blocks: int, eviction: EvictionKind | str = EvictionKind.LRU, *,
+    def __init__(self, capacity_blocks: int, eviction: EvictionConfig | EvictionKind | str = EvictionKind.LRU, *,
                  quota_blocks: int | None = None, keep_prefixes: bool = True) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"a tier needs a capacity > 0 blocks, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self.eviction = EvictionKind(eviction)
+        self.eviction = eviction_config(eviction)
         self.keep_prefixes = keep_prefixes
         self._book: TenantBook[K] | None = None
         self._policy: EvictionPolicy[K] = make_policy(self.eviction, capacity_blocks)

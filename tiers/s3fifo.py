@@ -5,8 +5,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from tiers.eviction import EvictionKind, EvictionPolicy, K, trim
+from tiers.eviction import EvictionConfig, EvictionKind, EvictionPolicy, K, check_ratio, register_eviction, trim
 
 MAX_FREQ = 3  # uses counted per key (2 bits in the paper)
 SMALL_SHARE = 0.1  # the small queue's share of the tier
@@ -127,3 +129,20 @@ class S3FIFOPolicy(EvictionPolicy[K]):
             raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
         if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):
             raise RuntimeError("S3-FIFO: a use count is out of range (a bug)")
+
+
+@register_eviction("s3fifo")
+@dataclass(frozen=True)
+class S3FIFOConfig(EvictionConfig):
+    """S3-FIFO: `small_share` is the small queue's share of the tier, in (0, 1); `ghost_x` the
+    ghost entries kept, in tier capacities."""
+
+    small_share: float = SMALL_SHARE
+    ghost_x: float = GHOST_X
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "small_share", check_ratio("S3FIFOConfig.small_share", self.small_share, upper=1.0))
+        object.__setattr__(self, "ghost_x", check_ratio("S3FIFOConfig.ghost_x", self.ghost_x))
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return S3FIFOPolicy(capacity_blocks, small_share=self.small_share, ghost_x=self.ghost_x)

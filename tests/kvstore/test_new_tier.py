@@ -1,11 +1,13 @@
-"""A new tier is one file plus one factory line.
+"""A new tier is one file that registers itself.
 
-`DictTier` below is the whole "file": a dictionary of block copies that says what it is
-(`kind`, `traits`) and implements the tier protocol. The test then adds ONE line, its entry in
-the factory, and the unchanged store uses it everywhere: stores demote into it, retrieves
-and lookups find blocks there, `prefetch` moves them into memory, KV events announce them in
-the medium its traits say, metrics and stats label them by its kind, `clear` and
-`check_integrity` reach it. Nothing else in kvstrata was edited for it.
+`DictTier` and `DictTierConfig` below are the whole "file": a dictionary of block copies that
+says what it is (`kind`, `traits`) and implements the tier protocol, and its frozen config,
+registered by name, that opens it. A store configured with it among its tiers uses it
+everywhere, unchanged: stores demote into it, retrieves and lookups find blocks there,
+`prefetch` moves them into memory, KV events announce them in the medium its traits say,
+metrics and stats label them by its kind, `clear` and `check_integrity` reach it. Nothing in
+kvstrata was edited for it, and no private name is touched. (`tests/kvstore/test_plugins.py`
+does the same from a module outside the packages, named by `module_path`.)
 """
 
 from __future__ import annotations
@@ -13,20 +15,20 @@ from __future__ import annotations
 import socket
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
+from dataclasses import dataclass
 
 import msgpack
 import pytest
 import torch
 import zmq
 
-from kvstore import KVCacheStore, StoreConfig, tier_factory
-from kvstore.config import StoreConfig as _Config
+from kvstore import KVCacheStore, StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held
 from tiers.errors import StoreClosedError
+from tiers.tier_config import TierConfig, TierContext, register_tier
 
 
 class DictTier(Tier):
@@ -35,9 +37,10 @@ class DictTier(Tier):
     kind = TierKind("dict")
     traits = TierTraits()  # not memory, not persistent, not shared
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, block_bytes: int) -> None:
         self._blocks: OrderedDict[BlockHash, tuple[bytes, torch.Tensor]] = OrderedDict()
         self._capacity = capacity
+        self._block_bytes = block_bytes
         self._closed = False
         self.counters = TierCounters()
 
@@ -82,7 +85,7 @@ class DictTier(Tier):
 
     def occupancy(self) -> Occupancy:
         n = len(self._blocks)
-        return Occupancy(n, self._capacity, n * LAYOUT.block_bytes(BLOCK), self._capacity * LAYOUT.block_bytes(BLOCK))
+        return Occupancy(n, self._capacity, n * self._block_bytes, self._capacity * self._block_bytes)
 
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         for h in block_hashes:
@@ -106,8 +109,17 @@ class DictTier(Tier):
             raise RuntimeError("dict tier over capacity (a bug)")
 
 
-def _dict(config: _Config, seed: BlockHash) -> Tier | None:
-    return DictTier(64)
+@register_tier("dict")
+@dataclass(frozen=True)
+class DictTierConfig(TierConfig):
+    """The dict tier's config: how many blocks it holds."""
+
+    tier = DictTier
+
+    capacity_blocks: int = 64
+
+    def open(self, ctx: TierContext) -> Tier:
+        return DictTier(self.capacity_blocks, ctx.block_bytes)
 
 
 def _free_port() -> int:
@@ -117,17 +129,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def store(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[KVCacheStore]:
-    # The one factory line: the dict tier goes below the CPU tier.
-    line = tier_factory._Builder(DictTier, _dict)
-    monkeypatch.setattr(tier_factory, "_BUILDERS", (*tier_factory._BUILDERS[:2], line, *tier_factory._BUILDERS[2:]))
-    config = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * LAYOUT.block_bytes(BLOCK),
+def store() -> Iterator[KVCacheStore]:
+    # The dict tier goes below the CPU tier, named in the config as any tier is.
+    cpu = {"type": "cpu", "capacity_bytes": 4 * LAYOUT.block_bytes(BLOCK)}
+    config = StoreConfig(LAYOUT, block_size=BLOCK, tiers=[cpu, {"type": "dict"}],
                          events_endpoint=f"tcp://127.0.0.1:{_free_port()}", load_policy="always")
     with KVCacheStore(config) as s:
         yield s
 
 
-def test_the_store_uses_a_tier_added_by_one_factory_line(store: KVCacheStore) -> None:
+def test_the_store_uses_a_tier_that_registered_itself(store: KVCacheStore) -> None:
     assert [t.kind.value for t in store.tiers] == ["cpu", "dict"]
     tokens = list(range(10 * BLOCK))
     kv = make_kv(len(tokens))

@@ -14,7 +14,19 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash
 from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.admission import Admission, AdmissionKind, AdmissionSpec, FrequencySketch, key_bits, parse_admission
+from tiers.admission import (
+    ADMISSION_RULES,
+    Admission,
+    AdmissionKind,
+    AdmissionSpec,
+    AdmitAll,
+    AdmitSeen,
+    AdmitTinyLFU,
+    FrequencySketch,
+    admission_rule,
+    key_bits,
+    parse_admission,
+)
 from tiers.base import BlockKey
 from tiers.cpu import CPUTier
 from tiers.lmdb import LMDBTier
@@ -130,3 +142,38 @@ def test_store_with_admission_spills_everything_on_close(tmp_path: Path) -> None
         store.store(tokens, make_kv(len(tokens)))
     with KVCacheStore(cfg) as store:
         assert store.lookup(tokens) == len(tokens)
+
+
+def test_each_rule_is_registered_with_a_config_of_its_own() -> None:
+    assert ADMISSION_RULES.names() == ["all", "seen", "tinylfu"]
+    assert admission_rule({"type": "seen", "threshold": 3}, "w") == AdmitSeen(3)
+    assert admission_rule("seen:3") == AdmissionSpec(AdmissionKind.SEEN, 3)  # the string form still reads
+    assert admission_rule("tinylfu").needs_victim and not admission_rule("all").counts_uses
+    assert AdmitSeen(3).kind is AdmissionKind.SEEN and AdmissionSpec(AdmissionKind.SEEN, 3).rule == AdmitSeen(3)
+    with pytest.raises(ConfigError, match=r"^w: AdmitSeen\.threshold must be an int in \[2, 15\], got 16$"):
+        admission_rule({"type": "seen", "threshold": 16}, "w")
+    with pytest.raises(ConfigError, match=r"^w must be 'all', 'tinylfu' or 'seen:N'"):
+        admission_rule("seen:1", "w")
+
+
+def test_a_rule_config_decides_as_its_string_did() -> None:
+    keys = [bytes([i]) * 16 for i in range(4)]
+    for spec, rule in ((AdmissionSpec(AdmissionKind.SEEN, 2), AdmitSeen(2)), (AdmissionSpec(), AdmitAll()),
+                       (AdmissionSpec(AdmissionKind.TINYLFU), AdmitTinyLFU())):
+        answers = []
+        for r in (spec, rule):
+            adm = Admission(r, 64)
+            for k in keys[:2] * 2 + keys[2:3]:
+                adm.record(k)
+            answers.append([adm.admit(k, victim) for k in keys for victim in (None, keys[0], keys[3])])
+        assert answers[0] == answers[1], spec
+
+
+def test_the_cpu_tier_takes_a_rule_config() -> None:
+    cpu = CPUTier(4, SHAPE, LAYOUT.dtype, demote_admission=AdmitSeen(2))
+    try:
+        assert cpu.num_demotions_refused == 0
+    finally:
+        cpu.close()
+    with pytest.raises(ConfigError, match="'tinylfu' needs the lower tier's victim"):
+        CPUTier(4, SHAPE, LAYOUT.dtype, demote_admission=AdmitTinyLFU())

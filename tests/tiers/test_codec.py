@@ -4,12 +4,14 @@ stated per-element bound, malformed payloads are `CorruptRecordError`, bad setti
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 
 import pytest
 import torch
 
-from tiers.codecs import CodecKind, build_codec, codec_of_id, parse_codec
+from tiers.codecs import CODECS, CodecKind, Int8Config, build_codec, codec_config, codec_of_id, parse_codec
 from tiers.codecs.scaled import ScaledCodec
 from tiers.errors import ConfigError, CorruptRecordError
 
@@ -225,3 +227,34 @@ def test_device_blocks_encode_and_decode_on_the_device(kind: CodecKind) -> None:
     else:
         assert bytes(on_device) == bytes(on_host)
         assert torch.equal(out.cpu().view(torch.uint8), x.view(torch.uint8))
+
+
+def test_each_codec_is_registered_with_a_config_of_its_own() -> None:
+    assert {k.label for k in CodecKind} <= set(CODECS.names())  # (with any a test registered from outside)
+    for kind in CodecKind:
+        config = codec_config(kind.label.upper())
+        assert config.kind is kind and type(config) is CODECS.get(kind.label)
+    assert codec_config({"type": "int8"}) == Int8Config() and codec_config(CodecKind.FP8).lossy
+    with pytest.raises(ConfigError, match=r"^w='lz4' is not a registered codec"):
+        codec_config("lz4", "w")
+    with pytest.raises(ConfigError, match=r"^w: codec 'zstd' has no field 'level'"):
+        codec_config({"type": "zstd", "level": 3}, "w")
+
+
+def test_a_codec_outside_kvstrata_defines_a_kind_of_its_own() -> None:
+    kind = CodecKind.define("test_kind_200", 200, lossy=True)
+    assert CodecKind.define("test_kind_200", 200, lossy=True) is kind and CodecKind(200) is kind
+    assert codec_of_id(200) is kind and parse_codec("test_kind_200") is kind and kind not in list(CodecKind)
+    assert repr(kind) == "CodecKind('test_kind_200', 200)" and repr(CodecKind.INT8) == "CodecKind.INT8"
+    assert pickle.loads(pickle.dumps(kind)) is kind and copy.deepcopy(CodecKind.K8V4) is CodecKind.K8V4
+    with pytest.raises(ConfigError, match=r"codec id 200 is the test_kind_200 codec's already"):
+        CodecKind.define("other_kind", 200, lossy=False)
+    with pytest.raises(ConfigError, match=r"the codec label 'test_kind_200' has id 200 already"):
+        CodecKind.define("test_kind_200", 201, lossy=True)
+    for bad_id in (4, 127, 256, True):  # kvstrata's own ids, or none a record's byte holds
+        with pytest.raises(ConfigError, match=r"takes an id in \[128, 255\]"):
+            CodecKind.define("another", bad_id, lossy=False)
+    with pytest.raises(ConfigError, match="a lower-case identifier"):
+        CodecKind.define("Bad Name", 202, lossy=False)
+    with pytest.raises(ValueError, match="202 is not a known codec id"):
+        CodecKind(202)

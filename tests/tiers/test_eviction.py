@@ -9,9 +9,10 @@ import pytest
 
 from bench.trace_sim import SimTier, Stack
 from kvstore.errors import ConfigError
-from tiers.eviction import EvictionKind, EvictionPolicy, make_policy, parse_eviction
-from tiers.lfu import LFUPolicy
+from tiers.eviction import EVICTION_POLICIES, EvictionKind, EvictionPolicy, eviction_config, make_policy, parse_eviction
+from tiers.lfu import LFUConfig, LFUPolicy
 from tiers.residency import Residency
+from tiers.s3fifo import S3FIFOConfig, S3FIFOPolicy
 
 KINDS = list(EvictionKind)
 
@@ -254,3 +255,28 @@ def test_trim_history_keeps_what_a_smaller_tier_would(kind: EvictionKind) -> Non
         policy.insert(last)
         assert policy.num_remembered == kept - 1
         policy.check_integrity()
+
+
+def test_each_policy_is_registered_with_a_config_of_its_own() -> None:
+    assert EVICTION_POLICIES.names()[:4] == ["lru", "s3fifo", "arc", "lfu"] == [k.value for k in EvictionKind]
+    assert eviction_config("s3fifo") == S3FIFOConfig() and eviction_config(EvictionKind.ARC).name == "arc"
+    config = eviction_config({"type": "s3fifo", "small_share": 0.5, "ghost_x": 1.0}, "w")
+    policy = make_policy(config, 10)
+    assert isinstance(policy, S3FIFOPolicy)
+    for k in range(5):  # a small queue of half the tier holds the five new keys; nothing is a ghost yet
+        policy.insert(k)
+    policy.check_integrity()
+    assert [policy.pop() for _ in range(5)] == [0, 1, 2, 3, 4]
+    assert isinstance(make_policy(LFUConfig(history_x=0.5), 4), LFUPolicy)
+    with pytest.raises(ConfigError, match=r"^w: S3FIFOConfig\.small_share must be a number in \(0, 1\), got 1\.5$"):
+        eviction_config({"type": "s3fifo", "small_share": 1.5}, "w")
+    with pytest.raises(ConfigError, match=r"^w: ARCConfig\.ghost_x must be a number in \(0, 1e\+06\), got True$"):
+        eviction_config({"type": "arc", "ghost_x": True}, "w")
+    with pytest.raises(ConfigError, match=r"^w='fifo2' is not a registered eviction policy; registered: \['lru', "):
+        eviction_config("fifo2", "w")
+
+
+def test_a_residency_runs_the_policy_its_config_makes() -> None:
+    res: Residency[int] = Residency(10, S3FIFOConfig(small_share=0.5))
+    assert res.eviction == S3FIFOConfig(small_share=0.5) and isinstance(res.policy, S3FIFOPolicy)
+    assert Residency(10, "lfu").eviction == LFUConfig()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from tiers.blockcopy import copy_block, host_bytes
-from tiers.codecs.base import Codec, CodecKind
+from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
 
 
 class RawCodec(Codec):
@@ -30,3 +32,15 @@ class RawCodec(Codec):
         staged = torch.empty(self.block_shape, dtype=self.dtype)
         np.copyto(staged.view(torch.uint8).numpy().reshape(-1), src)
         dst.copy_(staged)
+
+
+@register_codec("none")
+@dataclass(frozen=True)
+class RawConfig(CodecConfig):
+    """The block's bytes as they are."""
+
+    kind = CodecKind.NONE
+
+    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+              element_dtype: torch.dtype | None = None, group: int | None = None) -> Codec:
+        return RawCodec(block_shape, dtype, element_dtype=element_dtype, group=group)

@@ -18,12 +18,13 @@ shape. `error_bound` states the largest error of each element (`tiers/codecs/qua
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from tiers.codecs.base import Codec, CodecKind
+from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
 from tiers.codecs.quant import ROUNDING, Fmt, codes_to_float, dequantize, error_bound, peak, quantize
 from tiers.errors import ConfigError, CorruptRecordError
 
@@ -190,3 +191,30 @@ class ScaledCodec(Codec):
             out[:, h] = error_bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(half.shape)
         return out
 
+
+
+@dataclass(frozen=True)
+class _ScaledConfig(CodecConfig):
+    """The lossy codecs' configs: each opens a `ScaledCodec` of its kind."""
+
+    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+              element_dtype: torch.dtype | None = None, group: int | None = None) -> Codec:
+        return ScaledCodec(self.kind, block_shape, dtype, element_dtype=element_dtype, group=group)
+
+
+@register_codec("int8")
+@dataclass(frozen=True)
+class Int8Config(_ScaledConfig):
+    kind = CodecKind.INT8
+
+
+@register_codec("fp8")
+@dataclass(frozen=True)
+class FP8Config(_ScaledConfig):
+    kind = CodecKind.FP8
+
+
+@register_codec("k8v4")
+@dataclass(frozen=True)
+class K8V4Config(_ScaledConfig):
+    kind = CodecKind.K8V4

@@ -9,13 +9,14 @@ it once the high bytes sit together. Decoding is bit-exact. Needs the `zstandard
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 import torch
 
 from tiers.blockcopy import host_bytes
-from tiers.codecs.base import Codec, CodecKind
+from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
 from tiers.errors import ConfigError, CorruptRecordError
 
 LEVEL = 1  # zstd's level: 1 packs these planes as well as 3 and is twice as fast (docs/performance.md)
@@ -85,3 +86,15 @@ class ZstdCodec(Codec):
         np.copyto(view.reshape(src.shape[0], -1), src.reshape(src.shape[0], -1))
         if target is not dst:
             dst.copy_(target)
+
+
+@register_codec("zstd")
+@dataclass(frozen=True)
+class ZstdConfig(CodecConfig):
+    """Lossless: byte planes, then zstd (the `codec` extra)."""
+
+    kind = CodecKind.ZSTD
+
+    def build(self, block_shape: tuple[int, ...], dtype: torch.dtype, *,
+              element_dtype: torch.dtype | None = None, group: int | None = None) -> Codec:
+        return ZstdCodec(block_shape, dtype, element_dtype=element_dtype, group=group)
