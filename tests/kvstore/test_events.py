@@ -53,6 +53,18 @@ class Reader:
     def events(self) -> list[dict[str, Any]]:
         return [e for _, batch in self.batches for e in batch]
 
+    def until(self, done: Any, timeout: float = 20.0) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Drain until `done(self.events())` holds, or `timeout` seconds (generous: the machine
+        may be busy); the batches received."""
+        deadline = time.monotonic() + timeout
+        while not done(self.events()) and time.monotonic() < deadline:
+            self.drain(0.2)
+        return self.batches
+
+    def until_stored(self, timeout: float = 20.0) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Drain until a BlockStored event has come (or `timeout`)."""
+        return self.until(lambda events: any(e["type"] == "BlockStored" for e in events), timeout)
+
     def replay(self, start: int, timeout_ms: int = 5000) -> list[tuple[int, list[dict[str, Any]]]] | None:
         """vLLM's replay protocol; None if no end marker came."""
         dealer = self._socket(zmq.DEALER)
@@ -162,7 +174,7 @@ def test_replay_serves_the_buffer_then_the_whole_state_without_the_store_lock(tm
     reader = Reader(port)
     try:
         store.store(list(range(8)), make_kv(8))
-        last = reader.drain(1.5)[-1][0]
+        last = reader.until_stored()[-1][0]
         assert store.events is not None
         with store.lock:  # a replay never waits on the store's lock
             buffered = reader.replay(last)
@@ -184,7 +196,7 @@ def test_whole_state_replays_are_rate_limited_per_peer(tmp_path: Path) -> None:
     reader = Reader(port)
     try:
         store.store(list(range(8)), make_kv(8))
-        reader.drain(1.0)
+        reader.until_stored()
         assert store.events is not None
         store.events.drop_replay_buffer()
         answers = [reader.replay(0) for _ in range(12)]
@@ -216,7 +228,7 @@ def test_oversized_and_malformed_requests_cost_nothing(tmp_path: Path) -> None:
         assert store.events.inbound_limits == (1024, 1024)
         reader = Reader(port)
         store.store(list(range(8)), make_kv(8))
-        assert any(e["type"] == "BlockStored" for _, b in reader.drain(1.5) for e in b)
+        assert any(e["type"] == "BlockStored" for _, b in reader.until_stored() for e in b)
         assert reader.replay(0) is not None
         reader.close()
     finally:
@@ -233,12 +245,13 @@ def test_an_overflowing_queue_becomes_a_welcome_not_a_gap(tmp_path: Path, monkey
     try:
         reader.drain(1.2)
         assert store.store(list(range(40)), make_kv(40)) == 40  # 10 blocks > 3: the queue overflows
-        reader.drain(1.5)
+        want = {wire_hash(h) for h in store.block_hashes(list(range(40)))}
+        reader.until(lambda events: held(events)["CPU"] | held(events)["DISK"] == want)
         assert store.events is not None and store.events.num_dropped > 0
         seqs = [s for s, _ in reader.batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no gap"
         state = held(reader.events())
-        assert state["CPU"] | state["DISK"] == {wire_hash(h) for h in store.block_hashes(list(range(40)))}
+        assert state["CPU"] | state["DISK"] == want
     finally:
         reader.close()
         store.close()
@@ -289,7 +302,7 @@ def test_curve_admits_only_the_readers_it_knows(tmp_path: Path) -> None:
         readers.append(plain)
         time.sleep(0.5)
         store.store(list(range(8)), make_kv(8))
-        got = [r.drain(1.5) for r in readers]
+        got = [readers[0].until_stored(), *(r.drain(1.5) for r in readers[1:])]
         assert any(e["type"] == "BlockStored" for _, b in got[0] for e in b)
         assert got[1] == [] and got[2] == [], "an unknown key or no key reads nothing"
         assert readers[0].replay(0) is not None and readers[2].replay(0, timeout_ms=500) is None
