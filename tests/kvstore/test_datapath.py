@@ -121,7 +121,7 @@ def test_auto_recomputes_a_slow_disk_tail_with_the_same_answer() -> None:
 
     from bench.load_policy import run
 
-    result = run(doc_tokens=256, disk_mbps=0.5, repeats=1)
+    result = run(doc_tokens=256, disk_mbps=0.15, repeats=1)  # a margin that survives a busy machine
     trials = result["trials"]
     auto, always, never = trials["auto"][0], trials["always"][0], trials["never"][0]
     assert auto["tokens"] == always["tokens"] == never["tokens"]
