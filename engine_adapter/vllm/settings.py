@@ -114,6 +114,11 @@ def library_keys() -> list[str]:
 
 
 @functools.cache
+def _store_defaults() -> dict[str, object]:
+    return {f.name: default_of(f) for f in dataclasses.fields(StoreConfig)}
+
+
+@functools.cache
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(StoreConfig)
 
@@ -231,8 +236,7 @@ class ConnectorSettings(EnvSettings):
     def settings(cls) -> list[Setting]:
         """The connector's own settings, then the library's it passes through (their defaults
         as the connector's stores have them; what they do from `StoreConfig`'s docstring)."""
-        text = described(StoreConfig.__doc__)
-        defaults = {f.name: default_of(f) for f in dataclasses.fields(StoreConfig)}
+        text, defaults = described(StoreConfig.__doc__), _store_defaults()
         passed = []
         for name in library_keys():
             ours = CONNECTOR_DEFAULTS.get(name)
@@ -264,7 +268,7 @@ class ConnectorSettings(EnvSettings):
         connector's default, or `StoreConfig`'s)."""
         if name in self.library:
             return self.library[name]
-        return next(default_of(f) for f in dataclasses.fields(StoreConfig) if f.name == name)
+        return _store_defaults()[name]
 
     @property
     def tier_configs(self) -> tuple[TierConfig, ...]:

@@ -6,6 +6,8 @@ KV cache layout, the group's index and spec, the layers it covers, and which sha
 tensor-parallel group (none where every rank holds the same bytes, as MLA's latent). A worker
 opens its own groups' stores; the scheduler opens every worker's, to call a block a hit only
 where all of them hold it. Both derive the configs from vLLM's; they must agree exactly.
+Each config is the library settings passed through, plus what the connector derives
+(`group_config`).
 """
 
 from __future__ import annotations
@@ -223,10 +225,11 @@ class StorePlanner:
         identity = {**self.deployment, "group": group, "groups": len(self.specs), "spec": spec_identity(spec),
                     "layers": layers, "shard": shard.identity()}
         return group_config(self.settings, Derived(
-            opaque_layout(len(layers), self._page(group), self.block_size), self.block_size,
-            json.dumps(identity, sort_keys=True, default=str),
-            str(self.vllm_config.model_config.served_model_name)[:256] or None, memory_share, saves, events,
-            getattr(spec, "head_size", None), getattr(spec, "dtype", None), f"KV cache group {group}"))
+            layout=opaque_layout(len(layers), self._page(group), self.block_size), block_size=self.block_size,
+            namespace=json.dumps(identity, sort_keys=True, default=str),
+            model_name=str(self.vllm_config.model_config.served_model_name)[:256] or None,
+            memory_share=memory_share, saves=saves, publishes=events, head_size=getattr(spec, "head_size", None),
+            kv_dtype=getattr(spec, "dtype", None), what=f"KV cache group {group}"))
 
     def worker_stores(self, place: Place, layer_names: list[list[str]] | None = None) -> list[GroupStore]:
         """The stores of the worker at `place` (the groups with layers there), the memory
