@@ -158,10 +158,10 @@ def test_an_unknown_key_is_one_error_naming_it_and_its_close_matches() -> None:
 
 def test_library_values_are_checked_by_the_librarys_own_configs() -> None:
     for extra, message in [
-        ({"cpu_eviction": "mru"}, r"StoreConfig\.cpu_eviction must be one of \['lru', 's3fifo', 'arc', 'lfu'\]"),
+        ({"cpu_eviction": "fifo9"}, r"StoreConfig\.cpu_eviction must be one of \['lru', 's3fifo', 'arc', 'lfu'\]"),
         ({"remote_url": URL, "remote_timeout_s": 100}, r"StoreConfig\.remote_timeout_s must be in \(0, 60\]"),
-        ({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20, "eviction": "mru"}]},
-         r"^tiers\[0\]: CPUTierConfig\.eviction='mru' is not a registered eviction policy"),
+        ({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20, "eviction": "fifo9"}]},
+         r"^tiers\[0\]: CPUTierConfig\.eviction='fifo9' is not a registered eviction policy"),
         ({"tiers": [{"type": "tape"}]}, r"^tiers\[0\]\.type='tape' is not a registered tier"),
         ({"tiers": [CPU], "cpu_bytes": "1GiB"}, r"^tiers is given, and so are the flat tier fields \['cpu_bytes'\]"),
         ({"tiers": "[{"}, r"^tiers must be a list of tier configs \(JSON\)"),
