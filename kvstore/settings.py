@@ -16,14 +16,15 @@ naming the known ones, so a typo is never silently ignored.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import enum
 import math
 import operator
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from kvstore.errors import ConfigError
 from tiers.plugins import MAX_INT  # the largest count or size a setting takes (what a C int64 holds)
@@ -123,6 +124,31 @@ def parse_str(name: str, value: object, *, empty: bool = True, secret: bool = Fa
     return value
 
 
+def number_from_text(name: str, text: str, kind: type, *, size: bool = False) -> object:
+    """The int or float (`kind`) that `text` spells (a `size` also as "1GiB": `parse_bytes`,
+    which raises naming `name` for text that is no size); else `text` itself, for the
+    setting's own check to refuse. An infinite or NaN float is left as text too."""
+    if kind is int:
+        if size:
+            return parse_bytes(name, text)
+        return int(text) if _INT.match(text) else text
+    if kind is float and _FLOAT.match(text):
+        number = float(text)
+        return number if math.isfinite(number) else text
+    return text
+
+
+def shown_default(value: object) -> str:
+    """A default as a table shows it: an enum or a codec by its name, a rule by its text."""
+    if hasattr(value, "label"):
+        value = value.label
+    elif isinstance(value, enum.Enum):
+        value = value.value
+    elif not isinstance(value, (str, int, float, tuple, type(None))):
+        value = str(value)
+    return f"`{value!r}`"
+
+
 def parse_optional_str(name: str, value: object) -> str | None:
     """None, or a non-empty str of valid UTF-8 text."""
     return None if value is None else parse_str(name, value, empty=False)
@@ -138,14 +164,45 @@ def parse_path(name: str, value: object) -> str | None:
     return path
 
 
+class Setting(NamedTuple):
+    """One setting a class takes: its name (the key, and the variable's suffix), its default,
+    and what it does (one line, for the docs' table)."""
+
+    name: str
+    default: object
+    described: str
+
+
+def described(doc: str | None) -> dict[str, str]:
+    """Each entry (`name: text` indented 8 spaces, as under `Attributes:`) of a class
+    docstring `doc`, on one line."""
+    return {m.group(1): " ".join(m.group(2).split())
+            for m in re.finditer(r"^\s{8}(\w+): (.*?)(?=^\s{8}\w+: |^\s*Attributes|\Z)", doc or "", re.M | re.S)}
+
+
+def close_matches(name: object, known: list[str]) -> str:
+    """The known names close to `name`, as "'a' or 'b'" ("" for none)."""
+    near = difflib.get_close_matches(name, known, n=3, cutoff=0.6) if isinstance(name, str) else []
+    return " or ".join(repr(n) for n in near)
+
+
+def default_of(f: Field[Any]) -> object:
+    """The default of a dataclass field (None where it has none)."""
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
 class EnvSettings:
     """Base of a layer's frozen settings dataclass: the parser and the docs table.
 
-    Class attributes: `PREFIX`, the layer's variables' prefix (a field `x` is `PREFIX + "X"`);
-    `FOREIGN`, prefixes inside `PREFIX` that other layers own (not checked here); `SHARED`,
-    other settings classes whose variables share this namespace (known here, parsed there);
-    `KEYS_NAME`, what the extra config's keys are called, or None where there are none (every
-    field is a variable only)."""
+    Class attributes: `PREFIX`, the layer's variables' prefix (a setting `x` is `PREFIX +
+    "X"`); `FOREIGN`, prefixes inside `PREFIX` that other layers own (not checked here);
+    `SHARED`, other settings classes whose variables share this namespace (known here, parsed
+    there); `KEYS_NAME`, what the extra config's keys are called, or None where there are none
+    (every setting is a variable only). The settings are the dataclass's fields, but a field
+    whose metadata says `{"setting": False}` (what the class derives); a subclass may take
+    more (`settings`) and refuse some names with a reason (`refused`)."""
 
     PREFIX: ClassVar[str] = ENV_PREFIX
     FOREIGN: ClassVar[tuple[str, ...]] = OTHER_FAMILIES
@@ -153,14 +210,30 @@ class EnvSettings:
     KEYS_NAME: ClassVar[str | None] = None
 
     @classmethod
+    def own_fields(cls) -> list[Field[Any]]:
+        """The fields that are settings."""
+        return [f for f in fields(cls) if f.metadata.get("setting", True)]  # type: ignore[arg-type]
+
+    @classmethod
+    def settings(cls) -> list[Setting]:
+        """Every setting the class takes, in the order of its table: its own fields."""
+        text = cls.described()
+        return [Setting(f.name, default_of(f), text.get(f.name, "")) for f in cls.own_fields()]
+
+    @classmethod
+    def refused(cls) -> dict[str, str]:
+        """Names refused as keys or variables, each with why (none here)."""
+        return {}
+
+    @classmethod
     def keys(cls) -> list[str]:
         """Names accepted as extra-config keys."""
-        return [f.name for f in fields(cls)] if cls.KEYS_NAME else []  # type: ignore[arg-type]
+        return [s.name for s in cls.settings()] if cls.KEYS_NAME else []
 
     @classmethod
     def variables(cls) -> list[str]:
         """This class's variables."""
-        return [cls.PREFIX + f.name.upper() for f in fields(cls)]  # type: ignore[arg-type]
+        return [cls.PREFIX + s.name.upper() for s in cls.settings()]
 
     @classmethod
     def check_environ(cls, environ: Mapping[str, str]) -> None:
@@ -169,57 +242,72 @@ class EnvSettings:
         strange = sorted(k for k in environ if k.startswith(cls.PREFIX) and k not in known
                          and not k.startswith(cls.FOREIGN))
         if strange:
-            moved = [f"{k} is now {_MOVED[k]}" for k in strange if k in _MOVED]
-            raise ConfigError(f"unknown environment variables {strange}{' (' + '; '.join(moved) + ')' if moved else ''}"
+            refused = {cls.PREFIX + name.upper(): why for name, why in cls.refused().items()}
+            near = {k: close_matches(k, sorted(known)) for k in strange if k not in _MOVED and k not in refused}
+            notes = [f"{k} is now {_MOVED[k]}" for k in strange if k in _MOVED] + \
+                [f"{k}: {refused[k]}" for k in strange if k in refused] + \
+                [f"{k}: did you mean {m}?" for k, m in near.items() if m]
+            raise ConfigError(f"unknown environment variables {strange}{' (' + '; '.join(notes) + ')' if notes else ''}"
                               f"; known: {sorted(known)}"
                               + "".join(f"; {p}* belong to the {'tests' if p == TEST_PREFIX else 'benchmarks'}"
                                         for p in cls.FOREIGN))
 
     @classmethod
-    def from_sources(cls: type[S], extra_config: Mapping[str, object] | None = None,
-                     environ: Mapping[str, str] | None = None) -> S:
-        """Merge `extra_config` over the variables of `environ` (default `os.environ`) over
-        the defaults. Raises `ConfigError` naming an unknown key or variable, or a bad value."""
+    def given(cls, extra_config: Mapping[str, object] | None = None,
+              environ: Mapping[str, str] | None = None) -> dict[str, object]:
+        """The settings given: each key of `extra_config`, else its variable of `environ`
+        (default `os.environ`; an empty one is not given). Raises `ConfigError` for an
+        extra config that is not a mapping, a refused or unknown key (naming it, why or its
+        close matches, and the known ones), or an unknown variable."""
         environ = os.environ if environ is None else environ
         if extra_config is not None and not isinstance(extra_config, Mapping):
             what = (cls.KEYS_NAME or "settings").removesuffix(" keys")
             raise ConfigError(f"{what} must be a mapping of names to values, got {shown(extra_config)}")
         extra = dict(extra_config or {})
-        known = set(cls.keys())
+        known = cls.keys()
+        refused = cls.refused()
+        what = cls.KEYS_NAME or "keys"
+        for name, why in refused.items():
+            if name in extra:
+                raise ConfigError(f"{what}: {name!r} cannot be set: {why}")
         unknown = sorted((k for k in extra if k not in known), key=repr)
         if unknown:
-            raise ConfigError(f"unknown {cls.KEYS_NAME or 'keys'} {unknown}; known: {cls.keys()}")
+            near = "".join(f"; {shown(k)}: did you mean {m}?" for k in unknown if (m := close_matches(k, known)))
+            raise ConfigError(f"unknown {what} {shown(unknown)}{near}; known: {known}")
         cls.check_environ(environ)
-        values: dict[str, Any] = {}
-        for f in fields(cls):  # type: ignore[arg-type]
-            env = environ.get(cls.PREFIX + f.name.upper())
-            if f.name in extra:
-                values[f.name] = extra[f.name]
+        values: dict[str, object] = {}
+        for s in cls.settings():
+            env = environ.get(cls.PREFIX + s.name.upper())
+            if s.name in extra:
+                values[s.name] = extra[s.name]
             elif env is not None and env != "":
-                values[f.name] = env
-        return cls(**values)
+                values[s.name] = env
+        return values
+
+    @classmethod
+    def from_sources(cls: type[S], extra_config: Mapping[str, object] | None = None,
+                     environ: Mapping[str, str] | None = None) -> S:
+        """Merge `extra_config` over the variables of `environ` (default `os.environ`) over
+        the defaults (`given`). Raises `ConfigError` naming an unknown key or variable, or a
+        bad value."""
+        return cls(**cls.given(extra_config, environ))
 
     @classmethod
     def described(cls) -> dict[str, str]:
         """Each field's entry (`name: text` under `Attributes:`) of the class docstring, one line."""
-        doc = cls.__doc__ or ""
-        return {m.group(1): " ".join(m.group(2).split())
-                for m in re.finditer(r"^\s{8}(\w+): (.*?)(?=^\s{8}\w+: |^\s*Attributes|\Z)", doc, re.M | re.S)}
+        return described(cls.__doc__)
 
     @classmethod
     def table(cls) -> str:
-        """The Markdown table of this class's settings (docs/configuration.md): each field's
-        docstring entry (`name: text` under `Attributes:`) and default."""
-        described = cls.described()
+        """The Markdown table of this class's settings (docs/configuration.md): each one's
+        key, variable, default and what it does."""
         with_keys = bool(cls.keys())
         rows = ["| setting |" + (" key |" if with_keys else "") + " environment variable | default | what it does |",
                 "| --- |" + (" --- |" if with_keys else "") + " --- | --- | --- |"]
-        for f in fields(cls):  # type: ignore[arg-type]
-            default = f.default if f.default is not MISSING else None
-            shown = getattr(default, "label", default.value if isinstance(default, enum.Enum) else default)
-            key = f" `{f.name}` |" if with_keys else ""
-            rows.append(f"| {f.name} |{key} `{cls.PREFIX}{f.name.upper()}` | `{shown!r}` | "
-                        f"{described.get(f.name, '')} |")
+        for s in cls.settings():
+            key = f" `{s.name}` |" if with_keys else ""
+            rows.append(f"| {s.name} |{key} `{cls.PREFIX}{s.name.upper()}` | {shown_default(s.default)} | "
+                        f"{s.described} |")
         return "\n".join(rows) + "\n"
 
 

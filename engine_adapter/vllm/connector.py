@@ -136,7 +136,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
                 async_only=several)
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
-                    self.settings.disk_path, len(kv_cache_config.kv_cache_groups))
+                    self.settings.disk_dir, len(kv_cache_config.kv_cache_groups))
 
     def _open(self, config: StoreConfig) -> KVCacheStore:
         self._store_keys.append(config)
@@ -152,11 +152,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             for gs in own:
                 stores[gs.group].append(self._open(gs.config))
             return GroupLookup(rules, stores, primary), True
-        if self.settings.disk_path is None:
+        if self.settings.disk_dir is None:
             raise ConfigError(
                 "kvstrata: the vLLM scheduler runs in another process than the workers "
-                "(multiprocess mode, or tensor/pipeline parallelism); set disk_path so that it can see "
-                "what they store, or run one worker with VLLM_ENABLE_V1_MULTIPROCESSING=0"
+                "(multiprocess mode, or tensor/pipeline parallelism); set disk_path (or a disk in tiers) so that "
+                "it can see what they store, or run one worker with VLLM_ENABLE_V1_MULTIPROCESSING=0"
             )
         if not self.settings.write_through:
             logger.warning("kvstrata: scheduler and workers are in different processes and write_through is off: "

@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 PREFIX = "vllm:kvstrata_"
-# The tiers a load reads from (every one but the engine's own paged memory), by name.
-TIERS = tuple(kind.value for kind, traits in known_tiers().items() if not traits.engine_memory)
+MAX_TIER_LABELS = 32  # `tier` label values per counter family, at most (a name from a worker is not trusted)
 # Counters kept per tier: `<family>_<tier>` in the connector's stats, `tier` label in Prometheus.
 TIERED = {
     "load_tokens": "Prompt tokens whose KV kvstrata copied into vLLM's blocks, by the tier read.",
@@ -68,7 +67,10 @@ def source_of(traits: TierTraits) -> CacheHitSource:
     return CacheHitSource.EXTERNAL_UNSPECIFIED
 
 
-SOURCE_OF_TIER = {kind: source_of(traits) for kind, traits in known_tiers().items()}
+def tier_labels() -> list[str]:
+    """The tiers a load reads from (every registered one but the engine's own paged memory),
+    by name, as registered now: a tier loaded later from its `module_path` is among them."""
+    return [kind.value for kind, traits in known_tiers().items() if not traits.engine_memory]
 
 
 @dataclass
@@ -99,29 +101,56 @@ class KVStrataPromMetrics(KVConnectorPromMetrics):
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[tuple[int, str], Any] = {}  # (engine, counter name) -> bound counter
+        self._tiered: dict[str, Any] = {}  # family -> its counter, labelled by tier
+        self._labelvalues = per_engine_labelvalues
+        self._tiers: set[str] = set()
         for family, doc in TIERED.items():
-            counter = self._counter_cls(name=PREFIX + family, documentation=doc, labelnames=[*labelnames, "tier"])
-            for engine, values in per_engine_labelvalues.items():
-                for tier in TIERS:
-                    self._children[engine, f"{family}_{tier}"] = counter.labels(*values, tier)
+            self._tiered[family] = self._counter_cls(name=PREFIX + family, documentation=doc,
+                                                     labelnames=[*labelnames, "tier"])
+        for tier in tier_labels():
+            self._add_tier(tier)
         for name, doc in COUNTERS.items():
             counter = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
             for engine, values in per_engine_labelvalues.items():
                 self._children[engine, name] = counter.labels(*values)
 
+    def _add_tier(self, tier: str) -> None:
+        """Bind every tiered counter to `tier` for every engine."""
+        self._tiers.add(tier)
+        for family, counter in self._tiered.items():
+            for engine, values in self._labelvalues.items():
+                self._children[engine, f"{family}_{tier}"] = counter.labels(*values, tier)
+
+    def _tier_of(self, name: str) -> str | None:
+        """The tier of a tiered counter's name not bound yet, if it names a tier registered now
+        (a tier loaded after these metrics were made) and the labels are not all taken."""
+        for family in TIERED:
+            tier = name.removeprefix(family + "_")
+            if tier != name and tier not in self._tiers and len(self._tiers) < MAX_TIER_LABELS \
+                    and tier in tier_labels():
+                return tier
+        return None
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one interval's increases (counters this version does not know are skipped)."""
         for name, n in transfer_stats_data.items():
             child = self._children.get((engine_idx, name))
+            if child is None and (tier := self._tier_of(name)) is not None:
+                self._add_tier(tier)
+                child = self._children.get((engine_idx, name))
             if child is not None and n > 0:
                 child.inc(n)
 
 
 def hit_sources(kinds: Sequence[TierKind], num_tokens: int, block_size: int) -> dict[CacheHitSource, int]:
     """`num_tokens` of a hit split by the vLLM source of the tier of each of its blocks
-    (`kinds`, in order); a partial last block goes with its tier. Empty if `kinds` cannot
-    account for them (vLLM then counts the hit as `external_unspecified`)."""
+    (`kinds`, in order), read from the traits of the tiers registered now; a partial last
+    block goes with its tier. Empty if `kinds` cannot account for them, or name a tier that is
+    not registered (vLLM then counts the hit as `external_unspecified`)."""
     if num_tokens <= 0 or len(kinds) * block_size < num_tokens:
+        return {}
+    traits = known_tiers()
+    if any(kind not in traits for kind in kinds):
         return {}
     sources: dict[CacheHitSource, int] = {}
     left = num_tokens
@@ -129,7 +158,7 @@ def hit_sources(kinds: Sequence[TierKind], num_tokens: int, block_size: int) -> 
         take = min(block_size, left)
         if take == 0:
             break
-        source = SOURCE_OF_TIER[kind]
+        source = source_of(traits[kind])
         sources[source] = sources.get(source, 0) + take
         left -= take
     return sources

@@ -1,203 +1,294 @@
-"""The vLLM connector's settings, and the one mapping from them to a store's `StoreConfig`.
+"""The vLLM connector's settings: its own, and every library setting passed through.
 
-Each field is a `kv_connector_extra_config` key and the variable `KVSTRATA_<KEY upper-case>`
-(the key wins). The connector refuses an unknown key, and an unknown `KVSTRATA_*` variable
-other than the library's (`kvstore.settings.LibrarySettings`) and the families the tests and
-benchmarks own (`KVSTRATA_TEST_*`, `KVSTRATA_BENCH_*`). docs/configuration.md is the table.
+`kv_connector_extra_config` takes, each also as the variable `KVSTRATA_<KEY upper-case>` (the
+key wins over the variable, which wins over the default):
+- the connector's own keys (`ConnectorSettings`' fields);
+- every `StoreConfig` field by its name (`library_keys()`, generated from the class), but those
+  the connector derives from vLLM (`DERIVED`, refused saying where they come from). Their
+  values pass to each store's `StoreConfig` and are checked by it (and the tier configs), not
+  here; `tiers` among them: a list of tier configs, fastest first, each a plain dict such as
+  `{"type": "disk", "path": "/nvme/kv"}` (`tiers/plugins.py`). A size, an integer or a
+  number given as text ("1GiB", "30") is read as one first, as every variable is text.
+Where the connector's default for a library setting differs from `StoreConfig`'s, it is in
+`CONNECTOR_DEFAULTS`, with why. An unknown key is refused naming it and its close matches;
+an unknown `KVSTRATA_*` variable too, other than the library's
+(`kvstore.settings.LibrarySettings`) and the families the tests and benchmarks own
+(`KVSTRATA_TEST_*`, `KVSTRATA_BENCH_*`). docs/configuration.md is the table.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import typing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
-from kvstore.config import HashAlgo, KVLayout, StoreConfig, parse_hash_algo
+import torch
+
+from kvstore.config import KVLayout, StoreConfig
 from kvstore.errors import ConfigError
-from kvstore.events_wire import check_events
-from kvstore.load_policy import LoadPolicyMode
 from kvstore.settings import (
     ENV_PREFIX,
     EnvSettings,
     LibrarySettings,
+    Setting,
+    default_of,
+    described,
+    number_from_text,
     parse_bool,
     parse_bytes,
     parse_optional_int,
-    parse_optional_str,
     parse_path,
     parse_str,
     shown,
+    shown_default,
 )
-from tiers.codecs import CodecKind, parse_codec
+from kvstore.tier_configs import FLAT_FIELDS
+from tiers.disk_config import DiskTierConfig
 from tiers.disk_durability import DiskSync
-from tiers.remote_url import check_url
+from tiers.tier_config import TierConfig, tier_config
 
-if TYPE_CHECKING:
-    import torch
+__all__ = ["CONNECTOR_DEFAULTS", "DERIVED", "ENV_PREFIX", "ConnectorSettings", "library_keys", "parse_bool",
+           "parse_bytes"]
 
-__all__ = ["ENV_PREFIX", "ConnectorSettings", "parse_bool", "parse_bytes", "store_config"]
+# `StoreConfig` fields the connector derives from vLLM; given as keys, they are refused with this.
+_POOL = "vLLM keeps the engine's paged KV itself (kvstrata's block pool is for engines without one)"
+DERIVED: dict[str, str] = {
+    "layout": "the connector derives each store's layout from vLLM's KV cache spec",
+    "block_size": "it is vLLM's block size (`block_size` of vLLM's cache config)",
+    "model_name": "it is vLLM's served model name",
+    "codec_dtype": "it is each KV cache group's KV dtype, from vLLM's spec",
+    "codec_group": "it is each KV cache group's head size, from vLLM's spec",
+    "pool_blocks": _POOL,
+    "pool_device": _POOL,
+    "pool_demotion": _POOL,
+}
+
+
+class ConnectorDefault(NamedTuple):
+    """The connector's default for a library setting, and why it differs from `StoreConfig`'s.
+    `tier`: the same default for a field of a tier config of this class given in `tiers` as a
+    dict without that field."""
+
+    value: object
+    why: str
+    tier: tuple[type[TierConfig], str] | None = None
+
+
+# The one place where the connector's defaults for library settings differ from `StoreConfig`'s.
+CONNECTOR_DEFAULTS: dict[str, ConnectorDefault] = {
+    "write_through": ConnectorDefault(True, "vLLM's scheduler may run in another process, and it sees only what is "
+                                            "on disk"),
+    "disk_sync": ConnectorDefault(DiskSync.NONE, "with `write_through` every engine step's saves would wait for the "
+                                                 "device, and a killed engine loses nothing in any mode",
+                                  tier=(DiskTierConfig, "sync")),
+}
+# What the connector does with a library setting, where it does more than pass it through.
+NOTES: dict[str, str] = {
+    "cpu_bytes": "The worker splits it (and `cpu_tenant_quota_bytes`) between its KV cache groups' stores by their "
+                 "block bytes.",
+    "disk_path": "Needed where vLLM's scheduler runs in another process than the workers (vLLM's multiprocess mode, "
+                 "tensor or pipeline parallelism): it sees what they stored there.",
+    "disk_codec": "A lossy codec quantizes as each attention group's KV dtype, one scale per head vector; a state "
+                  "group (Mamba, linear attention) keeps exact bytes.",
+    "events_endpoint": "The first worker's primary store publishes.",
+    "tiers": "From vLLM: a list of dicts. The worker splits its memory tiers between its stores as `cpu_bytes`; a "
+             "`disk` tier given without `sync` takes the connector's `disk_sync` default; a block pool is refused "
+             "(vLLM has its own).",
+}
+# Stands in for the engine's layout while the settings are checked, before vLLM's is known: an
+# opaque layout of a small block, whose element dtype and group every codec accepts.
+_PROBE = {"layout": KVLayout(1, 1, 64, torch.uint8), "block_size": 1, "codec_dtype": torch.float16,
+          "codec_group": 16}
+
+
+def library_keys() -> list[str]:
+    """The `StoreConfig` fields the connector passes through: every one but `DERIVED` and
+    `namespace` (the connector's own key of that name is text it adds to the identity it
+    derives)."""
+    own = {f.name for f in dataclasses.fields(ConnectorSettings)}
+    return [f.name for f in dataclasses.fields(StoreConfig) if f.name not in DERIVED and f.name not in own]
+
+
+@functools.cache
+def _store_defaults() -> dict[str, object]:
+    return {f.name: default_of(f) for f in dataclasses.fields(StoreConfig)}
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(StoreConfig)
+
+
+def _takes(name: str, kind: type) -> bool:
+    """Whether `StoreConfig.<name>`'s annotation names `kind` (alone or in a union)."""
+    hint = _hints()[name]
+    return hint is kind or kind in typing.get_args(hint)
+
+
+def from_text(name: str, value: object) -> object:
+    """A library setting's `value` as what its text stands for, where it is text and the
+    field is not: a size ("1GiB", for a field named `*_bytes` or `*_bps`), an integer, a
+    number, or `tiers` as JSON. Anything else is returned as it is, for `StoreConfig` to check."""
+    if not isinstance(value, str):
+        return value
+    if name == "tiers":
+        try:
+            return json.loads(value)
+        except ValueError as exc:  # the text is not shown: a remote tier's URL may hold a password
+            raise ConfigError(f"tiers must be a list of tier configs (JSON): {exc}") from None
+    for kind in (int, float):
+        if _takes(name, kind):
+            return number_from_text(name, value, kind, size=name.endswith(("_bytes", "_bps")))
+    return value
+
+
+def _tier_defaults(index: int, item: object) -> object:
+    """A tier config given in `tiers` (as `item`, at `index`), with the connector's defaults
+    for the fields a dict did not give."""
+    if not isinstance(item, Mapping):
+        return item
+    config = tier_config(item, f"tiers[{index}]")
+    for default in CONNECTOR_DEFAULTS.values():
+        if default.tier is not None and isinstance(config, default.tier[0]) and default.tier[1] not in item:
+            config = dataclasses.replace(config, **{default.tier[1]: default.value})
+    return config
+
+
+def passed_through(given: Mapping[str, object]) -> dict[str, object]:
+    """The library settings `given`, with the connector's defaults where not given, checked
+    and normalized by `StoreConfig` itself (a `ConfigError` naming the bad one otherwise). A
+    tier holding an engine's paged KV is refused: vLLM has its own."""
+    values = {name: from_text(name, value) for name, value in given.items()}
+    tiers = values.get("tiers")
+    flat = [name for name in FLAT_FIELDS if name in values]
+    if tiers and flat:  # given, though equal to its default: StoreConfig cannot tell
+        raise ConfigError(f"tiers is given, and so are the flat tier fields {flat}: give one or the other")
+    for name, default in CONNECTOR_DEFAULTS.items():
+        if name not in values and not (tiers and name in FLAT_FIELDS):  # beside `tiers` the flat fields stay unset
+            values[name] = default.value
+    if isinstance(tiers, Sequence) and not isinstance(tiers, (str, bytes)):
+        values["tiers"] = [_tier_defaults(i, t) for i, t in enumerate(tiers)]
+    probe = StoreConfig(**_PROBE, **values)  # type: ignore[arg-type]  # StoreConfig checks each value
+    for i, t in enumerate(probe.tier_configs if probe.tiers else ()):
+        if t.tier.traits.engine_memory:
+            raise ConfigError(f"tiers[{i}]: a {t.tier.kind.value!r} tier holds an engine's paged KV: {_POOL}")
+    return {name: getattr(probe, name) for name in values}
 
 
 @dataclass(frozen=True)
 class ConnectorSettings(EnvSettings):
-    """The connector's settings. A field that `StoreConfig` also has keeps its default unless
-    the field says why the connector's differs.
+    """The connector's own settings, and the library's it passes through (`library`).
 
     Attributes:
-        cpu_bytes: CPU-tier capacity in the worker (0 disables it), split between the KV cache
-            groups' stores.
-        disk_path: LMDB directory; shared by every engine and process that names it. Needed
-            when vLLM's scheduler and worker run in different processes.
-        disk_bytes: disk-tier capacity.
-        disk_read_bps: cap the disk tier's reads at this many bytes per second (e.g. "50MiB";
-            None: no cap), to leave a shared device's bandwidth to other work; the load policy
-            measures the capped rate.
-        hash_algo: `xxh3_128` (default) or `sha256`.
-        namespace: extra text mixed into every key (e.g. a checkpoint revision the model
-            path does not show). Default "" where `StoreConfig`'s is "default": the connector
-            derives the model's identity from vLLM's config and adds this text to it.
-        write_through: write each saved block to disk at once (survives a killed engine, and
-            other processes see it at once); otherwise on CPU-tier eviction or shutdown.
-            Default true where `StoreConfig`'s is false: vLLM's scheduler may run in another
-            process, and it sees only what is on disk.
-        disk_sync: durability of disk writes (only matters for power loss): `none` (the
-            kernel writes back when it likes; also `false`), `group` (synced in the background
-            every 0.2 s) or `commit` (synced before each save returns; also `true`). Default
-            `none` where `StoreConfig`'s is `commit`: with `write_through` every engine step's
-            saves would wait for the device, and a killed engine loses nothing in any mode.
-        verify_tokens: keep token ids beside each block; a hit whose tokens differ is a miss.
+        namespace: text the connector adds to the identity it derives for every store
+            (vLLM's version, the weights' content, the model config, the KV cache spec ...),
+            e.g. a checkpoint revision the model path does not show. (`StoreConfig.namespace`
+            is that whole identity; the connector derives it.)
         stats_path: if set, the worker keeps a JSON file of its load/save counters here.
-        remote_url: a Valkey/Redis server or cluster shared by engines on many hosts (its
-            password: in the URL or `KVSTRATA_REMOTE_PASSWORD`).
-        disk_codec: how the disk tier encodes blocks: "none", "zstd" (lossless, needs the
-            `codec` extra), or the lossy "int8", "fp8", "k8v4" (quantized as the attention's
-            KV dtype in runs of one head vector; docs/performance.md). A lossy codec gives
-            the engine's KV a namespace of its own: exact engines never read its blocks. A
-            state group (Mamba, linear attention) keeps exact bytes.
-        remote_codec: the same for the remote tier.
-        events_endpoint: publish the worker's KV events (vLLM's format) here for `kvstrata
-            router`, Dynamo or llm-d, e.g. `tcp://127.0.0.1:5590` (docs/routing.md).
-        events_replay_endpoint: where replay requests are answered (default: the next port).
-        events_topic: the ZeroMQ topic of the events (default ""; llm-d wants
-            `kv@<pod>@<model>`).
-        events_curve_cert: the events publisher's secret ZeroMQ certificate; with
-            `events_curve_clients` (a directory of readers' public certificates) readers are
-            authenticated and the events encrypted (docs/security.md).
-        events_curve_clients: see `events_curve_cert`.
-        events_insecure: allow an events endpoint other hosts can reach without CURVE (for
-            Dynamo and llm-d, which cannot speak it); refused otherwise.
-        events_connect: connect to `events_endpoint` instead of binding it (for a reader that
-            binds, as llm-d's indexer).
-        instance_id: this engine's name in its KV events (default `HOST:PID`).
         async_saves: write saved blocks to the tiers on a background thread (the step only
             copies them out of vLLM into buffers of their own).
         async_loads: a hit that reads disk or a remote tier is loaded in the background while
             the request waits outside vLLM's steps (other requests keep running); hits held
             in memory are loaded in the step.
-        load_policy: "auto" (load a hit only where that beats recomputing it at the measured
-            rates; the worker reports vLLM's prefill rate), "always" or "never".
         metrics_port: serve the worker store's Prometheus metrics on this port (needs the
             `metrics` extra); None: none served.
         metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
             other hosts scrape it: the metrics carry no token ids and no authentication).
+        library: the library settings given (`StoreConfig` fields by name, as `StoreConfig`
+            normalized them), with the connector's defaults (`CONNECTOR_DEFAULTS`) where not.
     """
 
     SHARED: ClassVar[tuple[type[EnvSettings], ...]] = (LibrarySettings,)
     KEYS_NAME: ClassVar[str] = "kv_connector_extra_config keys"
 
-    cpu_bytes: int = 1 << 30
-    disk_path: str | None = None
-    disk_bytes: int = 8 << 30
-    disk_read_bps: int | None = None
-    hash_algo: HashAlgo = HashAlgo.XXH3_128
     namespace: str = ""
-    write_through: bool = True
-    disk_sync: DiskSync = DiskSync.NONE
-    verify_tokens: bool = True
     stats_path: str | None = None
-    remote_url: str | None = field(default=None, repr=False)  # it may hold a password
-    disk_codec: CodecKind = CodecKind.NONE
-    remote_codec: CodecKind = CodecKind.NONE
-    events_endpoint: str | None = None
-    events_replay_endpoint: str | None = None
-    events_topic: str = ""
-    events_curve_cert: str | None = None
-    events_curve_clients: str | None = None
-    events_insecure: bool = False
-    events_connect: bool = False
-    instance_id: str | None = None
     async_saves: bool = True
     async_loads: bool = True
-    load_policy: LoadPolicyMode = LoadPolicyMode.AUTO
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    library: Mapping[str, object] = field(default_factory=dict, repr=False, metadata={"setting": False})
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "cpu_bytes", parse_bytes("cpu_bytes", self.cpu_bytes))
-        set_(self, "disk_bytes", parse_bytes("disk_bytes", self.disk_bytes))
-        if self.disk_read_bps is not None:
-            set_(self, "disk_read_bps", parse_bytes("disk_read_bps", self.disk_read_bps))
-            if self.disk_read_bps == 0:
-                raise ConfigError("disk_read_bps must be > 0 bytes per second (None: no cap), got 0")
-        set_(self, "hash_algo", parse_hash_algo(self.hash_algo))
-        set_(self, "disk_sync", DiskSync.parse(self.disk_sync, "disk_sync"))
-        set_(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "load_policy"))
-        for name in ("disk_codec", "remote_codec"):
-            set_(self, name, parse_codec(getattr(self, name), name))
-        for name in ("write_through", "verify_tokens", "async_saves", "async_loads", "events_insecure",
-                     "events_connect"):
-            set_(self, name, parse_bool(name, getattr(self, name)))
-        for name in ("disk_path", "stats_path"):
-            set_(self, name, parse_path(name, getattr(self, name)))
         parse_str("namespace", self.namespace)
-        parse_str("events_topic", self.events_topic)
-        for name in ("events_endpoint", "events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
-            parse_optional_str(name, getattr(self, name))  # their types always, even where nothing reads them
-        if self.remote_url is not None:
-            check_url(self.remote_url)  # its errors show the URL redacted: never the password
-        if self.events_endpoint is not None:
-            check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
-                         self.events_curve_cert, self.events_curve_clients, self.events_insecure,
-                         connect=self.events_connect)
-        if self.instance_id is not None:
-            parse_str("instance_id", self.instance_id, empty=False)
+        set_(self, "stats_path", parse_path("stats_path", self.stats_path))
+        for name in ("async_saves", "async_loads"):
+            set_(self, name, parse_bool(name, getattr(self, name)))
         set_(self, "metrics_port", parse_optional_int("metrics_port", self.metrics_port, 1, 65535))
         host = parse_str("metrics_host", self.metrics_host, empty=False)
         if any(c.isspace() for c in host):
             raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")
-        if self.cpu_bytes == 0 and self.disk_path is None and self.remote_url is None:
-            raise ConfigError("the connector enables no tier: set cpu_bytes > 0, disk_path or remote_url")
+        if not isinstance(self.library, Mapping):
+            raise ConfigError(f"ConnectorSettings.library must be a mapping, got {shown(self.library)}")
+        keys = library_keys()
+        for name in self.library:
+            if name not in keys:
+                raise ConfigError(f"ConnectorSettings.library: {shown(name)} is not a library setting the connector "
+                                  "passes through")
+        set_(self, "library", passed_through(self.library))
 
+    @classmethod
+    def settings(cls) -> list[Setting]:
+        """The connector's own settings, then the library's it passes through (their defaults
+        as the connector's stores have them; what they do from `StoreConfig`'s docstring)."""
+        text, defaults = described(StoreConfig.__doc__), _store_defaults()
+        passed = []
+        for name in library_keys():
+            ours = CONNECTOR_DEFAULTS.get(name)
+            why = "" if ours is None else f" Default here {shown_default(ours.value)} where `StoreConfig`'s is " \
+                                          f"{shown_default(defaults[name])}: {ours.why}."
+            note = f" Here: {NOTES[name]}" if name in NOTES else ""
+            passed.append(Setting(name, defaults[name] if ours is None else ours.value,
+                                  f"(`StoreConfig`) {text.get(name, '')}{note}{why}"))
+        return [*super().settings(), *passed]
 
-def store_config(s: ConnectorSettings, *, layout: KVLayout, block_size: int, namespace: str, cpu_bytes: int,
-                 saves: bool, publishes: bool, head_size: int | None, kv_dtype: torch.dtype | None,
-                 model_name: str | None) -> StoreConfig:
-    """The one mapping from the connector's settings to a store's `StoreConfig`, given what the
-    engine derives: the store's opaque `layout`, `block_size` and `namespace` (its identity),
-    its share of `cpu_bytes`; `saves`: the store writes (else a read-only view: no write-through);
-    `publishes`: it publishes the KV events; `head_size` and `kv_dtype` of an attention group
-    (None for a state group, which never takes a lossy codec: its error would carry through
-    every later token, so it keeps exact bytes, a lossless codec still applying)."""
-    if head_size is None:
-        codecs: dict[str, object] = {"disk_codec": _lossless_only(s.disk_codec),
-                                     "remote_codec": _lossless_only(s.remote_codec)}
-    else:
-        codecs = {"disk_codec": s.disk_codec, "remote_codec": s.remote_codec, "codec_dtype": kv_dtype,
-                  "codec_group": head_size}
-    return StoreConfig(
-        layout=layout, block_size=block_size, namespace=namespace, cpu_bytes=cpu_bytes,
-        disk_path=s.disk_path, disk_bytes=s.disk_bytes, disk_read_bps=s.disk_read_bps, hash_algo=s.hash_algo,
-        verify_tokens=s.verify_tokens,
-        disk_sync=s.disk_sync, write_through=saves and s.write_through and s.disk_path is not None,
-        remote_url=s.remote_url, **codecs,  # type: ignore[arg-type]
-        events_endpoint=s.events_endpoint if publishes else None,
-        events_replay_endpoint=s.events_replay_endpoint if publishes else None,
-        events_topic=s.events_topic, events_curve_cert=s.events_curve_cert,
-        events_curve_clients=s.events_curve_clients, events_insecure=s.events_insecure,
-        events_connect=s.events_connect, load_policy=s.load_policy, instance_id=s.instance_id, model_name=model_name,
-    )
+    @classmethod
+    def refused(cls) -> dict[str, str]:
+        return dict(DERIVED)
 
+    @classmethod
+    def from_sources(cls, extra_config: Mapping[str, object] | None = None,
+                     environ: Mapping[str, str] | None = None) -> ConnectorSettings:
+        """The connector's settings from `extra_config` over the variables of `environ`
+        (default `os.environ`) over the defaults: its own keys, and the library's in
+        `library`. Raises `ConfigError` naming an unknown or derived key, an unknown
+        variable, or a bad value."""
+        given = cls.given(extra_config, environ)
+        own = {f.name for f in cls.own_fields()}
+        return cls(**{k: v for k, v in given.items() if k in own},  # type: ignore[arg-type]
+                   library={k: v for k, v in given.items() if k not in own})
 
-def _lossless_only(codec: CodecKind) -> CodecKind:
-    """`codec` where it is exact, else the raw codec."""
-    return CodecKind.NONE if codec.lossy else codec
+    def value(self, name: str) -> object:
+        """The library setting `name` as the connector's stores have it (given, the
+        connector's default, or `StoreConfig`'s)."""
+        if name in self.library:
+            return self.library[name]
+        return _store_defaults()[name]
+
+    @property
+    def tier_configs(self) -> tuple[TierConfig, ...]:
+        """The tiers of the connector's stores as the settings give them, fastest first (the
+        worker's memory tiers split between its stores)."""
+        return StoreConfig(**_PROBE, **self.library).tier_configs  # type: ignore[arg-type]
+
+    @property
+    def disk_dir(self) -> str | None:
+        """The directory of the persistent tier on this host that other processes share (the
+        disk tier's `path`), if any: where vLLM's scheduler in another process sees what the
+        workers stored, and where pipeline stages record their layers."""
+        for t in self.tier_configs:
+            path = getattr(t, "path", None)
+            if t.tier.traits.persistent and not t.tier.traits.shared and isinstance(path, str):
+                return path
+        return None
+
+    @property
+    def write_through(self) -> bool:
+        """Whether saved blocks are written to the persistent tiers at once."""
+        return bool(self.value("write_through"))
+

@@ -1,24 +1,19 @@
-"""Settings from outside code, layer by layer: the library's, the connector's (and its one
-mapping to `StoreConfig`), the tests' and the benchmarks' variable families, and the table of
-docs/configuration.md."""
+"""Settings from outside code, layer by layer: the library's, the connector's (what it passes
+through to `StoreConfig`: tests/engine_adapter/vllm/test_settings.py), the tests' and the
+benchmarks' variable families, and the table of docs/configuration.md."""
 
 from __future__ import annotations
-
-import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
 from cli.settings import BenchSettings
-from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes, store_config
+from engine_adapter.vllm.settings import ConnectorSettings, parse_bytes
 from kvstore import ConfigError, HashAlgo, KVLayout, StoreConfig
 from kvstore.load_policy import LoadPolicy, LoadPolicyMode
 from kvstore.settings import LibrarySettings, remote_password
 from tests import ROOT
 from tests.switches import Switches
-from tiers.codecs import CodecKind
-from tiers.disk_durability import DiskSync
 from tiers.gpu_pool import DemotionPolicy
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
@@ -28,15 +23,16 @@ LAYERS = (LibrarySettings, ConnectorSettings, Switches, BenchSettings)
 def test_extra_config_wins_over_env_which_wins_over_defaults() -> None:
     env = {"KVSTRATA_CPU_BYTES": "2GiB", "KVSTRATA_DISK_PATH": "/env/kv", "KVSTRATA_HASH_ALGO": "sha256"}
     s = ConnectorSettings.from_sources({"disk_path": "/extra/kv", "write_through": "false"}, env)
-    assert s.disk_path == "/extra/kv"
-    assert s.cpu_bytes == 2 << 30
-    assert s.hash_algo is HashAlgo.SHA256
+    assert s.value("disk_path") == "/extra/kv"
+    assert s.value("cpu_bytes") == 2 << 30
+    assert s.value("hash_algo") is HashAlgo.SHA256
     assert s.write_through is False
-    assert s.disk_bytes == ConnectorSettings().disk_bytes
+    assert s.value("disk_bytes") == ConnectorSettings().value("disk_bytes") == StoreConfig.disk_bytes
 
 
 def test_settings_reject_unknown_keys_and_bad_values() -> None:
-    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['cpu_byte'\]"):
+    with pytest.raises(ConfigError, match=r"unknown kv_connector_extra_config keys \['cpu_byte'\]; 'cpu_byte': did "
+                                          r"you mean 'cpu_bytes'"):
         ConnectorSettings.from_sources({"cpu_byte": 1}, {})
     with pytest.raises(ConfigError, match="cpu_bytes must be a byte count"):
         ConnectorSettings.from_sources({}, {"KVSTRATA_CPU_BYTES": "lots"})
@@ -62,8 +58,9 @@ def test_every_layers_table_in_the_docs_is_the_code() -> None:
     doc = (ROOT / "docs" / "configuration.md").read_text()
     for layer in LAYERS:
         assert layer.table() in doc, f"docs/configuration.md is out of date: regenerate {layer.__name__}'s table"
-        assert all(f"| {f.name} |" in layer.table() and layer.PREFIX + f.name.upper() in layer.table()
-                   for f in dataclasses.fields(layer))
+        assert all(f"| {s.name} |" in layer.table() and layer.PREFIX + s.name.upper() in layer.table()
+                   for s in layer.settings())
+    assert all(f"| {name} |" in ConnectorSettings.table() for name in ("tiers", "cpu_eviction", "remote_ttl_s"))
 
 
 def test_each_variable_has_one_owner() -> None:
@@ -85,7 +82,7 @@ def test_unknown_variables_are_refused_by_their_owner_naming_the_known_ones() ->
     s = ConnectorSettings.from_sources({"metrics_port": "9400"}, {
         "KVSTRATA_EVENTS_ENDPOINT": "tcp://127.0.0.1:5557", "KVSTRATA_REMOTE_PASSWORD": "s3cret",
         "KVSTRATA_TEST_REQUIRE_REDIS_": "1", "KVSTRATA_BENCH_RESULT": "x"})
-    assert s.metrics_port == 9400 and s.events_endpoint == "tcp://127.0.0.1:5557"
+    assert s.metrics_port == 9400 and s.value("events_endpoint") == "tcp://127.0.0.1:5557"
     with pytest.raises(ConfigError, match=r"KVSTRATA_TEST_REQUIRE_REDIS_.*KVSTRATA_TEST_REQUIRE_REDIS"):
         Switches.from_sources(None, {"KVSTRATA_TEST_REQUIRE_REDIS_": "1", "KVSTRATA_CPU_BYTE": "1G"})
     with pytest.raises(ConfigError, match=r"KVSTRATA_BENCH_RESULT\b.*KVSTRATA_BENCH_RESULTS"):
@@ -116,39 +113,6 @@ def test_the_password_is_the_librarys_alone_and_never_shown() -> None:
     assert remote_password({"KVSTRATA_REMOTE_PASSWORD": "s3cret", "KVSTRATA_CPU_BYTES": "1G"}) == "s3cret"
     assert remote_password({"KVSTRATA_REMOTE_PASSWORD": ""}) is None
     assert "s3cret" not in repr(LibrarySettings(remote_password="s3cret"))
-
-
-def test_connector_defaults_are_store_configs_unless_the_field_says_why_not() -> None:
-    ours = {f.name: f.default for f in dataclasses.fields(ConnectorSettings)}
-    theirs = {f.name: f.default for f in dataclasses.fields(StoreConfig)}
-    differ = sorted(n for n in ours.keys() & theirs.keys() if ours[n] != theirs[n])
-    assert differ == ["disk_sync", "namespace", "write_through"]
-    for name in differ:
-        assert "`StoreConfig`'s is" in ConnectorSettings.described()[name], name
-
-
-def _mapped(s: ConnectorSettings, *, head_size: int | None = 8, saves: bool = True,
-            publishes: bool = True) -> StoreConfig:
-    return store_config(s, layout=LAYOUT, block_size=4, namespace="ns", cpu_bytes=1 << 20, saves=saves,
-                        publishes=publishes, head_size=head_size, kv_dtype=torch.float16, model_name="m")
-
-
-def test_one_mapping_from_connector_settings_to_store_config(tmp_path: Path) -> None:
-    s = ConnectorSettings.from_sources({
-        "disk_path": str(tmp_path), "disk_bytes": "64MiB", "hash_algo": "sha256", "disk_sync": "group",
-        "verify_tokens": False, "disk_codec": "int8", "remote_codec": "zstd", "load_policy": "never",
-        "events_endpoint": "tcp://127.0.0.1:5591", "events_topic": "t", "instance_id": "me"}, {})
-    c = _mapped(s)
-    assert (c.disk_path, c.disk_bytes, c.hash_algo, c.disk_sync, c.verify_tokens) == (
-        str(tmp_path), 64 << 20, HashAlgo.SHA256, DiskSync.GROUP, False)
-    assert c.load_policy is LoadPolicyMode.NEVER and c.write_through is True
-    assert (c.disk_codec, c.remote_codec, c.codec_dtype, c.codec_group) == (
-        CodecKind.INT8, CodecKind.ZSTD, torch.float16, 8)
-    assert (c.events_endpoint, c.events_topic, c.instance_id, c.model_name) == ("tcp://127.0.0.1:5591", "t", "me", "m")
-    state = _mapped(s, head_size=None, saves=False, publishes=False)  # a state group's read-only view
-    assert (state.disk_codec, state.remote_codec) == (CodecKind.NONE, CodecKind.ZSTD)  # exact bytes only
-    assert state.write_through is False and state.events_endpoint is None
-    assert _mapped(ConnectorSettings()).write_through is False  # no disk: nothing to write through
 
 
 def test_modes_are_enums_past_the_boundary() -> None:

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cli.settings import BenchSettings
-from engine_adapter.vllm.settings import ConnectorSettings
+from engine_adapter.vllm.settings import ConnectorSettings, library_keys
 from kvstore import ConfigError, KVLayout, StoreConfig
 from kvstore.settings import EnvSettings, LibrarySettings
 from tests.switches import Switches
@@ -36,9 +36,10 @@ values = st.one_of(st.sampled_from(HOSTILE), st.floats(), st.integers(-(2**70), 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16)
 LAYERS: tuple[type[EnvSettings], ...] = (LibrarySettings, ConnectorSettings, Switches, BenchSettings)
 CONNECTOR_KEYS = ConnectorSettings.keys()
+PASSED = set(library_keys())
 STORE_FIELDS = [f.name for f in dataclasses.fields(StoreConfig) if f.name != "layout"]
 LAYOUT_FIELDS = [f.name for f in dataclasses.fields(KVLayout)]
-VARIABLES = [(layer, f.name) for layer in LAYERS for f in dataclasses.fields(layer)]  # type: ignore[arg-type]
+VARIABLES = [(layer, s.name) for layer in LAYERS for s in layer.settings()]
 
 
 def conforms(value: object, hint: object) -> bool:
@@ -72,11 +73,19 @@ def taken_or_named(build: Any, name: str, value: object, *, secret: bool = False
         return None
 
 
+def taken(made: object, name: str) -> tuple[object, object]:
+    """The value a settings object took for `name`, and its type hint: a library setting the
+    connector passes through is `StoreConfig`'s."""
+    if isinstance(made, ConnectorSettings) and name in PASSED:
+        return made.value(name), typing.get_type_hints(StoreConfig)[name]
+    return getattr(made, name), typing.get_type_hints(type(made))[name]
+
+
 def check_connector_key(key: str, value: object) -> None:
     made = taken_or_named(lambda: ConnectorSettings.from_sources({key: value}, {}), key, value)
     if made is not None:
-        hint = typing.get_type_hints(ConnectorSettings)[key]
-        assert conforms(getattr(made, key), hint), f"{key}={value!r:.80} taken as {getattr(made, key)!r:.80}"
+        value_taken, hint = taken(made, key)
+        assert conforms(value_taken, hint), f"{key}={value!r:.80} taken as {value_taken!r:.80}"
 
 
 def check_variable(layer: type[EnvSettings], name: str, text: str) -> None:
@@ -84,7 +93,7 @@ def check_variable(layer: type[EnvSettings], name: str, text: str) -> None:
     made = taken_or_named(lambda: layer.from_sources(None, {variable: text}), name, text,
                           secret=name == "remote_password")
     if made is not None:
-        assert conforms(getattr(made, name), typing.get_type_hints(layer)[name]), (variable, text)
+        assert conforms(*taken(made, name)), (variable, text)
 
 
 def check_store_field(name: str, value: object) -> None:
@@ -101,7 +110,8 @@ def check_layout_field(name: str, value: object) -> None:
 
 
 def test_the_keys_are_the_classes_fields() -> None:
-    assert "metrics_port" in CONNECTOR_KEYS and len(CONNECTOR_KEYS) == len(dataclasses.fields(ConnectorSettings))
+    assert "metrics_port" in CONNECTOR_KEYS and "tiers" in CONNECTOR_KEYS
+    assert len(CONNECTOR_KEYS) == len(ConnectorSettings.own_fields()) + len(PASSED)
     assert "block_size" in STORE_FIELDS and "remote_password" in dict(VARIABLES).values()
 
 

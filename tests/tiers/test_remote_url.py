@@ -146,5 +146,6 @@ def test_configs_do_not_show_the_url_in_their_repr() -> None:
 
     url = f"redis://cache?password={SECRET}"
     assert SECRET not in repr(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, remote_url=url))
-    assert SECRET not in repr(ConnectorSettings(remote_url=url))
+    assert SECRET not in repr(ConnectorSettings.from_sources({"remote_url": url}, {}))
+    assert SECRET not in repr(ConnectorSettings.from_sources({"tiers": [{"type": "remote", "url": url}]}, {}))
     assert SECRET not in repr(LibrarySettings(remote_password=SECRET))

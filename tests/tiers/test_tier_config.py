@@ -76,6 +76,14 @@ def test_tier_configs_from_plain_json(tmp_path: Path) -> None:
     ({"type": "disk", "path": "/x", "sync": "sometimes"}, r"^t: DiskTierConfig\.sync must be a bool or one of"),
     ({"type": "remote", "url": "http://x"}, r"^t: .*redis"),
     ({"type": "remote", "url": "redis://h:1", "timeout_s": 0}, r"^t: RemoteTierConfig\.timeout_s must be in \(0, 60\]"),
+    ({"type": "remote", "url": "redis://h:1", "max_pending_bytes": 0},
+     r"^t: RemoteTierConfig\.max_pending_bytes must be an int > 0, got 0$"),
+    ({"type": "remote", "url": "redis://h:1", "cooldown_s": -1},
+     r"^t: RemoteTierConfig\.cooldown_s must be in \(0, 3600\] seconds, got -1$"),
+    ({"type": "remote", "url": "redis://h:1", "min_rate_bps": 1000},
+     r"^t: RemoteTierConfig\.min_rate_bps must be in \[1024, 1099511627776\] bytes per second, got 1000$"),
+    ({"type": "remote", "url": "redis://h:1", "clear_budget_s": float("inf")},
+     r"^t: RemoteTierConfig\.clear_budget_s must be in \(0, 86400\] seconds, got inf$"),
     ({"type": "pool", "num_blocks": 4, "device": "meta"}, r"^t: PoolTierConfig\.device='meta' is not a device"),
     ({"type": "pool", "num_blocks": 4, "demotion": "never"}, r"^t: PoolTierConfig\.demotion must be 'on_evict' or"),
     ({"type": "tape", "capacity_bytes": 1}, r"^t\.type='tape' is not a registered tier; registered: \['pool', 'cpu'"),
@@ -119,6 +127,25 @@ def test_each_config_opens_its_tier(tmp_path: Path) -> None:
         assert torch.allclose(out.float(), block(2).float(), atol=0.1, rtol=0.05)
     finally:
         disk.close()
+
+
+def test_the_remote_tiers_knobs_reach_the_tier() -> None:
+    """`max_pending_bytes`, `cooldown_s`, `min_rate_bps` and `clear_budget_s` of the config are
+    the opened tier's, against a real server."""
+    from tests.redis_fixtures import redis_server
+
+    with redis_server() as server:
+        config = tier_config({"type": "remote", "url": server.url, "timeout_s": 2, "max_pending_bytes": 1 << 20,
+                              "cooldown_s": 0.5, "min_rate_bps": 1 << 20, "clear_budget_s": 3}, "t")
+        remote = config.open(context())
+        try:
+            assert remote.clear_budget_s == 3.0
+            assert remote._server.limit(1 << 20) == pytest.approx(3.0)  # 2 s, and 1 MiB at 1 MiB/s
+            assert remote._writes._max_pending_bytes == 1 << 20
+            assert remote.reads._cooldown_s == 0.5
+            assert remote.put([key(1)], [block(1)]) == 1 and remote.flush()
+        finally:
+            remote.close()
 
 
 def test_a_tier_config_must_name_the_tier_it_opens() -> None:

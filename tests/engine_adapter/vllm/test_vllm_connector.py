@@ -73,7 +73,14 @@ def _sum(stats: dict[str, dict[str, int]], key: str) -> int:
     return sum(s.get(key, 0) for s in stats.values())
 
 
-def test_same_prompt_twice_loads_prefix_from_kvstrata(model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("as_tiers", [False, True], ids=["flat", "tiers"])
+def test_same_prompt_twice_loads_prefix_from_kvstrata(model: str, tmp_path: Path, as_tiers: bool) -> None:
+    connector = _connector(tmp_path)
+    if as_tiers:  # the tiers as one list of tier configs, with settings only those reach
+        connector = {"stats_path": connector["stats_path"], "tiers": [
+            {"type": "cpu", "capacity_bytes": 64 << 20, "eviction": {"type": "s3fifo", "small_share": 0.2},
+             "admission": "seen:2"},
+            {"type": "disk", "path": str(tmp_path / "kv"), "capacity_bytes": 256 << 20, "codec": "zstd"}]}
     prompt = _prompt(1, 1000)
     result = _run(
         {
@@ -81,7 +88,7 @@ def test_same_prompt_twice_loads_prefix_from_kvstrata(model: str, tmp_path: Path
             "prompts": [prompt],
             "rounds": 2,
             "reset_between": True,
-            "connector": _connector(tmp_path),
+            "connector": connector,
         }
     )
     first, second = result["rounds"][0][0], result["rounds"][1][0]
