@@ -21,7 +21,7 @@ from tiers.cpu_config import CPUTierConfig, check_fits
 from tiers.disk_config import DiskTierConfig, check_disk_bytes, check_path
 from tiers.disk_durability import DiskSync
 from tiers.eviction import eviction_config, parse_eviction
-from tiers.plugins import require_int
+from tiers.plugins import require_int, shape
 from tiers.pool_config import PoolTierConfig, check_device, parse_demotion
 from tiers.remote_config import MAX_TTL_S, RemoteTierConfig, check_timeout
 from tiers.remote_url import check_url
@@ -50,7 +50,7 @@ def parse_given(values: object) -> tuple[TierConfig, ...]:
     if values is None:
         return ()
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise ConfigError(f"StoreConfig.tiers must be a sequence of tier configs, fastest first, got {values!r}")
+        raise ConfigError(f"StoreConfig.tiers must be a sequence of tier configs, fastest first, got {shape(values)}")
     return tuple(tier_config(v, f"StoreConfig.tiers[{i}]") for i, v in enumerate(values))
 
 

@@ -69,6 +69,14 @@ def _same_class(a: type[Any], b: type[Any]) -> bool:
     return (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 
+
+def shape(value: object) -> str:
+    """What `value` is, without its contents (a config may hold a URL with a password): its
+    type, and a mapping's keys."""
+    if isinstance(value, Mapping):
+        return f"a mapping with keys {sorted(str(k) for k in value)[:16]}"
+    return f"a {type(value).__name__}"
+
 class Registry(Generic[C]):
     """The config classes of one family of components (`what`), by name.
 
@@ -168,14 +176,15 @@ class Registry(Generic[C]):
         if isinstance(value, Mapping):
             fields = dict(value)
             if "type" not in fields:
-                raise ConfigError(f"{what} needs a 'type' (a registered {self.what} or a class name), got {value!r}")
+                raise ConfigError(f"{what} needs a 'type' (a registered {self.what} or a class name), got "
+                                  f"{shape(value)}")
             kind = fields.pop("type")
             module_path = fields.pop("module_path", None)
             if module_path is not None:
                 self._import(module_path, what)
             return self._build(self._lookup(kind, module_path, f"{what}.type"), fields, what)
         raise ConfigError(f"{what} must be a registered {self.what} name, a dict with its 'type' (and "
-                          f"'module_path'), or a {self.base.__name__}; got {value!r}")
+                          f"'module_path'), or a {self.base.__name__}; got {shape(value)}")
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod

@@ -164,3 +164,15 @@ def test_builtins_are_imported_when_first_asked_and_listed_first(plugin_dir: Pat
 
 REG: Registry[Shape] = Registry("shape", Shape)
 OUTSIDE: Registry[Shape] = Registry("shape", Shape)
+
+
+def test_a_refused_config_never_shows_its_values() -> None:
+    """A tier config may hold a URL with a password: an error names its keys, never its values."""
+    from kvstore.config import StoreConfig
+    from kvstore.layout import KVLayout
+
+    secret = "redis://user:hunter2-secret@127.0.0.1:6379"
+    for tiers in ([{"url": secret}], {"type": "remote", "url": secret}):
+        with pytest.raises(ConfigError) as refused:
+            StoreConfig(KVLayout(2, 2, 16), block_size=16, namespace="m", tiers=tiers)  # type: ignore[arg-type]
+        assert "hunter2" not in str(refused.value) and "tiers" in str(refused.value)
