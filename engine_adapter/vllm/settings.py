@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
+from kvevents import check_events
 from kvstore.config import HashAlgo, KVLayout, StoreConfig, parse_hash_algo
 from kvstore.errors import ConfigError
-from kvstore.events_wire import check_events
 from kvstore.load_policy import LoadPolicyMode
 from kvstore.settings import (
     ENV_PREFIX,

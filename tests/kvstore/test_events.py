@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from cli.ports import free_port_pair
+from kvevents import END_SEQ, wire_hash
+from kvevents import publisher as events_mod
 from kvstore import KVCacheStore, StoreConfig
-from kvstore import events as events_mod
 from kvstore.errors import ConfigError
-from kvstore.events_wire import END_SEQ, wire_hash
 from tests.conftest import BLOCK, LAYOUT, make_kv
 
 
@@ -344,8 +344,8 @@ def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
     """Extras read back from a disk may be damaged: decoding them is bounded by their size,
     and a key with extras that do not decode is counted, never announced (nor a raw msgpack
     or type error on the publisher's thread)."""
-    from kvstore.events_mirror import Mirror
-    from kvstore.events_wire import BadPayload, vllm_extras
+    from kvevents import BadPayload, vllm_extras
+    from kvevents.mirror import Mirror
     from tiers.base import BlockKey
 
     damaged = [b"\xdd\xff\xff\xff\xff", msgpack.packb(5), msgpack.packb([["lora"]]), msgpack.packb([[]]),
