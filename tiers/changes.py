@@ -57,7 +57,8 @@ class ChangeLog:
     after it are kept.
     """
 
-    def __init__(self, max_keys: int = MAX_CHANGED_KEYS) -> None:
+    def __init__(self, max_keys: int | None = None) -> None:
+        max_keys = MAX_CHANGED_KEYS if max_keys is None else max_keys
         if max_keys <= 0:
             raise ValueError(f"a change log needs room for at least one key, got {max_keys}")
         self.max_keys = max_keys

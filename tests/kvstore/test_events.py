@@ -20,6 +20,7 @@ from kvevents import publisher as events_mod
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
 from tests.conftest import BLOCK, LAYOUT, make_kv
+from tiers.base import TierKind
 
 
 class Reader:
@@ -232,6 +233,38 @@ def test_an_overflowing_queue_becomes_a_welcome_not_a_gap(tmp_path: Path, monkey
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no gap"
         state = held(reader.events())
         assert state["CPU"] | state["DISK"] == {wire_hash(h) for h in store.block_hashes(list(range(40)))}
+    finally:
+        reader.close()
+        store.close()
+
+
+def test_a_tier_change_log_that_overflowed_is_restated_not_a_gap(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier whose change log overflowed (more changes than it holds before they are taken)
+    hands out a RESYNC with what it holds: the publisher restates that tier in its mirror and
+    welcomes every reader again, so readers end up knowing exactly what the tiers hold."""
+    from tiers import changes as changes_mod
+
+    port = free_port_pair()
+    monkeypatch.setattr(changes_mod, "MAX_CHANGED_KEYS", 3)
+    monkeypatch.setattr(events_mod, "WELCOME_INTERVAL_S", 0.0)
+    store = _store(tmp_path / "d", port)
+    reader = Reader(port)
+    try:
+        reader.drain(1.2)
+        tokens = list(range(40))
+        assert store.store(tokens, make_kv(40)) == 40  # 10 blocks: the CPU tier records 8 > 3 at once
+        assert store.events is not None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            reader.drain(0.5)
+            state = held(reader.events())
+            if state["CPU"] and state["DISK"]:
+                break
+        cpu, disk = (store.stack.tier(TierKind(k)) for k in ("cpu", "disk"))
+        assert store.events.num_resyncs >= 1 and cpu.num_changes_dropped >= 8
+        assert state["CPU"] == {wire_hash(h) for h in cpu.held_hashes()} and len(state["CPU"]) == 8
+        assert state["DISK"] == {wire_hash(h) for h in disk.held_hashes()} and len(state["DISK"]) == 2
     finally:
         reader.close()
         store.close()
