@@ -59,7 +59,7 @@ class Weights(ParamType):
 def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tuple[float, float, float, float],
             load_weight: float, stale_after: float, forget_after: float, max_sources: int, max_blocks: int,
             token_file: str | None, curve_cert: str | None, curve_server: str | None) -> None:
-    from kvstore.events_auth import CurveClient, load_public
+    from kvevents import CurveClient, load_public
     from router.config import RouterConfig, read_token
     from router.service import serve
 

@@ -248,14 +248,14 @@ class BlockAPI:
         end = next((i for i, t in enumerate(plan) if stack.tiers[t].traits.engine_memory), len(plan))
         views = [self._pool.block_view(b.block_id) for b in blocks[:end]]
         got, counts = stack.load(keys[:end], views, plan[:end])
-        self._pool.cache_blocks(blocks[:got], [k.block_hash for k in keys[:got]], [k.tokens for k in keys[:got]])
+        self._pool.cache_blocks(blocks[:got], keys[:got])
         return got, counts
 
     def register(self, blocks: Sequence[PoolBlock], keys: Sequence[BlockKey]) -> int:
         """Register full blocks whose KV is written as cached under `keys`; return how many
         were new (a hash another block caches already is left to that block)."""
         with self.locked():
-            return self._pool.cache_blocks(blocks, [k.block_hash for k in keys], [k.tokens for k in keys])
+            return self._pool.cache_blocks(blocks, keys)
 
     def release(self, blocks: Sequence[PoolBlock]) -> None:
         """Drop one reference on each of a request's blocks (request order); blocks reaching

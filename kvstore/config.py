@@ -225,7 +225,7 @@ class StoreConfig:
         for name in ("events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
             parse_optional_str(f"StoreConfig.{name}", getattr(self, name))  # even where nothing reads them
         if self.events_endpoint is not None:
-            from kvstore.events_wire import check_events
+            from kvevents import check_events
 
             check_events(self.events_endpoint, self.events_replay_endpoint, self.events_topic,
                          self.events_curve_cert, self.events_curve_clients, self.events_insecure, "StoreConfig.",

@@ -1,33 +1,32 @@
-"""The KV-event publisher a `StoreConfig` asks for, wired to a stack's tiers.
+"""The KV-event publisher a `StoreConfig` asks for, fed by a tier stack's changes.
 
-Each tier's medium comes from its traits (`events_wire.medium_of`); a tier that persists keys
-(a disk) is read once, here, so that a restarted store announces what it still holds; a
-shared tier names itself by its identity. Nothing here needs the store's lock.
+Each tier's medium comes from its traits (`kvevents.medium_of`); a tier that persists keys (a
+disk) is read once, here, so that a restarted store announces what it still holds; a shared
+tier names itself by its identity. The publisher is one sink of the stack's change feed, and
+pulls the feed itself every 20 ms (what tiers do in the background). Nothing here needs the
+store's lock.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import socket
-from collections.abc import Sequence
 
 import xxhash
 
+from kvevents import EventPublisher, EventSource, medium_of, new_epoch, publisher_config
 from kvstore.config import StoreConfig
-from kvstore.events import EventPublisher, EventSource, PublisherConfig
-from kvstore.events_auth import CurveServer
-from kvstore.events_wire import default_replay_endpoint, medium_of
 from kvstore.hashing import BlockHash
-from kvstore.keying import Keyer
-from tiers.base import BlockKey, Tier
+from kvstore.tier_stack import TierStack
+from tiers.base import BlockKey
 
 
-def open_publisher(config: StoreConfig, seed: BlockHash, tiers: Sequence[Tier], keyer: Keyer) -> EventPublisher:
-    """Start publishing `config.events_endpoint`: every tier reports its changes to the
-    publisher from now on, and the keyer describes the blocks it keys. Raises `ConfigError`
-    if the endpoint cannot be bound (nothing is wired then)."""
+def open_publisher(config: StoreConfig, seed: BlockHash, stack: TierStack) -> EventPublisher:
+    """Start publishing `config.events_endpoint`: every change of the stack's tiers goes to
+    the publisher from now on. Raises `ConfigError` if the endpoint cannot be bound (nothing
+    is wired then)."""
     assert config.events_endpoint is not None
+    tiers = stack.tiers
     media = {tier.kind: medium_of(tier.traits) for tier in tiers}
     warm: list[tuple[BlockKey, str]] = []
     for tier in tiers:
@@ -42,23 +41,7 @@ def open_publisher(config: StoreConfig, seed: BlockHash, tiers: Sequence[Tier], 
     pub_config = publisher_config(config.events_endpoint, config.events_replay_endpoint, config.events_topic,
                                   config.events_curve_cert, config.events_curve_clients,
                                   min(capacity + (1 << 16), 1 << 22), config.events_connect)
-    publisher = EventPublisher(pub_config, source, media, warm)
-    for tier in tiers:
-        tier.listener = publisher.on_change
-        tier.describe = publisher.complete
-    keyer.on_keys = publisher.describe
+    stack.changes.publish()  # what opening the tiers did is in the warm state already
+    publisher = EventPublisher(pub_config, source, media, warm, poll=stack.changes.publish)
+    stack.changes.add_sink(publisher.publish)
     return publisher
-
-
-def new_epoch() -> int:
-    return secrets.randbits(62)
-
-
-def publisher_config(endpoint: str, replay: str | None, topic: str, curve_cert: str | None,
-                     curve_clients: str | None, max_mirror_blocks: int, connect: bool = False) -> PublisherConfig:
-    """A `PublisherConfig` from store settings (validated there). Connecting, the publisher
-    answers replays only where `replay` names an endpoint to bind."""
-    curve = CurveServer.from_files(curve_cert, curve_clients) if curve_cert and curve_clients else None
-    if replay is None and not connect:
-        replay = default_replay_endpoint(endpoint)
-    return PublisherConfig(endpoint, replay, topic.encode(), curve, max(1, max_mirror_blocks), connect)

@@ -3,13 +3,12 @@
 It validates tokens and extra keys, hashes the chain (incrementally with a `BlockChain`, so a
 growing request is hashed once), and builds the `BlockKey`s the tiers take: each with its
 token ids (verified on every hit), its parent, its extras (for KV events) and its tenant (for
-quotas). Pure apart from telling the event publisher, when there is one, how the keys it
-built describe their blocks.
+quotas). Pure: the tiers keep the keys whole, so what they report of a block needs no help.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -24,9 +23,8 @@ class Keyer:
 
     def __init__(self, config: StoreConfig, seed: BlockHash) -> None:
         self.config, self.seed = config, seed
-        # Told of every key list built with its extras known (the KV-event publisher's
-        # `describe`); None without events. Must not raise or block.
-        self.on_keys: Callable[[Sequence[BlockKey]], None] | None = None
+        # Keys carry token ids and extras even without token verification: KV events announce them.
+        self.describe = config.events_endpoint is not None
 
     def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
         """A `BlockChain` in this namespace for one growing sequence."""
@@ -57,16 +55,13 @@ class Keyer:
         b = self.config.block_size
         tenant = tenant_of(self.seed, extra_keys)
         parents = [parent if first_block else self.seed, *hashes[:-1]]
-        on_keys = self.on_keys
-        if not self.config.verify_tokens and on_keys is None:
+        if not self.config.verify_tokens and not self.describe:
             return [BlockKey(h, b"", p, None, tenant) for h, p in zip(hashes, parents)]
         buf = arr.tobytes()
         step = b * 4
-        if on_keys is None:
+        if not self.describe:
             return [BlockKey(h, buf[i * step : (i + 1) * step], parents[i], None, tenant)
                     for i, h in enumerate(hashes)]
-        keys = [BlockKey(h, buf[i * step : (i + 1) * step], parents[i],
+        return [BlockKey(h, buf[i * step : (i + 1) * step], parents[i],
                          extra_keys.block_extras(first_block + i, b) if extra_keys is not None else b"", tenant)
                 for i, h in enumerate(hashes)]
-        on_keys(keys)
-        return keys

@@ -17,11 +17,11 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from kvevents import EventPublisher
 from kvstore.block_api import BlockAPI
 from kvstore.buffers import BufferPool
 from kvstore.config import StoreConfig
 from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError, StoreClosedError
-from kvstore.events import EventPublisher
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
 from kvstore.keying import Keyer
 from kvstore.lifecycle import Lifecycle
@@ -77,7 +77,7 @@ class KVCacheStore:
             from kvstore.events_setup import open_publisher
 
             try:
-                self.events = open_publisher(config, self._seed, self._stack.tiers, self._keyer)
+                self.events = open_publisher(config, self._seed, self._stack)
             except BaseException:
                 self._stack.close()
                 raise
@@ -353,11 +353,7 @@ class KVCacheStore:
         with self._lock:
             self.check_open()
             self._generation += 1
-            result = self._stack.clear(all_namespaces=all_namespaces)
-            if self.events is not None:
-                for tier in self._stack.tiers:
-                    self.events.on_clear(tier.kind)
-            return result
+            return self._stack.clear(all_namespaces=all_namespaces)
 
     def scrub(self) -> ScrubResult | None:
         """Validate every record of the tiers that keep checks (the disk); delete damaged ones

@@ -6,32 +6,51 @@ copying blocks out (`load`), writing new blocks (`put`: into the top tier, and a
 shared tiers, and persistent ones with write-through), promotion of lower-tier hits into the
 top tier, prefetching slow tiers into memory, pinning, clearing, scrubbing, and spilling down
 on shutdown. What a tier is comes from its traits, never its kind. Callers hold the store's
-lock, except for `read_prefetch`.
+lock, except for `read_prefetch`. Every call that can change a tier ends by publishing the
+tiers' changes (`changes`, `kvstore/change_feed.py`), in the order they happened.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
 
+from kvstore.change_feed import ChangeFeed
 from kvstore.results import ClearResult
 from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
 from tiers.blockbatch import take
+from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
 from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _publishes(method: Callable[Concatenate[TierStack, _P], _R]) -> Callable[Concatenate[TierStack, _P], _R]:
+    """A `TierStack` call that publishes the tiers' changes when it ends, however it ends."""
+    def call(self: TierStack, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.changes.publish()
+
+    functools.update_wrapper(call, method)
+    return call
 
 
 class _Below:
-    """What tier `index` sees of the stack below it."""
+    """What `upper` sees of the stack below it: `lower`, and the feed that takes both tiers'
+    changes around each demotion (so they stay in the order they happened)."""
 
-    def __init__(self, lower: Tier) -> None:
-        self._lower = lower
+    def __init__(self, upper: Tier, lower: Tier, feed: ChangeFeed) -> None:
+        self._upper, self._lower, self._feed = upper, lower, feed
         # Blocks the running `TierStack.put` writes into `lower` itself: not demoted twice.
         self.skip: frozenset[BlockHash] = frozenset()
 
@@ -42,7 +61,11 @@ class _Below:
                 keys, srcs = [keys[i] for i in keep], take(srcs, keep)
             if not keys:
                 return 0
-        return self._lower.put(keys, srcs)
+        self._feed.collect(self._upper)  # what the upper tier did before this demotion
+        try:
+            return self._lower.put(keys, srcs)
+        finally:
+            self._feed.collect(self._lower)  # before the upper tier records the blocks leaving it
 
     def holds(self, block_hash: BlockHash) -> bool:
         return self._lower.match_prefix([block_hash]) == 1
@@ -62,6 +85,7 @@ class TierStack:
 
     Invariant: a block is written only through `put`, `promote` or a tier's own demotion
     into the next tier down; never from a lower tier into a higher one except by `promote`.
+    Every change a call makes to a tier reaches `changes`' sinks before the call returns.
     """
 
     def __init__(self, tiers: Sequence[Tier], *, write_through: bool) -> None:
@@ -76,9 +100,10 @@ class TierStack:
         # hosts read it), a persistent one with `write_through`.
         self._through = [t for t in self.tiers[1:]
                          if t.traits.shared or (write_through and t.traits.persistent)]
+        self.changes = ChangeFeed(self.tiers)  # what entered and left the tiers, for its sinks
         self._belows: list[_Below] = []
         for upper, lower in zip(self.tiers, self.tiers[1:]):
-            upper.below = _Below(lower)
+            upper.below = _Below(upper, lower, self.changes)
             self._belows.append(upper.below)
         self.num_promotion_failures = 0
         self.num_prefetched: dict[TierKind, int] = {}  # blocks prefetched into memory, by source tier
@@ -123,6 +148,7 @@ class TierStack:
                 plan.append(len(self.tiers) - 1)
         return plan
 
+    @_publishes
     def load(
         self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor], plan: Sequence[int]
     ) -> tuple[int, dict[TierKind, int]]:
@@ -148,6 +174,7 @@ class TierStack:
         return num_ok, counts
 
     # -- writes ----------------------------------------------------------------------------
+    @_publishes
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Write blocks (prefix order) into the top tier, tail first (a sequence's tail is
         evicted before its prefix); with write-through into the disk tier too, and always into
@@ -182,11 +209,13 @@ class TierStack:
                     tier.put(order_keys, order_srcs)
         return written
 
+    @_publishes
     def flush(self) -> bool:
         """Wait until writes queued for tiers that write in the background are done; False
         if one timed out."""
         return all(tier.flush() for tier in self.tiers)
 
+    @_publishes
     def promote(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], plan: Sequence[int],
                 num_ok: int) -> None:
         """Copy the lower-tier hits among the first `num_ok` blocks into the top tier, prefix
@@ -227,6 +256,7 @@ class TierStack:
         fetch = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
         return Prefetch(fetch, [plan[p] for p in fetch], memory[-1]) if fetch else None
 
+    @_publishes
     def read_prefetch(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],
                       stop: Callable[[], bool]) -> tuple[int, dict[TierKind, int]]:
         """Read the planned blocks into `buffer`, one read per run of one tier, in prefix order,
@@ -248,6 +278,7 @@ class TierStack:
                 break
         return got, counts
 
+    @_publishes
     def insert_prefetched(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],
                           num_read: int, counts: dict[TierKind, int]) -> bool:
         """Put the first `num_read` prefetched blocks into the plan's memory tier and count
@@ -268,10 +299,12 @@ class TierStack:
         return next((i for i, t in enumerate(plan) if not self.tiers[t].traits.memory), len(plan))
 
     # -- housekeeping ------------------------------------------------------------------------
+    @_publishes
     def clear(self, *, all_namespaces: bool = False) -> ClearResult:
         """Delete this namespace's blocks from every tier (with `all_namespaces`, every block
-        kvstrata wrote in the tiers several namespaces share). Returns whether the remote
-        tier's sweep finished, and how many keys it deleted (`RemoteTier.sweep`)."""
+        kvstrata wrote in the tiers several namespaces share); each tier's changes end with a
+        `CLEARED`. Returns whether the remote tier's sweep finished, and how many keys it
+        deleted (`RemoteTier.sweep`)."""
         complete, deleted = True, 0
         for tier in self.tiers:
             if isinstance(tier, RemoteTier):
@@ -279,8 +312,11 @@ class TierStack:
                 complete, deleted = complete and swept.complete, deleted + swept.num_deleted
             else:
                 tier.clear(all_namespaces=all_namespaces)
+            self.changes.collect(tier)
+            self.changes.add(TierChange(tier.kind, ChangeKind.CLEARED, ()))
         return ClearResult(complete, deleted)
 
+    @_publishes
     def scrub(self) -> ScrubResult | None:
         """Validate every block of the tiers that keep checks; delete the damaged ones. The
         counts of all such tiers together; None if no tier scrubs."""
@@ -290,6 +326,7 @@ class TierStack:
         return ScrubResult(*(sum(field) for field in zip(*results)))
 
     # -- lifecycle -------------------------------------------------------------------------
+    @_publishes
     def spill(self) -> tuple[int, int]:
         """Copy every tier's blocks one tier down, fastest first (the pool into the CPU tier,
         then the CPU tier to disk). Returns (blocks written, blocks a full tier refused);
@@ -309,6 +346,7 @@ class TierStack:
         for tier in self.tiers:
             tier.check_integrity()
 
+    @_publishes
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()

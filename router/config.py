@@ -5,9 +5,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass, field
 
+from kvevents import CurveClient, check_endpoint, check_public_key
 from kvstore.errors import ConfigError
-from kvstore.events_auth import CurveClient, check_public_key
-from kvstore.events_wire import check_endpoint
 from router.fleet import Limits
 from router.lookup import Scoring
 

@@ -5,7 +5,7 @@ kind, and nothing decoded can hold more than the message's own bytes allow.
 Accepted: vLLM's batches `[ts, events, dp_rank?]` with events as tagged maps (`BlockStored`,
 `BlockRemoved`, `AllBlocksCleared`; other tags are ignored), block hashes as 64-bit ints
 (signed or unsigned) or bytes (their last 8, as vLLM converts them), and kvstrata's extra
-"kvstrata" map. The payload is unpacked by `kvstore.events_wire.unpack_peer`: what it builds
+"kvstrata" map. The payload is unpacked by `kvevents.unpack_peer`: what it builds
 is bounded by the payload's size, whatever lengths or nesting it declares. No value a peer
 sent is ever printed (a deeply nested one would exhaust the interpreter's recursion).
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstore.events_wire import BadPayload, unpack_peer
+from kvevents import BadPayload, unpack_peer
 
 MAX_BLOCK_SIZE = 1 << 16
 _MASK = (1 << 64) - 1

@@ -14,8 +14,7 @@ import logging
 import time
 from typing import Any
 
-from kvstore.events_auth import CurveClient
-from kvstore.events_wire import END_SEQ, MAX_MESSAGE_BYTES
+from kvevents import END_SEQ, MAX_MESSAGE_BYTES, CurveClient
 from router.decode import BadMessage, Event, decode_batch
 from router.fleet import FleetView
 from router.source import Source

@@ -7,7 +7,7 @@ import re
 
 from tests import ROOT
 
-PACKAGES = ("tiers", "kvstore", "engine_adapter", "router", "cli", "bench")
+PACKAGES = ("tiers", "kvevents", "kvstore", "engine_adapter", "router", "cli", "bench")
 SECTION = "## Folders"
 
 

@@ -4,7 +4,8 @@ A tier holds whole blocks, each a tensor `[num_layers, 2, block_size, num_kv_hea
 of the layout's dtype, keyed by `BlockHash`. Sequences of blocks passed to `put` and `touch`
 are in *eviction order*: the first entry is the first to be evicted. Callers storing a
 sequence pass it tail first, so a sequence's tail leaves a tier before its prefix (a block
-is useless once its parent is gone). `get_into` takes keys in prefix order.
+is useless once its parent is gone). `get_into` takes keys in prefix order. What enters and
+leaves a tier is recorded in the tier's change log (`tiers/changes.py`) for the stack to take.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, NewType, Protocol
+from typing import Any, ClassVar, NamedTuple, NewType, Protocol, TypeVar
 
 import torch
+
+from tiers.changes import ChangeKind, ChangeLog, TierChange
 
 BlockHash = NewType("BlockHash", bytes)
 """Opaque key of one block (to the store: a digest of the block with its whole prefix)."""
@@ -200,11 +203,16 @@ class Below(Protocol):
         ...
 
 
+_T = TypeVar("_T", bound="Tier")
+
+
 class Tier(abc.ABC):
     """A store of fixed-size KV blocks with LRU eviction.
 
     Invariant: every held block is bit-exact with what was put under its hash; a block
-    that fails validation is deleted and reported as absent, never returned.
+    that fails validation is deleted and reported as absent, never returned. Every block
+    that enters or leaves the tier is recorded, in order, in its change log (`take_changes`):
+    a tier tells no one, holds no callback and never calls up.
     """
 
     kind: ClassVar[TierKind]
@@ -213,28 +221,33 @@ class Tier(abc.ABC):
     counters: TierCounters  # each tier sets its own in __init__
     num_spill_refused: int = 0  # blocks a full tier below refused during spills
     num_write_drops: int = 0  # writes a tier that writes in the background gave up (counted, warned)
-    # Told of every block entering (True) or leaving (False) this tier, by the tier itself,
-    # as keys (a tier that knows only hashes gives keys of bare hashes); set by the store when
-    # it publishes KV events. Must not raise or block.
-    listener: Callable[[TierKind, bool, Sequence[BlockKey]], None] | None = None
-    # Asked by a tier that persists keys (the disk) for what the store knows of a block that
-    # arrives without its parent or extras (a block demoted from a faster tier); returns the
-    # key completed where known. Set by the store with KV events. Must not raise or block.
-    describe: Callable[[BlockKey], BlockKey] | None = None
+    _changes: ChangeLog  # set for every tier at construction (`__new__`)
 
-    def _announce(self, stored: bool, blocks: Sequence[BlockKey | BlockHash]) -> None:
-        """Tell the listener (if any) that `blocks` (keys, or bare hashes) entered or left
-        this tier."""
-        listener = self.listener
-        if listener is not None and blocks:
-            listener(self.kind, stored, [b if isinstance(b, BlockKey) else BlockKey(b) for b in blocks])
+    def __new__(cls: type[_T], *args: Any, **kwargs: Any) -> _T:
+        tier = super().__new__(cls)
+        tier._changes = ChangeLog()  # every tier has one, whatever its __init__ does
+        return tier
 
-    def _described(self, keys: Sequence[BlockKey]) -> Sequence[BlockKey]:
-        """`keys`, each completed by `describe` where it lacks a parent or extras."""
-        describe = self.describe
-        if describe is None:
-            return keys
-        return [k if k.parent is not None and k.extras is not None else describe(k) for k in keys]
+    def take_changes(self) -> list[TierChange]:
+        """The blocks that entered and left this tier since the last call, oldest first, as
+        the tier recorded them; forgets them. The first call starts the recording (it returns
+        nothing: a tier nobody asks keeps no changes). If nobody took them for so long that
+        the log overflowed (`tiers/changes.py`), the first change is a `RESYNC` with the keys
+        the tier holds now (`held_keys`; none for a tier that keeps no keys, or once it is
+        closed). Safe from any thread; changes nothing else."""
+        return self._changes.take(self.kind, self.held_keys)
+
+    @property
+    def num_changes_dropped(self) -> int:
+        """Blocks whose changes were dropped because nobody took them (see `take_changes`)."""
+        return self._changes.num_dropped
+
+    def _record(self, kind: ChangeKind, blocks: Sequence[BlockKey | BlockHash]) -> None:
+        """Record that `blocks` (keys, or bare hashes) entered or left this tier (nothing
+        for none). Never raises, never blocks on more than the log's own lock."""
+        if blocks:
+            self._changes.record(TierChange(self.kind, kind, [b if isinstance(b, BlockKey) else BlockKey(b)
+                                                              for b in blocks]))
 
     @property
     def num_errors(self) -> int:
@@ -247,9 +260,10 @@ class Tier(abc.ABC):
         return iter(())
 
     def held_keys(self) -> Iterator[BlockKey]:
-        """The keys of the blocks this tier holds with what it persisted of them (token ids,
-        parent, extras), for announcing a warm tier after a restart. Tiers that persist no
-        keys yield nothing. Changes nothing."""
+        """The keys of the blocks this tier holds with what it kept of them (token ids,
+        parent, extras): a persistent tier's announce a warm tier after a restart, every
+        tier's restate its contents after its change log overflowed. Tiers that keep no keys
+        yield nothing. Changes nothing."""
         return iter(())
 
     @property

@@ -23,6 +23,7 @@ from tiers.base import (
 )
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes, mapped_tensor
+from tiers.changes import ChangeKind
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
 from tiers.eviction import EvictionConfig, EvictionKind
 from tiers.residency import Residency, key_parent, key_tenant
@@ -35,9 +36,10 @@ class CPUTier(Tier):
     orders the blocks for eviction (`eviction`: LRU by default), keeps pins, prefix links and,
     with `tenant_quota_blocks`, a quota per tenant.
 
-    Invariant: every slot is either free or holds exactly one indexed block, and the indexed
-    blocks are exactly the residency's. Evicted blocks are demoted through `below` (if the stack
-    gave one) before their slot is reused, those `demote_admission` admits (`all`, or `seen:N`:
+    Invariant: every slot is either free or holds exactly one indexed block and its whole key
+    as put (token ids, parent, extras, tenant), and the indexed blocks are exactly the
+    residency's. Evicted blocks are demoted through `below` (if the stack gave one), whole keys
+    and all, before their slot is reused, those `demote_admission` admits (`all`, or `seen:N`:
     used N times while here); the others are dropped, a write the tier below is spared. With
     `checksum`, each slot's xxh3-64 is taken when it is written and checked before it is read
     or demoted: a slot damaged in memory is then a miss and is dropped, never returned nor
@@ -84,7 +86,7 @@ class CPUTier(Tier):
         self._admission = Admission(spec, max(1024, 4 * num_slots))
         if self._admission.sketch is not None:
             self._res.on_use.append(self._admission.sketch)
-        self._slot_tokens: list[bytes] = [b""] * num_slots
+        self._slot_keys: list[BlockKey | None] = [None] * num_slots  # each held block's key, as put
         self._checksum = checksum
         self._slot_sums: list[int] = [0] * num_slots
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -120,6 +122,9 @@ class CPUTier(Tier):
 
     def held_hashes(self) -> Iterator[BlockHash]:
         return iter(list(self._index))
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        return iter([k for k in list(self._slot_keys) if k is not None])
 
     @property
     def eviction(self) -> EvictionConfig:
@@ -163,11 +168,8 @@ class CPUTier(Tier):
             slot = self._index.get(key.block_hash)
             if slot is None:
                 break
-            if self._verify_tokens and key.tokens and self._slot_tokens[slot] != key.tokens:
-                self.counters.num_corrupt += 1
-                self._drop(key.block_hash)
-                break
-            if self._checksum and self._sum(slot) != self._slot_sums[slot]:
+            if (self._verify_tokens and key.tokens and self._key_at(slot).tokens != key.tokens) or (
+                    self._checksum and self._sum(slot) != self._slot_sums[slot]):
                 self.counters.num_corrupt += 1
                 self._drop(key.block_hash)
                 break
@@ -198,7 +200,7 @@ class CPUTier(Tier):
             raise
         for slot, i in zip(slots, new):
             key = keys[i]
-            self._slot_tokens[slot] = key.tokens if self._verify_tokens else b""
+            self._slot_keys[slot] = key
             if self._checksum:
                 self._slot_sums[slot] = self._sum(slot)
             self._index[key.block_hash] = slot
@@ -209,7 +211,7 @@ class CPUTier(Tier):
                          tenants if any(tenants) else None)
             res.touch(hashes[new[-1] + 1:])  # the held prefix: more recent than its new tail
         res.end_put()
-        self._announce(True, [keys[i].block_hash for i in new])
+        self._record(ChangeKind.ENTERED, [keys[i] for i in new])
         return len(new)
 
     def _send_down(self, keys: list[BlockKey], srcs: list[torch.Tensor]) -> None:
@@ -257,8 +259,7 @@ class CPUTier(Tier):
                     victims = [h for h in victims if h not in gone]
             slots = [self._index[h] for h in victims]
             try:
-                self._send_down([BlockKey(h, self._slot_tokens[s]) for h, s in zip(victims, slots)],
-                                [self._slab[s] for s in slots])
+                self._send_down([self._key_at(s) for s in slots], [self._slab[s] for s in slots])
             except BaseException:
                 res.restore(victims)
                 raise
@@ -267,12 +268,17 @@ class CPUTier(Tier):
 
     def _release(self, victims: list[BlockHash]) -> None:
         """Free the slots of victims taken from the residency (they left the tier)."""
-        for h in victims:
-            slot = self._index.pop(h)
-            self._slot_tokens[slot] = b""
-            self._free.append(slot)
+        gone = [self._vacate(h) for h in victims]
         self._res.commit(victims)
-        self._announce(False, victims)
+        self._record(ChangeKind.LEFT, gone)
+
+    def _vacate(self, block_hash: BlockHash) -> BlockKey:
+        """Free the slot of a held block; the block's key."""
+        slot = self._index.pop(block_hash)
+        key = self._key_at(slot)
+        self._slot_keys[slot] = None
+        self._free.append(slot)
+        return key
 
     def spill(self) -> int:
         """Copy every block not yet below down to it, most recently used first; keep them here.
@@ -285,7 +291,7 @@ class CPUTier(Tier):
             return 0
         order = self._drop_damaged(self._res.order())
         slots = [self._index[h] for h in order]
-        keys = [BlockKey(h, self._slot_tokens[s]) for h, s in zip(order, slots)]
+        keys = [self._key_at(s) for s in slots]
         srcs = [self._slab[s] for s in slots]
         # Most recently used first, in chunks: a lower tier that fills up refuses a chunk whole,
         # so the refused chunk goes block by block and the spill ends at the first refusal.
@@ -303,6 +309,11 @@ class CPUTier(Tier):
                         return written
             end = start
         return written
+
+    def _key_at(self, slot: int) -> BlockKey:
+        key = self._slot_keys[slot]
+        assert key is not None, f"CPU tier: slot {slot} holds no block (a bug)"
+        return key
 
     def _sum(self, slot: int) -> int:
         return xxhash.xxh3_64_intdigest(self._slab[slot].view(torch.uint8).numpy().data)
@@ -329,9 +340,7 @@ class CPUTier(Tier):
         """Protect the leading held blocks from eviction; return how many were pinned."""
         self._check_open()
         n = 0
-        for h in block_hashes:
-            if not self._res.pin(h):
-                break
+        while n < len(block_hashes) and self._res.pin(block_hashes[n]):
             n += 1
         return n
 
@@ -351,20 +360,15 @@ class CPUTier(Tier):
         return n
 
     def _drop(self, block_hash: BlockHash) -> None:
-        slot = self._index.pop(block_hash)
+        key = self._vacate(block_hash)
         self._res.discard(block_hash)
-        self._slot_tokens[slot] = b""
-        self._free.append(slot)
-        self._announce(False, [block_hash])
+        self._record(ChangeKind.LEFT, [key])
 
     def clear(self, *, all_namespaces: bool = False) -> None:
         self._check_open()
-        gone = list(self._index)
-        self._free.extend(self._index.values())
-        self._index.clear()
+        gone = [self._vacate(h) for h in list(self._index)]
         self._res.clear()
-        self._slot_tokens = [b""] * self._num_slots
-        self._announce(False, gone)
+        self._record(ChangeKind.LEFT, gone)
 
     def close(self) -> None:
         if not self._closed:
@@ -382,9 +386,10 @@ class CPUTier(Tier):
         if len(set(slots)) != len(slots):
             raise RuntimeError("CPU tier: two blocks share a slot (a bug)")
         if set(slots) & set(self._free) or len(slots) + len(self._free) != self._num_slots:
-            raise RuntimeError(
-                f"CPU tier: {len(slots)} used + {len(self._free)} free != {self._num_slots} slots (a bug)"
-            )
+            raise RuntimeError(f"CPU tier: {len(slots)} used + {len(self._free)} free != {self._num_slots} "
+                               "slots (a bug)")
+        if any((k := self._slot_keys[s]) is None or k.block_hash != h for h, s in self._index.items()):
+            raise RuntimeError("CPU tier: a slot keeps another block's key (a bug)")
         if len(self._res) != len(self._index) or any(h not in self._res for h in self._index):
             raise RuntimeError("CPU tier: the residency does not hold exactly the indexed blocks (a bug)")
         self._res.check_integrity()

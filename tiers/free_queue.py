@@ -4,25 +4,44 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tiers.base import BlockHash
+from tiers.base import BlockHash, BlockKey
 
 
 class PoolBlock:
     """Metadata of one pool block (the KV lives in the pool's tensor at `block_id`).
 
-    `block_hash` is set while the block is cached (full and registered), else None;
-    `tokens` holds its token ids when token verification is on.
+    `block_hash` is set while the block is cached (full and registered), else None; `tokens`,
+    `parent`, `extras` and `tenant` are then those of the key it was registered under (`key`:
+    demoted with it, and in its changes); the pool checks `tokens` on hits when it verifies them.
     """
 
-    __slots__ = ("block_hash", "block_id", "next_free", "prev_free", "ref_cnt", "tokens")
+    __slots__ = ("block_hash", "block_id", "extras", "next_free", "parent", "prev_free", "ref_cnt", "tenant",
+                 "tokens")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.tokens = b""
+        self.parent: bytes | None = None
+        self.extras: bytes | None = None
+        self.tenant = b""
         self.prev_free: PoolBlock | None = None
         self.next_free: PoolBlock | None = None
+
+    @property
+    def key(self) -> BlockKey | None:
+        """The key the block is cached under (None: not cached)."""
+        h = self.block_hash
+        return None if h is None else BlockKey(h, self.tokens, self.parent, self.extras, self.tenant)
+
+    def cache(self, key: BlockKey) -> None:
+        """Mark the block cached under `key`."""
+        self.block_hash, self.tokens, self.parent, self.extras, self.tenant = key
+
+    def uncache(self) -> None:
+        """Mark the block not cached."""
+        self.block_hash, self.tokens, self.parent, self.extras, self.tenant = None, b"", None, None, b""
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None

@@ -19,6 +19,7 @@ import torch
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
 from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.changes import ChangeKind
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
 from tiers.free_queue import FreeBlockQueue, PoolBlock
 
@@ -145,24 +146,24 @@ class BlockPool(Tier):
             block.ref_cnt = 1
         return popped
 
-    def cache_blocks(self, blocks: Sequence[PoolBlock], block_hashes: Sequence[BlockHash],
-                     tokens: Sequence[bytes] = ()) -> int:
-        """Register full blocks (whose KV is written) under their hashes; return how many.
+    def cache_blocks(self, blocks: Sequence[PoolBlock], keys: Sequence[BlockKey]) -> int:
+        """Register full blocks (whose KV is written) under their keys; return how many.
 
-        A hash already cached by another block is left to that block (this one stays
-        uncached and is reused first once free). Write-through demotes the new ones now.
+        Each block keeps its whole key (demoted with it). A hash already cached by another
+        block is left to that block (this one stays uncached and is reused first once free).
+        Write-through demotes the new ones now.
         """
-        new = []
-        for i, (block, h) in enumerate(zip(blocks, block_hashes)):
-            if block.block_hash is not None or h in self.cached:
+        new, entered = [], []
+        for block, key in zip(blocks, keys):
+            if block.block_hash is not None or key.block_hash in self.cached:
                 continue
-            block.block_hash = h
-            block.tokens = tokens[i] if tokens and self._verify_tokens else b""
-            self.cached[h] = block
+            block.cache(key)
+            self.cached[key.block_hash] = block
             new.append(block)
+            entered.append(key)
         if new and self.demotion is DemotionPolicy.WRITE_THROUGH:
             self._demote(new[::-1])
-        self._announce(True, [b.block_hash for b in new if b.block_hash is not None])
+        self._record(ChangeKind.ENTERED, entered)
         return len(new)
 
     def free_blocks(self, blocks: Sequence[PoolBlock]) -> None:
@@ -179,9 +180,11 @@ class BlockPool(Tier):
                 self.free_queue.append(block)
 
     # -- demotion --------------------------------------------------------------------------
-    def _key(self, block: PoolBlock) -> BlockKey:
-        assert block.block_hash is not None
-        return BlockKey(block.block_hash, block.tokens)
+    @staticmethod
+    def _key(block: PoolBlock) -> BlockKey:
+        key = block.key
+        assert key is not None, f"{block} is not cached (a bug)"
+        return key
 
     def _demote(self, blocks: Sequence[PoolBlock]) -> None:
         """Copy blocks (eviction order) down through `below`; a full disk loses them, never fails here."""
@@ -224,9 +227,8 @@ class BlockPool(Tier):
     def _uncache(self, block: PoolBlock) -> None:
         if block.block_hash is not None:
             del self.cached[block.block_hash]
-            self._announce(False, [block.block_hash])
-            block.block_hash = None
-            block.tokens = b""
+            self._record(ChangeKind.LEFT, [self._key(block)])
+            block.uncache()
 
     # -- the tier protocol -----------------------------------------------------------------
     @property
@@ -238,6 +240,9 @@ class BlockPool(Tier):
 
     def held_hashes(self) -> Iterator[BlockHash]:
         return iter(list(self.cached))
+
+    def held_keys(self) -> Iterator[BlockKey]:
+        return iter([k for k in (b.key for b in list(self.cached.values())) if k is not None])
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
@@ -277,7 +282,7 @@ class BlockPool(Tier):
                 self.free_queue.append(block)
                 self.free_queue.move_to_head(block)
             raise
-        self.cache_blocks(blocks, [keys[i].block_hash for i in new], [keys[i].tokens for i in new])
+        self.cache_blocks(blocks, [keys[i] for i in new])
         for block in blocks:  # unreferenced, in eviction order
             block.ref_cnt = 0
             self.free_queue.append(block)

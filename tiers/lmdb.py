@@ -47,6 +47,7 @@ from tiers.base import (
     count_held,
     plan_put,
 )
+from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.disk_codec import DiskCodec
 from tiers.disk_durability import DiskSync
@@ -270,14 +271,11 @@ class LMDBTier(Tier):
         if not fresh:
             self.touch(touched)
             return 0
-        described = list(keys)  # a demoted block's parent and extras, for its entry
-        for p, k in zip(fresh, self._described([keys[p] for p in fresh])):
-            described[p] = k
-        return self._write(self._writer.prepare(described, srcs, fresh), touched, [described[p] for p in fresh])
+        return self._write(self._writer.prepare(keys, srcs, fresh), touched, [keys[p] for p in fresh])
 
     def _write(self, blocks: list[Prepared], touched: list[BlockHash], keys: Sequence[BlockKey] = ()) -> int:
         """One write transaction with the buffered touches; they are kept if it fails. The
-        blocks it added are announced by their `keys`."""
+        blocks it added are recorded as entered by their `keys`."""
         with self._lock:
             pending, self._pending = self._pending, []
         try:
@@ -287,21 +285,22 @@ class LMDBTier(Tier):
                 self._pending[:0] = pending
             raise
         self.counters.num_evictions += done.num_evicted
-        self._announce_removed(done.removed)
-        if done.added and self.listener is not None:
+        self._record_removed(done.removed)
+        if done.added:
             by_key = {self._key(k.block_hash): k for k in keys}
-            self._announce(True, [by_key[k] for k in done.added if k in by_key])
+            self._record(ChangeKind.ENTERED, [by_key[k] for k in done.added if k in by_key])
         return len(done.added)
 
     def _remove(self, items: Sequence[tuple[bytes, int | None]], *, damaged: bool = False,
                 reclaim: bool = False) -> int:
         removed = self._writer.remove(items, damaged=damaged, reclaim=reclaim).removed
-        self._announce_removed(removed)
+        self._record_removed(removed)
         return len(removed)
 
-    def _announce_removed(self, keys: list[bytes]) -> None:
+    def _record_removed(self, keys: list[bytes]) -> None:
+        """Record as left the blocks of this namespace among the index keys removed."""
         n = len(self._tag)
-        self._announce(False, [BlockHash(k[n:]) for k in keys if k[:n] == self._tag])
+        self._record(ChangeKind.LEFT, [BlockHash(k[n:]) for k in keys if k[:n] == self._tag])
 
     # -- recency, deletion, lifecycle ------------------------------------------------------
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
@@ -339,7 +338,7 @@ class LMDBTier(Tier):
                 disk_scan.wipe(self._ix, txn, LOG_KEEP)
                 self._files.truncate_all()
             self._mirror.refresh()
-            self._announce(False, mine)
+            self._record(ChangeKind.LEFT, mine)
         else:
             with begin(self._env, buffers=True) as txn:
                 keys = list(self._ix.keys_of(txn, self._tag))

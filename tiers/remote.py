@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
 from tiers.lmdb_record import RecordCodec
@@ -240,8 +241,8 @@ class RemoteTier(Tier):
             self._dropped(len(keys), "the namespace's generation is not known: the server did not tell")
             return 0
         order = range(len(keys) - 1, -1, -1)
-        records = ((self._keys.key(generation, keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i])))
-                   for i in order)
+        records = ((self._keys.key(generation, keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i])),
+                    keys[i]) for i in order)
         return self._writes.put(records, len(keys))
 
     def _dropped(self, num: int, why: str) -> None:
@@ -269,7 +270,7 @@ class RemoteTier(Tier):
 
         if not self._stream(self.writes, "write", size + _REPLY_BYTES, ops, on_reply):
             return [False] * len(batch)
-        self._announce(True, [h for (_, h), ok in zip(parsed, stored) if ok])
+        self._record(ChangeKind.ENTERED, [r.block for r, ok in zip(batch, stored) if ok])
         return stored
 
     def held_hashes(self, limit: int = 1_000_000) -> Iterator[BlockHash]:
@@ -309,7 +310,7 @@ class RemoteTier(Tier):
         deleted = self._server.pipelined(self.writes, "delete", _REPLY_BYTES * len(block_hashes),
                                          lambda pipe: [pipe.delete(k) for k in keys]) or []
         gone = [h for h, n in zip(block_hashes, deleted) if n == 1]
-        self._announce(False, gone)
+        self._record(ChangeKind.LEFT, gone)
         return len(gone)
 
     def clear(self, *, all_namespaces: bool = False) -> None:

@@ -20,13 +20,16 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
+from tiers.base import BlockKey
+
 
 class Record(NamedTuple):
-    """One value to `SET`, and the `put` call (group) it came from."""
+    """One value to `SET`, the `put` call (group) it came from, and the block it holds."""
 
     group: int
     key: bytes
     value: memoryview
+    block: BlockKey
 
 
 # Sends a batch; returns, for each record, whether the server stored it.
@@ -64,11 +67,11 @@ class WriteQueue:
         self._writer = threading.Thread(target=self._loop, name="kvstrata-remote-writer", daemon=True)
         self._writer.start()
 
-    def put(self, records: Iterable[tuple[bytes, memoryview]], count: int) -> int:
-        """Queue `count` records of one call in order (each produced only when it is its turn),
-        waiting for room; return how many were queued. The rest, a contiguous tail, is dropped
-        (and reported) if the writer makes no progress for `stall_s`, an earlier record of this
-        call was refused, or the queue closes."""
+    def put(self, records: Iterable[tuple[bytes, memoryview, BlockKey]], count: int) -> int:
+        """Queue `count` records (server key, value, block) of one call in order (each produced
+        only when it is its turn), waiting for room; return how many were queued. The rest, a
+        contiguous tail, is dropped (and reported) if the writer makes no progress for
+        `stall_s`, an earlier record of this call was refused, or the queue closes."""
         with self._cond:
             self._groups += 1
             group = self._groups
@@ -76,12 +79,12 @@ class WriteQueue:
         queued = 0
         why = "the tier is closing"
         try:
-            for key, value in records:
+            for key, value, block in records:
                 with self._cond:
                     why = self._wait_for_room(group, value.nbytes)
                     if why:
                         break
-                    self._queue.append(Record(group, key, value))
+                    self._queue.append(Record(group, key, value, block))
                     self.queued_bytes += value.nbytes
                     queued += 1
                     if len(self._queue) == 1 or self.queued_bytes >= self._min_batch_bytes:

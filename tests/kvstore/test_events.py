@@ -15,11 +15,12 @@ import pytest
 import zmq
 
 from cli.ports import free_port_pair
+from kvevents import END_SEQ, wire_hash
+from kvevents import publisher as events_mod
 from kvstore import KVCacheStore, StoreConfig
-from kvstore import events as events_mod
 from kvstore.errors import ConfigError
-from kvstore.events_wire import END_SEQ, wire_hash
 from tests.conftest import BLOCK, LAYOUT, make_kv
+from tiers.base import TierKind
 
 
 class Reader:
@@ -257,6 +258,38 @@ def test_an_overflowing_queue_becomes_a_welcome_not_a_gap(tmp_path: Path, monkey
         store.close()
 
 
+def test_a_tier_change_log_that_overflowed_is_restated_not_a_gap(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier whose change log overflowed (more changes than it holds before they are taken)
+    hands out a RESYNC with what it holds: the publisher restates that tier in its mirror and
+    welcomes every reader again, so readers end up knowing exactly what the tiers hold."""
+    from tiers import changes as changes_mod
+
+    port = free_port_pair()
+    monkeypatch.setattr(changes_mod, "MAX_CHANGED_KEYS", 3)
+    monkeypatch.setattr(events_mod, "WELCOME_INTERVAL_S", 0.0)
+    store = _store(tmp_path / "d", port)
+    reader = Reader(port)
+    try:
+        reader.drain(1.2)
+        tokens = list(range(40))
+        assert store.store(tokens, make_kv(40)) == 40  # 10 blocks: the CPU tier records 8 > 3 at once
+        assert store.events is not None
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            reader.drain(0.5)
+            state = held(reader.events())
+            if state["CPU"] and state["DISK"]:
+                break
+        cpu, disk = (store.stack.tier(TierKind(k)) for k in ("cpu", "disk"))
+        assert store.events.num_resyncs >= 1 and cpu.num_changes_dropped >= 8
+        assert state["CPU"] == {wire_hash(h) for h in cpu.held_hashes()} and len(state["CPU"]) == 8
+        assert state["DISK"] == {wire_hash(h) for h in disk.held_hashes()} and len(state["DISK"]) == 2
+    finally:
+        reader.close()
+        store.close()
+
+
 def test_endpoints_other_hosts_reach_need_curve_or_an_explicit_insecure(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="events_endpoint"):
         StoreConfig(LAYOUT, events_endpoint="http://x:1")
@@ -364,8 +397,8 @@ def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
     """Extras read back from a disk may be damaged: decoding them is bounded by their size,
     and a key with extras that do not decode is counted, never announced (nor a raw msgpack
     or type error on the publisher's thread)."""
-    from kvstore.events_mirror import Mirror
-    from kvstore.events_wire import BadPayload, vllm_extras
+    from kvevents import BadPayload, vllm_extras
+    from kvevents.mirror import Mirror
     from tiers.base import BlockKey
 
     damaged = [b"\xdd\xff\xff\xff\xff", msgpack.packb(5), msgpack.packb([["lora"]]), msgpack.packb([[]]),

@@ -27,6 +27,7 @@ from kvstore.hashing import BlockHash
 from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held
+from tiers.changes import ChangeKind
 from tiers.errors import StoreClosedError
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
@@ -73,10 +74,10 @@ class DictTier(Tier):
         while self._blocks and len(self._blocks) + len(new) > self._capacity:
             gone, _ = self._blocks.popitem(last=False)
             self.counters.num_evictions += 1
-            self._announce(False, [gone])
+            self._record(ChangeKind.LEFT, [gone])
         for key, src in new[-self._capacity :]:
             self._blocks[key.block_hash] = (key.tokens, src.detach().to("cpu", copy=True))
-        self._announce(True, [k for k, _ in new[-self._capacity :]])
+        self._record(ChangeKind.ENTERED, [k for k, _ in new[-self._capacity :]])
         return min(len(new), self._capacity)
 
     def _check_open(self) -> None:
@@ -94,7 +95,7 @@ class DictTier(Tier):
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         gone = [h for h in block_hashes if self._blocks.pop(h, None) is not None]
-        self._announce(False, gone)
+        self._record(ChangeKind.LEFT, gone)
         return len(gone)
 
     def clear(self, *, all_namespaces: bool = False) -> None:

@@ -20,7 +20,9 @@ from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT
 from tests.redis_fixtures import redis_server
 from tests.switches import switches
+from tiers import changes as changes_mod
 from tiers.base import BlockKey, Tier
+from tiers.changes import ChangeKind
 from tiers.cpu import CPUTier
 from tiers.cpu_config import CPUTierConfig
 from tiers.disk_config import DiskTierConfig
@@ -337,3 +339,43 @@ def test_cpu_put_keeps_the_held_prefix_over_its_new_tail(eviction: str) -> None:
     assert cpu.match_prefix([key(i).block_hash for i in (0, 1)]) == 2
     cpu.check_integrity()
     cpu.close()
+
+
+def whole_key(i: int) -> BlockKey:
+    """`key(i)` with a parent (block i - 1; a root's is a seed) and extras, as KV events need."""
+    parent = key(i - 1).block_hash if i else b"seed" * 4
+    return key(i)._replace(parent=parent, extras=b"")
+
+
+def test_changes_are_recorded_in_order_once_taken_and_taken_once(tier_factory: Callable[[int], Tier]) -> None:
+    """A tier records what entered and left it, with the keys it was given, in order, from
+    the first `take_changes` on (a tier nobody asks keeps nothing), and forgets what it handed out."""
+    tier = tier_factory(4)
+    put(tier, [9])
+    assert tier.take_changes() == [], "nothing recorded before anyone asked"
+    keys = [whole_key(i) for i in (2, 1, 0)]
+    assert tier.put(keys, [block(i) for i in (2, 1, 0)]) == 3
+    tier.discard([key(1).block_hash])
+    changes = tier.take_changes()
+    assert [(c.tier, c.kind) for c in changes] == [(tier.kind, ChangeKind.ENTERED), (tier.kind, ChangeKind.LEFT)]
+    assert sorted(changes[0].keys) == sorted(keys), "entered blocks carry their whole keys"
+    assert [k.block_hash for k in changes[1].keys] == [key(1).block_hash]
+    assert tier.take_changes() == []
+
+
+def test_a_change_log_nobody_drains_stays_bounded_and_restates_the_tier(
+        tier_factory: Callable[[int], Tier], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log that is not drained holds at most MAX_CHANGED_KEYS blocks: past that it forgets
+    its changes (counted) and the next take starts with a RESYNC naming what the tier holds;
+    changes after the overflow follow it."""
+    monkeypatch.setattr(changes_mod, "MAX_CHANGED_KEYS", 3)
+    tier = tier_factory(8)
+    tier.take_changes()
+    for ids in ([1, 0], [3, 2], [5, 4]):  # 6 blocks recorded > 3: the log overflows
+        assert tier.put([whole_key(i) for i in ids], [block(i) for i in ids]) == 2
+    assert tier.num_changes_dropped >= 4
+    changes = tier.take_changes()
+    assert changes[0].kind is ChangeKind.RESYNC
+    assert sorted(changes[0].keys) == sorted(whole_key(i) for i in range(6)), "what the tier holds, whole"
+    assert all(c.kind is ChangeKind.ENTERED for c in changes[1:]) and len(changes) <= 2
+    assert tier.take_changes() == []

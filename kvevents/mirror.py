@@ -2,18 +2,16 @@
 given the whole state without touching the store (no store lock, no disk scan).
 
 Per block: its full description (`BlockKey` with token ids, parent and extras) and the media
-that hold it, as announced. A tier that reports a stored block by its hash alone (the pool,
-the remote writer) is described from the mirror or from the keys the store built recently
-(`describe`). Bounded: at most `max_blocks` blocks are mirrored (past that, blocks are still
-announced live but left out of snapshots, counted) and `max_described` recent keys.
+that hold it, as announced. A block reported by its hash alone is described from the mirror
+(another medium holds it) or not at all (counted). Bounded: at most `max_blocks` blocks are
+mirrored (past that, blocks are still announced live but left out of snapshots, counted).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
-from kvstore.events_wire import BadPayload, vllm_extras
+from kvevents.wire import BadPayload, vllm_extras
 from tiers.base import BlockKey
 
 
@@ -33,33 +31,18 @@ class Mirror:
     """Announced blocks by hash: `[key, media bits]`. Invariant: every entry has a medium bit
     set and a described key. Callers serialize access (the publisher's lock)."""
 
-    def __init__(self, max_blocks: int, max_described: int = 1 << 16) -> None:
+    def __init__(self, max_blocks: int) -> None:
         self.max_blocks = max_blocks
-        self.max_described = max_described
         self.blocks: dict[bytes, tuple[BlockKey, int]] = {}  # entries are replaced, never changed
-        self._described: OrderedDict[bytes, BlockKey] = OrderedDict()
         self.num_unmirrored = 0  # blocks announced live but beyond max_blocks
         self.num_undescribed = 0  # stored blocks nobody described: not announced
 
-    def describe(self, keys: Iterable[BlockKey]) -> None:
-        """Remember the descriptions of keys the store just built (most recent last)."""
-        described = self._described
-        for key in keys:
-            if is_described(key):
-                described[bytes(key.block_hash)] = key
-                described.move_to_end(bytes(key.block_hash))
-        while len(described) > self.max_described:
-            described.popitem(last=False)
-
     def resolve(self, key: BlockKey) -> BlockKey | None:
-        """`key` fully described, from itself, the mirror or the recent keys; None if unknown."""
+        """`key` fully described, from itself or the mirror; None if unknown."""
         if is_described(key):
             return key
-        h = bytes(key.block_hash)
-        entry = self.blocks.get(h)
-        if entry is not None:
-            return entry[0]
-        return self._described.get(h)
+        entry = self.blocks.get(bytes(key.block_hash))
+        return None if entry is None else entry[0]
 
     def stored(self, bit: int, key: BlockKey) -> BlockKey | None:
         """Record `key` as held in medium `bit`; its full description (None: unknown, not to
@@ -91,6 +74,16 @@ class Mirror:
     def cleared(self, bits: int) -> None:
         for h in [h for h, e in self.blocks.items() if e[1] & bits]:
             self.removed(bits, h)
+
+    def restate(self, bit: int, keys: Iterable[BlockKey]) -> None:
+        """Medium `bit` holds exactly `keys` now (each described from itself or the mirror,
+        as it was before, else counted and left out)."""
+        full = [self.resolve(k) for k in keys]
+        self.num_undescribed += sum(1 for f in full if f is None)
+        self.cleared(bit)
+        for key in full:
+            if key is not None:
+                self.stored(bit, key)
 
     def copy(self) -> dict[bytes, tuple[BlockKey, int]]:
         """The mirrored blocks now (a shallow copy: one C-level pass, entries are immutable)."""

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.errors import ConfigError
+from tiers.errors import ConfigError
 
 
 def load_keypair(path: str, what: str) -> tuple[bytes, bytes]:

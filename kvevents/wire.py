@@ -37,8 +37,8 @@ from urllib.parse import urlsplit
 import msgpack
 import numpy as np
 
-from kvstore.errors import ConfigError, InvalidInputError
 from tiers.base import BlockKey, TierTraits
+from tiers.errors import ConfigError, InvalidInputError
 
 DEFAULT_PORT = 5590  # vLLM's own default is 5557: both can run on one host
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

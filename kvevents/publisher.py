@@ -1,11 +1,12 @@
-"""KV events: a store announces which blocks enter and leave each of its tiers, in vLLM's
-wire format (`kvstore/events_wire.py`), so `kvstrata router`, Dynamo and llm-d can index it.
+"""The KV-event publisher: a store announces which blocks enter and leave each of its tiers,
+in vLLM's wire format (`kvevents/wire.py`), so `kvstrata router`, Dynamo and llm-d can index it.
 
 The publisher binds an XPUB socket on `events_endpoint` and a ROUTER socket on the replay
-endpoint. The tiers report changes (`on_change`, from any thread): the publisher updates its
-mirror (`kvstore/events_mirror.py`) and queues the change under its own lock (never the
-store's); its thread sends the queue as a batch every 20 ms, and an empty batch as a
-heartbeat every second.
+endpoint. It is handed the tiers' changes (`publish`, from any thread, in the order they
+happened), or pulls them itself (its `poll`, every 20 ms, so what tiers do in the background
+goes out too): it updates its mirror (`kvevents/mirror.py`) and queues them under its own
+lock (never the store's); its thread sends the queue as a batch every 20 ms, and an empty
+batch as a heartbeat every second.
 
 Whole state, never under the store's lock: when a reader subscribes (XPUB tells the
 publisher) and when the store opens, the publisher broadcasts "welcome" batches: vLLM's
@@ -16,7 +17,8 @@ Welcomes are coalesced, at most one a second; a replay request for batches still
 replay buffer gets them, an older one the same whole state, rate-limited per peer and overall
 (a refused one gets only the end marker). Every whole state is paid for in time: after one of
 B bytes the next waits B / `WHOLE_STATE_BYTES_PER_S` s, however often readers subscribe. If
-the queue outgrows its bound, it is dropped for a welcome.
+the queue outgrows its bound, it is dropped for a welcome; so is a tier's change log that
+overflowed (a `RESYNC`: the tier's blocks are restated in the mirror first).
 
 Batch numbers count up from the publisher's start time in microseconds: a restarted store's
 are above its last lifetime's, so readers that drop a batch numbered at or below the last one
@@ -30,14 +32,13 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from kvstore.errors import ConfigError
-from kvstore.events_auth import CurveServer
-from kvstore.events_mirror import Mirror, root_first
-from kvstore.events_wire import (
+from kvevents.config import EventSource, PublisherConfig
+from kvevents.mirror import Mirror, root_first
+from kvevents.ratelimit import TokenBuckets
+from kvevents.wire import (
     END_SEQ,
     MEDIA,
     cleared_event,
@@ -47,9 +48,9 @@ from kvstore.events_wire import (
     removed_event,
     stored_events,
 )
-from kvstore.events_wire import check_endpoint as check_endpoint
-from kvstore.ratelimit import TokenBuckets
 from tiers.base import BlockKey, TierKind
+from tiers.changes import ChangeKind, TierChange
+from tiers.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0
@@ -61,44 +62,18 @@ _REPLAY_BATCHES, _REPLAY_BYTES = 4096, 64 << 20
 _BIT = {medium: 1 << i for i, medium in enumerate(MEDIA)}
 
 
-@dataclass(frozen=True)
-class EventSource:
-    """Who publishes: what goes into every event's "kvstrata" map, and the chain root."""
-
-    instance_id: str
-    model: str
-    seed: bytes
-    block_size: int
-    remote: str | None
-    namespace_id: str  # a fingerprint of the namespace seed (never the seed itself)
-    epoch: int
-
-    def meta(self) -> dict[str, Any]:
-        return {"instance": self.instance_id, "model": self.model, "epoch": self.epoch, "remote": self.remote,
-                "ns": self.namespace_id, "block_size": self.block_size}
-
-
-@dataclass(frozen=True)
-class PublisherConfig:
-    """Where and how a store publishes (from `StoreConfig.events_*`)."""
-
-    endpoint: str
-    replay_endpoint: str | None
-    topic: bytes = b""
-    curve: CurveServer | None = None
-    max_mirror_blocks: int = 1 << 20
-    connect: bool = False  # connect to `endpoint` (a reader that binds, as llm-d's indexer) instead of binding
-
-
 class EventPublisher:
     """Publishes one store's KV events and answers replay requests; see the module
-    docstring. Bind failures raise `ConfigError` at construction."""
+    docstring. `poll`, when given, is called on the publisher's thread every 20 ms to hand it
+    the changes made since (it must not raise or block for long). Bind failures raise
+    `ConfigError` at construction."""
 
     def __init__(self, config: PublisherConfig, source: EventSource, media: Mapping[TierKind, str],
-                 warm: Iterable[tuple[BlockKey, str]] = ()) -> None:
+                 warm: Iterable[tuple[BlockKey, str]] = (), poll: Callable[[], None] | None = None) -> None:
         import zmq
 
         self.config, self.source = config, source
+        self._poll = poll
         self._media = dict(media)  # each tier's medium (`events_wire.medium_of` its traits)
         self._lock = threading.Lock()
         self._mirror = Mirror(config.max_mirror_blocks)
@@ -114,7 +89,7 @@ class EventPublisher:
         self._buffer_bytes = 0
         self._drop_buffer = threading.Event()  # drop_replay_buffer(): the publisher thread empties it
         self._closed = threading.Event()
-        self.num_batches = self.num_dropped = self.num_welcomes = 0
+        self.num_batches = self.num_dropped = self.num_welcomes = self.num_resyncs = 0
         self.num_replays = self.num_snapshots = self.num_refused = self.num_bad_requests = 0
         self._peers = TokenBuckets(rate=0.2, burst=2, max_peers=1024)  # snapshots per peer
         self._overall = TokenBuckets(rate=1.0, burst=4, max_peers=1)  # snapshots in all
@@ -150,40 +125,36 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="kvstrata-events", daemon=True)
         self._thread.start()
 
-    # -- called by the store and the tiers (any thread); never block, never raise -----------
-    def on_change(self, kind: TierKind, stored: bool, keys: Sequence[BlockKey]) -> None:
-        """Mirror and queue "`keys` entered (left) tier `kind`"."""
+    # -- called by whoever drains the tiers (any thread); never block, never raise ----------
+    def publish(self, changes: Iterable[TierChange]) -> None:
+        """Mirror and queue `changes` (what entered and left the store's tiers, oldest first).
+        A block that entered is announced with its key; one known only by its hash is
+        described from the mirror, else counted (`Mirror.num_undescribed`) and left out. A
+        `RESYNC` restates its tier in the mirror and calls for a welcome. Changes of a tier
+        the publisher was not told of are ignored."""
         if os.getpid() != self._pid:  # a forked child: the sockets are the parent's
             return
-        medium = self._media[kind]
-        bit = _BIT[medium]
         with self._lock:
-            if stored:
-                full = [f for f in (self._mirror.stored(bit, k) for k in keys) if f is not None]
-                if full:
-                    self._queue(medium, True, full)
-            else:
-                for key in keys:
-                    self._mirror.removed(bit, key.block_hash)
-                self._queue(medium, False, [k.block_hash for k in keys])
-
-    def on_clear(self, kind: TierKind) -> None:
-        """Mirror and queue "tier `kind` was emptied"."""
-        medium = self._media[kind]
-        with self._lock:
-            self._mirror.cleared(_BIT[medium])
-            self._queue(medium, None, [])
-
-    def describe(self, keys: Iterable[BlockKey]) -> None:
-        """Remember the full descriptions of keys the store just built (for tiers that later
-        report the block by its hash alone)."""
-        with self._lock:
-            self._mirror.describe(keys)
-
-    def complete(self, key: BlockKey) -> BlockKey:
-        """`key` with its parent and extras where known (`Tier.describe`)."""
-        with self._lock:
-            return self._mirror.resolve(key) or key
+            for change in changes:
+                medium = self._media.get(change.tier)
+                if medium is None:
+                    continue
+                bit = _BIT[medium]
+                if change.kind is ChangeKind.ENTERED:
+                    full = [f for f in (self._mirror.stored(bit, k) for k in change.keys) if f is not None]
+                    if full:
+                        self._queue(medium, True, full)
+                elif change.kind is ChangeKind.LEFT:
+                    for key in change.keys:
+                        self._mirror.removed(bit, key.block_hash)
+                    self._queue(medium, False, [k.block_hash for k in change.keys])
+                elif change.kind is ChangeKind.CLEARED:
+                    self._mirror.cleared(bit)
+                    self._queue(medium, None, [])
+                else:  # RESYNC: what readers were told of this tier is unknown; the welcome restates all
+                    self._mirror.restate(bit, change.keys)
+                    self._welcome_due = True
+                    self.num_resyncs += 1
 
     def _queue(self, medium: str, stored: bool | None, items: list[Any]) -> None:
         """Queue one change (caller holds `_lock`); an overflowing queue becomes a welcome."""
@@ -324,6 +295,8 @@ class EventPublisher:
             while not self._closed.is_set():
                 try:
                     ready = dict(poller.poll(int(_FLUSH_S * 1000)))
+                    if self._poll is not None:
+                        self._poll()  # what the tiers did since, also in the background
                     if ready.get(self._pub) and self._pub.recv()[:1] == b"\x01":  # a reader subscribed
                         self._welcome_due = self._heard = True
                     if ready.get(self._rep):
