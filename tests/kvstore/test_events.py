@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from cli.ports import free_port_pair
@@ -115,7 +116,7 @@ def test_events_name_each_tier_chain_their_blocks_and_follow_evictions(tmp_path:
                 seen[h] = e["token_ids"][i * BLOCK : (i + 1) * BLOCK]
             assert e["kvstrata"]["instance"] == "inst-a" and "seed" not in e["kvstrata"]
         assert [seen[h] for h in hashes] == [tokens[i * BLOCK : (i + 1) * BLOCK] for i in range(6)]
-        where = [store.tiers[t].kind.value for t in store.stack.locate(store.block_hashes(tokens))]
+        where = [kind.value for kind in store.locate(tokens)]
         state = held(reader.events())
         assert state["CPU"] == {h for h, w in zip(hashes, where) if w == "cpu"} and len(state["CPU"]) == 4
         assert {h for h, w in zip(hashes, where) if w == "disk"} <= state["DISK"]
@@ -156,11 +157,18 @@ def test_replay_serves_the_buffer_then_the_whole_state_without_the_store_lock(tm
     try:
         store.store(list(range(8)), make_kv(8))
         last = reader.drain(1.5)[-1][0]
-        assert store.events is not None
-        with store.lock:  # a replay never waits on the store's lock
-            buffered = reader.replay(last)
-            store.events.drop_replay_buffer()  # what it asks for is now older than the buffer
-            whole = reader.replay(0)
+        events = store.events
+        assert events is not None
+        replies: list[Any] = []
+
+        def replay_under_the_lock(num_blocks: int) -> list[torch.Tensor]:  # a load calls it holding the lock
+            replies.append(reader.replay(last))  # a replay never waits on the store's lock
+            events.drop_replay_buffer()  # what it asks for is now older than the buffer
+            replies.append(reader.replay(0))
+            return [torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype) for _ in range(num_blocks)]
+
+        assert store.blocks.load(store.keys(list(range(8))), replay_under_the_lock).num_blocks == 2
+        buffered, whole = replies
         assert buffered is not None and buffered[0][0] == last
         assert whole is not None, "a replay must be answered while the store's lock is held"
         state = held([e for _, b in whole for e in b])
