@@ -48,6 +48,9 @@ def _in_tokens(blocks: Future[int], block_size: int) -> Future[int]:
     tokens: Future[int] = Future()
 
     def done(f: Future[int]) -> None:
+        if f.cancelled():
+            tokens.cancel()
+            return
         exc = f.exception()
         if exc is None:
             tokens.set_result(f.result() * block_size)

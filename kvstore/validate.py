@@ -65,10 +65,23 @@ def _runs(t: torch.Tensor) -> np.ndarray | None:
     return np.stack([starts, starts + run * es], axis=1)
 
 
+def _spread(t: torch.Tensor) -> bool:
+    """Whether no two elements of `t` share memory by its strides alone (sufficient: with its
+    dimensions ordered by stride, each stride steps past all the smaller ones span)."""
+    span = 1  # elements the dimensions so far reach, plus one
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
 def check_disjoint(tensors: Sequence[torch.Tensor], what: str) -> None:
     """Raise `InvalidInputError` if any two elements of `tensors` share memory (within one
     tensor or across them): the store writes each block's bytes to exactly one place, and
     would otherwise return (and cache) another block's bytes under this block's key."""
+    if len(tensors) == 1 and _spread(tensors[0]):
+        return  # one tensor laid out without overlap (a contiguous one, or block rows of it)
     by_device: dict[torch.device, list[np.ndarray]] = {}
     for t in tensors:
         if t.numel() == 0:

@@ -204,7 +204,7 @@ def test_the_event_buffer_is_bounded_and_says_what_it_dropped() -> None:
     assert log.take() == ([], 5) and log.take() == ([], 0)
 
 
-def test_a_retrieve_is_timed_once_under_its_own_name(make_store: Factory, tmp_path: Path) -> None:
+def test_a_retrieve_is_timed_once_under_its_own_name(make_store: Factory) -> None:
     store = make_store()
     seen: list[str] = []
     store.observe_latency = lambda op, seconds: seen.append(op)
