@@ -159,9 +159,11 @@ class Keyer:
     def lazy_keys(self, arr: np.ndarray, hashes: list[BlockHash], extra_keys: ExtraKeys | None, first: int,
                   end: int) -> ChainKeys:
         """`ChainKeys` of blocks `first .. end - 1` of a sequence `hashes` keys (`hashes`'
-        tokens `arr`, extra keys `extra_keys`), nothing built yet."""
+        tokens `arr`, extra keys `extra_keys`), nothing built yet. Takes `hashes` over when
+        they are all of it: the caller must not change that list afterwards."""
         b = self.config.block_size
-        return ChainKeys(self, arr[first * b : end * b], hashes[first:end], extra_keys, first,
+        whole = first == 0 and end == len(hashes)  # the caller's own list: no copy
+        return ChainKeys(self, arr[first * b : end * b], hashes if whole else hashes[first:end], extra_keys, first,
                          hashes[first - 1] if first else None)
 
     def engine_keys(self, ids: Sequence[object], tokens: Sequence[object | None] | None = None) -> list[BlockKey]:
