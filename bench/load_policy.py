@@ -31,6 +31,8 @@ MODES = ("never", "always", "auto")
 
 def trial(mode: str, doc_tokens: int, disk_bps: int, workdir: Path) -> dict[str, object]:
     """One fresh store, the placement built by real traffic, then the timed question."""
+    import torch
+
     from cli.demo import DEMO_MODEL
     from engine_adapter.runner.model import LlamaModel
     from engine_adapter.runner.runner import KVStrataLLM
@@ -53,9 +55,9 @@ def trial(mode: str, doc_tokens: int, disk_bps: int, workdir: Path) -> dict[str,
         llm.generate([doc + question], 1)
         llm.generate([other + question], 1)  # pushes `doc` down: prefix to the CPU tier, tail to disk
         # Calibration: a small read from disk (the policy measures the disk's bandwidth).
-        store.retrieve_into(warm[: 4 * BLOCK_SIZE], [store.stack.top.block_view(0).clone() for _ in range(4)])
-        plan = store.stack.locate(store.block_hashes(doc))
-        placement = {t.kind.value: plan.count(i) for i, t in enumerate(store.tiers) if plan.count(i)}
+        block = torch.empty(layout.block_shape(BLOCK_SIZE), dtype=layout.dtype)
+        store.blocks.load(store.keys(warm[: 4 * BLOCK_SIZE]), [block.clone() for _ in range(4)])
+        placement = {kind.value: n for kind, n in store.blocks.lookup(store.keys(doc)).blocks_per_tier.items()}
         out = llm.generate([doc + question], 4)[0]
         return {"ttft_s": out.stats.ttft_s, "tokens": out.token_ids, "by_tier": out.stats.cached_tokens_per_tier,
                 "computed": out.stats.num_prefill_tokens, "placement_blocks": placement,

@@ -1,6 +1,7 @@
 """kvstrata: a tiered KV-cache store for LLM inference."""
 
 from kvstore.config import HashAlgo, KVLayout, StoreConfig
+from kvstore.engine_api import BlockChange, BlockEvent, BlockStore, EventBatch, LoadResult, LookupResult, SaveResult
 from kvstore.errors import (
     ConfigError,
     CorruptRecordError,
@@ -13,14 +14,17 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
 from kvstore.results import ClearResult
-from kvstore.store import CloseResult, KVCacheStore, LoadResult, RetrieveResult, StoreStats
+from kvstore.store import CloseResult, KVCacheStore, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
 from tiers.disk_durability import DiskSync
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockChange",
+    "BlockEvent",
     "BlockHash",
+    "BlockStore",
     "ClearResult",
     "CloseResult",
     "CodecKind",
@@ -28,6 +32,7 @@ __all__ = [
     "CorruptRecordError",
     "DiskFullError",
     "DiskSync",
+    "EventBatch",
     "ExtraKeys",
     "HashAlgo",
     "InvalidInputError",
@@ -37,8 +42,10 @@ __all__ = [
     "KVStoreError",
     "LayoutMismatchError",
     "LoadResult",
+    "LookupResult",
     "MultiModalInput",
     "RetrieveResult",
+    "SaveResult",
     "StoreClosedError",
     "StoreConfig",
     "StoreStats",

@@ -26,6 +26,8 @@ from kvstore.errors import InvalidInputError, InvalidTokensError
 from tiers.base import BlockHash as BlockHash  # a digest of one full block with its prefix and namespace
 
 HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
+ENGINE_KEY_VERSION = b"kvstrata.enginekey.v1\x00"  # domain of keys an engine names blocks by
+MAX_ENGINE_KEY_BYTES = 4096
 _TOKEN_MAX = 2**32
 _U32_TYPECODE = "I" if array.array("I").itemsize == 4 else "L"
 
@@ -219,6 +221,21 @@ def namespace_seed(namespace: str | bytes | Sequence[object], algo: HashAlgo | s
     """The chain's root: a digest of the namespace (model, layout, dtype, block size, ...)."""
     algo = parse_hash_algo(algo)
     return _seed(_canonical_namespace(namespace), algo)
+
+
+def engine_block_hash(seed: BlockHash, key: object, algo: HashAlgo) -> BlockHash:
+    """The store key of a block an engine names by its own id `key` (bytes, or text taken as
+    UTF-8; 1 to `MAX_ENGINE_KEY_BYTES` bytes): `H(ENGINE_KEY_VERSION || seed || key)`. The
+    namespace seed puts it in one store's namespace (two models never share an entry under
+    one engine id), and the version tag keeps it apart from every chained token key.
+    `InvalidInputError` naming a bad key."""
+    if isinstance(key, str):
+        _check_utf8("an engine block key", key)
+        key = key.encode("utf-8")
+    if not isinstance(key, (bytes, bytearray)) or not 0 < len(key) <= MAX_ENGINE_KEY_BYTES:
+        raise InvalidInputError(f"an engine block key must be 1 to {MAX_ENGINE_KEY_BYTES} bytes or text, "
+                                f"got {key!r:.80}")
+    return BlockHash(_digest_fn(algo)(ENGINE_KEY_VERSION + bytes(seed) + bytes(key)))
 
 
 def block_hashes(

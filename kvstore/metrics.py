@@ -54,9 +54,9 @@ _PER_TENANT: dict[str, tuple[str, str, Callable[[TenantStats], int]]] = {
 _PER_STORE: dict[str, tuple[str, Callable[[StoreStats], int]]] = {
     "kvstrata_requested_tokens": ("Tokens asked for by retrieve/load", lambda s: s.num_tokens_requested),
     "kvstrata_hit_tokens_all": ("Tokens served from any tier", lambda s: s.num_tokens_hit),
-    "kvstrata_lookups": ("lookup() calls", lambda s: s.num_lookup_calls),
-    "kvstrata_store_calls": ("store()/store_blocks() calls", lambda s: s.num_store_calls),
-    "kvstrata_retrieve_calls": ("retrieve()/retrieve_into() calls", lambda s: s.num_retrieve_calls),
+    "kvstrata_lookups": ("lookup() and engine API lookup() calls", lambda s: s.num_lookup_calls),
+    "kvstrata_store_calls": ("store() and engine API save() calls", lambda s: s.num_store_calls),
+    "kvstrata_retrieve_calls": ("retrieve() and engine API load() calls", lambda s: s.num_retrieve_calls),
     "kvstrata_promotion_failures": ("Promotions a full tier refused", lambda s: s.num_promotion_failures),
 }
 

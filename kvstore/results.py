@@ -48,13 +48,6 @@ class ClearResult(NamedTuple):
     num_remote_deleted: int
 
 
-class LoadResult(NamedTuple):
-    """What `retrieve_into` copied: `num_blocks` leading blocks, and how many each tier served."""
-
-    num_blocks: int
-    blocks_per_tier: dict[TierKind, int]
-
-
 @dataclass
 class StoreCounters:
     """The store's own counters since it opened (the tiers keep theirs)."""

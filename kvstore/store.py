@@ -1,9 +1,11 @@
 """`KVCacheStore`: prefix-matching store/retrieve of KV tensors over a stack of tiers.
 
-A facade: each call validates its input, hashes tokens into block keys (`keying.py`), takes
-the store's lock, delegates to the tier stack (`tier_stack.py`, the one place that moves
-bytes) and counts. Background work and the order in which `close()` ends it are
-`lifecycle.py`'s; KV events are wired by `events_setup.py`.
+A facade: the token API (`store`, `retrieve`, `lookup`, `prefetch`) validates its input,
+hashes the tokens into block keys (`keying.py`) and calls the engine API (`blocks`, a
+`block_store.TierBlockStore` over the tier stack: the one door that moves blocks), which
+engines with paged KV of their own call directly; a runner attending over the block pool
+takes pool blocks through `allocator` (`pool_api.py`). Background work and the order in
+which `close()` ends it are `lifecycle.py`'s; KV events are wired by `events_setup.py`.
 """
 
 from __future__ import annotations
@@ -14,19 +16,21 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-import numpy as np
 import torch
 
 from kvevents import EventPublisher
-from kvstore.block_api import BlockAPI
+from kvstore.block_store import TierBlockStore
 from kvstore.buffers import BufferPool
+from kvstore.change_feed import ChangeFeed
 from kvstore.config import StoreConfig
-from kvstore.errors import ConfigError, InvalidInputError, LayoutMismatchError, StoreClosedError
+from kvstore.engine_api import BlockStore, LoadResult
+from kvstore.errors import ConfigError, LayoutMismatchError, StoreClosedError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
 from kvstore.keying import Keyer
 from kvstore.lifecycle import Lifecycle
 from kvstore.load_policy import LoadPolicy
-from kvstore.results import ClearResult, CloseResult, LoadResult, RetrieveResult, StoreCounters, StoreStats
+from kvstore.pool_api import PoolAllocator
+from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
@@ -38,6 +42,24 @@ from tiers.gpu_pool import BlockPool
 __all__ = ["CloseResult", "KVCacheStore", "LoadResult", "RetrieveResult", "StoreStats"]
 
 logger = logging.getLogger(__name__)
+
+
+def _in_tokens(blocks: Future[int], block_size: int) -> Future[int]:
+    """A future of `blocks`' result times `block_size` (its exception, if it raises)."""
+    tokens: Future[int] = Future()
+
+    def done(f: Future[int]) -> None:
+        if f.cancelled():
+            tokens.cancel()
+            return
+        exc = f.exception()
+        if exc is None:
+            tokens.set_result(f.result() * block_size)
+        else:
+            tokens.set_exception(exc)
+
+    blocks.add_done_callback(done)
+    return tokens
 
 
 class KVCacheStore:
@@ -65,13 +87,11 @@ class KVCacheStore:
             kind, blocks * config.block_bytes, seconds)
         self._lock = threading.RLock()
         self._closed = False
-        self._generation = 0  # clear() calls so far (see `generation`)
         self._counters = StoreCounters()
         self._work = Lifecycle(config.io_threads)
+        self._blocks = TierBlockStore(config, self._stack, self._lock, self._counters, self._work, self.check_open)
         self._buffers = BufferPool(config.result_buffer_bytes)  # recycled results of retrieve()
-        # Called with ("store" | "retrieve" | "load", seconds) after each such call when set
-        # (kvstore.metrics.register_metrics sets it).
-        self.observe_latency: Callable[[str, float], None] | None = None
+        self._observe_latency: Callable[[str, float], None] | None = None
         self.events: EventPublisher | None = None
         if config.events_endpoint is not None:
             from kvstore.events_setup import open_publisher
@@ -94,19 +114,40 @@ class KVCacheStore:
         return self._stack.tiers
 
     @property
-    def stack(self) -> TierStack:
-        """The tier stack (hold `lock` while using it); engines use `kvstore.block_api`."""
-        return self._stack
+    def changes(self) -> ChangeFeed:
+        """Where the tiers' changes go, in order (`kvstore.change_feed`): `add_sink` follows
+        them (the KV-event publisher and `blocks.take_events` are sinks)."""
+        return self._stack.changes
+
+    @property
+    def blocks(self) -> BlockStore:
+        """The engine API (`kvstore.engine_api`): block-keyed lookup, load, save, prefetch and
+        events, for engines that page KV in blocks of their own; keys from `keys` or
+        `engine_keys`."""
+        return self._blocks
+
+    @functools.cached_property
+    def allocator(self) -> PoolAllocator:
+        """The block pool's allocation calls (`kvstore.pool_api`), for a runner attending over
+        the pool; `ConfigError` on a store without one."""
+        if self.pool is None:
+            raise ConfigError("this call needs a store with a block pool (StoreConfig.pool_blocks > 0)")
+        return PoolAllocator(self.pool, self._stack, self._lock, self.check_open)
+
+    @property
+    def observe_latency(self) -> Callable[[str, float], None] | None:
+        """Called with ("store" | "retrieve" | "load", seconds) after each such call when set
+        (`kvstore.metrics.register_metrics` sets it); a call's inner calls are not reported."""
+        return self._observe_latency
+
+    @observe_latency.setter
+    def observe_latency(self, hook: Callable[[str, float], None] | None) -> None:
+        self._observe_latency = self._blocks.observe_latency = hook
 
     @property
     def seed(self) -> BlockHash:
         """Root of this store's hash chains (a digest of `config.identity()`)."""
         return self._seed
-
-    @property
-    def lock(self) -> threading.RLock:
-        """The lock every store call holds; hold it to mutate tiers from outside."""
-        return self._lock
 
     @property
     def closed(self) -> bool:
@@ -115,9 +156,9 @@ class KVCacheStore:
     @property
     def generation(self) -> int:
         """How many times `clear()` has run. Read it when KV is produced and pass it as
-        `generation=` to a later `store` / `store_blocks`: KV produced before a `clear()` is
+        `generation=` to a later `store` / `blocks.save`: KV produced before a `clear()` is
         then never cached after it."""
-        return self._generation
+        return self._blocks.generation
 
     @property
     def prefetched_blocks(self) -> dict[TierKind, int]:
@@ -129,32 +170,35 @@ class KVCacheStore:
         if self._closed:
             raise StoreClosedError("KVCacheStore is closed")
 
-    def _current(self, generation: int | None) -> bool:
-        """Whether KV produced at `generation` may be stored now (call with the lock held)."""
-        if generation is None:
-            return True
-        if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation <= self._generation:
-            raise InvalidInputError(f"generation must be a value of KVCacheStore.generation (now {self._generation}) "
-                                    f"or None, got {generation!r}")
-        return generation == self._generation
-
-    # -- hashing -----------------------------------------------------------------------------
+    # -- keys --------------------------------------------------------------------------------
     def block_hashes(self, tokens: object, extra_keys: ExtraKeys | None = None,
                      chain: BlockChain | None = None) -> list[BlockHash]:
         """The chained keys of `tokens`' full blocks here (through `chain`: only new blocks)."""
         return self._keyer.hashes(tokens, extra_keys, chain)[1]
 
     def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
-        """A `BlockChain` in this store's namespace: pass it as `chain=` to `store_blocks` /
-        `retrieve_into` calls on one growing sequence, so each block is hashed once."""
+        """A `BlockChain` in this store's namespace: pass it as `chain=` to `keys` / `prefetch`
+        calls on one growing sequence, so each block is hashed once."""
         return self._keyer.chain(extra_keys)
 
-    def block_keys(self, arr: np.ndarray, hashes: Sequence[BlockHash], extra_keys: ExtraKeys | None = None, *,
-                   first_block: int = 0, parent: BlockHash | None = None) -> list[BlockKey]:
-        """The `BlockKey`s the tiers take for `hashes` (see `Keyer.keys`)."""
-        return self._keyer.keys(arr, hashes, extra_keys, first_block=first_block, parent=parent)
+    def keys(self, tokens: object, *, extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None,
+             first_block: int = 0, num_blocks: int | None = None) -> Sequence[BlockKey]:
+        """The engine API's keys of full blocks `first_block .. first_block + num_blocks - 1`
+        of `tokens` (default: all from `first_block` on), hashed through `chain` when given;
+        blocks before `first_block` are hashed (they chain into the keys), never read.
+        Invalid tokens, extra keys or counts raise an `InvalidInputError` subclass. The keys
+        are built from `tokens` when first used: do not change a token array meanwhile."""
+        return self._keyer.token_keys(tokens, extra_keys, chain=chain, first_block=first_block,
+                                      num_blocks=num_blocks)
 
-    # -- the API -----------------------------------------------------------------------------
+    def engine_keys(self, ids: Sequence[object], tokens: Sequence[object | None] | None = None) -> list[BlockKey]:
+        """The engine API's keys of blocks an engine names by its own `ids` (bytes or text:
+        SGLang's page hashes, say), in this store's namespace; `tokens[i]`, one block of
+        token ids or None, is verified on every hit (other tokens: a miss). See
+        `kvstore.engine_api`."""
+        return self._keyer.engine_keys(ids, tokens)
+
+    # -- the token API: tokens hashed into keys, then the engine API --------------------------
     @timed("store")
     def store(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None,
               generation: int | None = None) -> int:
@@ -169,17 +213,8 @@ class KVCacheStore:
         arr, hashes = self._keyer.hashes(tokens, extra_keys)
         kv = check_kv(self.config, kv, len(arr))
         b = self.config.block_size
-        keys = self._keyer.keys(arr, hashes, extra_keys)
-        with self._lock:
-            self.check_open()
-            current = self._current(generation)  # raises for a bad value before anything counts
-            self._counters.num_store_calls += 1
-            if not current:
-                return 0
-            self._counters.num_blocks_stored += self._stack.put(keys, BlockBatch(block_rows(kv, b)))
-            if len(keys) <= self._stack.top.capacity_blocks:
-                return len(keys) * b  # the top tier took every block (no second lookup)
-            return len(self._stack.locate(hashes)) * b  # more than the top tier holds: some may be gone
+        keys = self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))
+        return self._blocks.save(keys, BlockBatch(block_rows(kv, b)), generation=generation).num_held * b
 
     @timed("retrieve")
     def retrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
@@ -202,31 +237,26 @@ class KVCacheStore:
         cfg, b = self.config, self.config.block_size
         if out is not None and out.shape[2] < len(arr) // b * b:
             raise LayoutMismatchError(f"out holds {out.shape[2]} tokens, fewer than the {len(arr)} given")
-        keys = self._keyer.keys(arr, hashes, extra_keys)
+        keys = self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))
+        made: list[torch.Tensor] = []
+
+        def allocate(num_blocks: int) -> BlockBatch:  # sized by the hit
+            shape = cfg.layout.block_shape(num_blocks * b)
+            made.append(self._buffers.tensor(shape, cfg.layout.dtype) if device.type == "cpu"
+                        else torch.empty(shape, dtype=cfg.layout.dtype, device=device))
+            return BlockBatch(block_rows(made[0], b))
+
         with self._lock:
             self.check_open()
-            self._counters.num_retrieve_calls += 1
-            self._counters.num_tokens_requested += len(arr)
-            given = out is not None
-            # With the caller's buffer, the slowest tier is read without a lookup first (one
-            # round trip to a remote server, one transaction on disk); else the hit's length
-            # sizes the allocation.
-            plan = self._stack.plan_load(hashes) if given else self._stack.locate(hashes)
-            if not plan:
-                return RetrieveResult(0, None, {})
-            if out is None:
-                shape = cfg.layout.block_shape(len(plan) * b)
-                out = (self._buffers.tensor(shape, cfg.layout.dtype) if device.type == "cpu"
-                       else torch.empty(shape, dtype=cfg.layout.dtype, device=device))
-            dsts = BlockBatch(block_rows(out[:, :, : len(plan) * b], b))
-            num_ok, counts = self._stack.load(keys, dsts, plan)
-            self._stack.promote(keys, dsts, plan, num_ok)
-            self._counters.num_tokens_hit += num_ok * b
+            self._counters.num_tokens_requested += len(arr) - len(keys) * b  # a partial block (load counts the rest)
+            dsts = allocate if out is None else BlockBatch(block_rows(out[:, :, : len(keys) * b], b))
+            num_ok, counts = self._blocks.load(keys, dsts)
         if num_ok == 0:
             return RetrieveResult(0, None, {})
-        if given or num_ok == len(plan):
+        if out is not None:
             return RetrieveResult(num_ok * b, out[:, :, : num_ok * b], counts)
-        return RetrieveResult(num_ok * b, out[:, :, : num_ok * b].clone(), counts)
+        kv = made[0]
+        return RetrieveResult(num_ok * b, kv if kv.shape[2] == num_ok * b else kv[:, :, : num_ok * b].clone(), counts)
 
     def lookup(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """The `num_tokens` that `retrieve` would return now; moves no KV data, changes nothing.
@@ -239,30 +269,7 @@ class KVCacheStore:
         """The tier that would serve each block of the longest cached prefix (what `lookup`
         measures, with where from); changes nothing."""
         self.check_open()
-        _, hashes = self._keyer.hashes(tokens, extra_keys)
-        with self._lock:
-            self.check_open()
-            self._counters.num_lookup_calls += 1
-            tiers = self._stack.tiers
-            return [tiers[i].kind for i in self._stack.locate(hashes)]
-
-    # -- the block-level API, for engines that page KV in blocks of their own ----------------
-    @functools.cached_property
-    def blocks(self) -> BlockAPI:
-        """Whole-block saves and loads, and the block pool's calls (`kvstore.block_api`)."""
-        return BlockAPI(self)
-
-    def store_blocks(self, tokens: object, srcs: Sequence[torch.Tensor], *, first_block: int = 0,
-                     extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None,
-                     generation: int | None = None) -> int:
-        """`blocks.save` (see there)."""
-        return self.blocks.save(tokens, srcs, first_block=first_block, extra_keys=extra_keys, chain=chain,
-                                generation=generation)
-
-    def retrieve_into(self, tokens: object, dsts: Sequence[torch.Tensor], *, first_block: int = 0,
-                      extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None) -> LoadResult:
-        """`blocks.load` (see there)."""
-        return self.blocks.load(tokens, dsts, first_block=first_block, extra_keys=extra_keys, chain=chain)
+        return self._blocks.lookup(self._keyer.token_keys(tokens, extra_keys)).tiers
 
     # -- background work: prefetch and the asyncio API ---------------------------------------
     def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
@@ -277,30 +284,8 @@ class KVCacheStore:
         prefetch that `close()` finds queued or running resolves to 0 (never cancelled).
         """
         self.check_open()
-        arr, hashes = self._keyer.hashes(tokens, extra_keys, chain)
-        keys = self._keyer.keys(arr, hashes, extra_keys)
-        return self._work.submit(self._prefetch, keys)
-
-    def _prefetch(self, keys: list[BlockKey]) -> int:
-        hashes = [k.block_hash for k in keys]
-        try:
-            with self._work.outside():
-                with self._lock:
-                    if self._work.closing:
-                        return 0
-                    generation = self._generation  # what the reads below see; a clear() later voids them
-                    plan = self._stack.plan_prefetch(hashes)
-                if plan is not None:
-                    buffer = BlockBatch(torch.empty((len(plan.positions), *self.config.block_shape),
-                                                    dtype=self.config.layout.dtype))
-                    got, counts = self._stack.read_prefetch(keys, plan, buffer, lambda: self._work.closing)
-                    with self._lock:
-                        if got and generation == self._generation and not self._work.closing:
-                            self._stack.insert_prefetched(keys, plan, buffer, got, counts)
-                with self._lock:
-                    return 0 if self._work.closing else self._stack.leading_in_memory(hashes) * self.config.block_size
-        except StoreClosedError:  # close() began: a queued or running prefetch resolves to 0
-            return 0
+        keys = self._keyer.token_keys(tokens, extra_keys, chain=chain)
+        return _in_tokens(self._blocks.prefetch(keys), self.config.block_size)
 
     async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event
@@ -309,7 +294,8 @@ class KVCacheStore:
 
         The asyncio calls raise `StoreClosedError` when `close()` has begun before they ran
         (never `asyncio.CancelledError`); one already running completes."""
-        return await self._work.run_async(self.store, tokens, kv, extra_keys=extra_keys, generation=self._generation)
+        return await self._work.run_async(self.store, tokens, kv, extra_keys=extra_keys,
+                                          generation=self._blocks.generation)
 
     async def aretrieve(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
                         device: torch.device | str | None = None, out: torch.Tensor | None = None) -> RetrieveResult:
@@ -348,12 +334,11 @@ class KVCacheStore:
         finished (docs/remote.md). A shared disk or server loses only this namespace's blocks,
         unless `all_namespaces` (all kvstrata wrote in `disk_path` and on the server, whoever).
         Work begun before the clear never brings its bytes back after it: a running `prefetch`
-        inserts nothing, a queued `astore` stores nothing, nor does a `store` / `store_blocks`
+        inserts nothing, a queued `astore` stores nothing, nor does a `store` / `blocks.save`
         given an older `generation`."""
         with self._lock:
             self.check_open()
-            self._generation += 1
-            return self._stack.clear(all_namespaces=all_namespaces)
+            return self._blocks.clear(all_namespaces=all_namespaces)
 
     def scrub(self) -> ScrubResult | None:
         """Validate every record of the tiers that keep checks (the disk); delete damaged ones

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstore.config import StoreConfig, require_int
+from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError
+from tiers.blockbatch import BlockBatch
 
 _MAX_RUNS = 1 << 22  # byte runs enumerated to prove tensors disjoint
 
@@ -64,10 +65,23 @@ def _runs(t: torch.Tensor) -> np.ndarray | None:
     return np.stack([starts, starts + run * es], axis=1)
 
 
+def _spread(t: torch.Tensor) -> bool:
+    """Whether no two elements of `t` share memory by its strides alone (sufficient: with its
+    dimensions ordered by stride, each stride steps past all the smaller ones span)."""
+    span = 1  # elements the dimensions so far reach, plus one
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
 def check_disjoint(tensors: Sequence[torch.Tensor], what: str) -> None:
     """Raise `InvalidInputError` if any two elements of `tensors` share memory (within one
     tensor or across them): the store writes each block's bytes to exactly one place, and
     would otherwise return (and cache) another block's bytes under this block's key."""
+    if len(tensors) == 1 and _spread(tensors[0]):
+        return  # one tensor laid out without overlap (a contiguous one, or block rows of it)
     by_device: dict[torch.device, list[np.ndarray]] = {}
     for t in tensors:
         if t.numel() == 0:
@@ -129,27 +143,45 @@ def check_device(device: object) -> torch.device:
     return dev
 
 
-def check_blocks(config: StoreConfig, blocks: Sequence[object], tokens_len: int, first_block: int,
-                 *, destination: bool = False) -> None:
-    """Block-shaped tensors of the layout's dtype, covered by the tokens; destinations must
-    also be writable and pairwise disjoint."""
+def check_block_tensors(config: StoreConfig, blocks: object, count: int, *, destination: bool = False) -> None:
+    """`count` block-shaped tensors of the layout's dtype (a `BlockBatch` is checked as its
+    one tensor of rows); destinations must also be writable and pairwise disjoint."""
     if isinstance(blocks, (torch.Tensor, str, bytes)) or not isinstance(blocks, Sequence):
         raise InvalidInputError(f"blocks must be a sequence of tensors, got {type(blocks).__name__}")
-    require_int("first_block", first_block, 0, InvalidInputError)
-    num_full = tokens_len // config.block_size
-    if first_block + len(blocks) > num_full:
-        raise LayoutMismatchError(
-            f"blocks {first_block}..{first_block + len(blocks) - 1} need "
-            f"{(first_block + len(blocks)) * config.block_size} tokens, got {tokens_len}"
-        )
+    if len(blocks) != count:
+        raise InvalidInputError(f"{count} block keys but {len(blocks)} block tensors: one tensor per key")
+    if isinstance(blocks, BlockBatch):
+        _check_batch(config, blocks, destination)
+        return
     for i, block in enumerate(blocks):
-        check_usable(block, f"block {i}")
-        assert isinstance(block, torch.Tensor)
-        if tuple(block.shape) != config.block_shape:
-            raise LayoutMismatchError(f"a block must be a tensor {config.block_shape}, got {tuple(block.shape)}")
-        if block.dtype != config.layout.dtype:
-            raise LayoutMismatchError(f"block dtype is {block.dtype}; the layout expects {config.layout.dtype}")
+        _check_block(config, block, f"block {i}", config.block_shape)
         if destination:
             check_writable(block, f"destination block {i}")
     if destination:
         check_disjoint([b for b in blocks if isinstance(b, torch.Tensor)], "destination blocks")
+
+
+def _check_block(config: StoreConfig, block: object, what: str, shape: tuple[int, ...]) -> torch.Tensor:
+    check_usable(block, what)
+    assert isinstance(block, torch.Tensor)
+    if tuple(block.shape) != shape:
+        raise LayoutMismatchError(f"a block must be a tensor {config.block_shape}, got {tuple(block.shape)}")
+    if block.dtype != config.layout.dtype:
+        raise LayoutMismatchError(f"block dtype is {block.dtype}; the layout expects {config.layout.dtype}")
+    return block
+
+
+def _check_batch(config: StoreConfig, batch: BlockBatch, destination: bool) -> None:
+    rows = batch.rows
+    num_rows = rows.shape[0] if isinstance(rows, torch.Tensor) and rows.dim() else 0
+    _check_block(config, rows, "blocks", (num_rows, *config.block_shape))
+    ids = batch.row_ids
+    inside = (not ids or (min(ids) >= 0 and max(ids) < num_rows) if isinstance(ids, range)
+              else all(isinstance(r, int) and 0 <= r < num_rows for r in ids))
+    if not inside:
+        raise InvalidInputError(f"a BlockBatch names rows outside its {num_rows}")
+    if destination:
+        check_writable(rows, "destination blocks")
+        if not isinstance(ids, range) and len(set(ids)) != len(ids):
+            raise InvalidInputError("destination blocks overlap in memory: each block needs a buffer of its own")
+        check_disjoint([rows], "destination blocks")

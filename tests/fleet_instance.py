@@ -38,8 +38,8 @@ def main() -> None:
             reply: object = store.store(tokens, kv, extra_keys=ExtraKeys(cache_salt=salt) if salt else None)
         elif op == "where":
             salt = cmd.get("salt")
-            plan = store.stack.locate(store.block_hashes(cmd["tokens"], ExtraKeys(cache_salt=salt) if salt else None))
-            reply = [store.tiers[i].kind.value for i in plan]
+            where = store.locate(cmd["tokens"], extra_keys=ExtraKeys(cache_salt=salt) if salt else None)
+            reply = [kind.value for kind in where]
         elif op == "flush":
             reply = store.flush()
         elif op == "clear":

@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kvstore.block_api import BlockAPI
 from kvstore.config import require_int
 from kvstore.errors import InvalidInputError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array
@@ -77,15 +76,15 @@ def _check_id(request_id: object) -> str:
 
 
 class KVCacheManager:
-    """Block tables for running requests over the store's `BlockAPI`; every change to the
-    pool happens under the store's lock.
+    """Block tables for running requests over the store's `PoolAllocator`; every change to
+    the pool happens under the store's lock (`PoolAllocator.locked`).
 
     Bad arguments raise `InvalidInputError` and change nothing.
     """
 
     def __init__(self, store: KVCacheStore) -> None:
         self.store = store
-        self.blocks = BlockAPI(store)  # ConfigError without a block pool
+        self.allocator = store.allocator  # ConfigError without a block pool
         self.block_size = store.config.block_size
         self._requests: dict[str, _Request] = {}
 
@@ -95,9 +94,9 @@ class KVCacheManager:
         self.store.check_open()
         if _check_id(request_id) in self._requests:  # checked again under the lock below
             raise InvalidInputError(f"request {request_id!r} already exists")
-        req = _Request(as_token_array(token_ids).tolist(), self.blocks.chain(extra_keys))
+        req = _Request(as_token_array(token_ids).tolist(), self.store.chain(extra_keys))
         self._extend_hashes(req)
-        with self.blocks.locked():  # two threads adding one id: exactly one wins
+        with self.allocator.locked():  # two threads adding one id: exactly one wins
             if request_id in self._requests:
                 raise InvalidInputError(f"request {request_id!r} already exists")
             self._requests[request_id] = req
@@ -122,11 +121,13 @@ class KVCacheManager:
         except KeyError:
             raise InvalidInputError(f"unknown request {request_id!r}") from None
 
-    def _keys(self, req: _Request, start: int, end: int) -> list[BlockKey]:
+    def _keys(self, req: _Request, start: int, end: int) -> Sequence[BlockKey]:
         """The keys of blocks `start .. end - 1` of the request (with their token ids)."""
-        b = self.block_size
-        arr = np.asarray(req.token_ids[start * b : end * b], dtype="<u4")
-        return self.blocks.keys(req.chain, arr, start, end)
+        if start >= end:
+            return []
+        tokens = np.asarray(req.token_ids[: end * self.block_size], dtype="<u4")
+        return self.store.keys(tokens, extra_keys=req.chain.extra_keys, chain=req.chain, first_block=start,
+                               num_blocks=end - start)
 
     # -- ask / act ---------------------------------------------------------------------------
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
@@ -136,7 +137,7 @@ class KVCacheManager:
         """
         req = self._req(request_id)
         limit = (len(req.token_ids) - 1) // self.block_size
-        pool_blocks, lower = self.blocks.match(self._keys(req, 0, limit))
+        pool_blocks, lower = self.allocator.match(self._keys(req, 0, limit))
         # Load or recompute: the store's policy keeps the leading blocks worth loading.
         lower = lower[: self.store.load_policy.blocks_to_load(lower)]
         return ComputedBlocks((len(pool_blocks) + len(lower)) * self.block_size, pool_blocks, lower)
@@ -149,7 +150,7 @@ class KVCacheManager:
         req = self._req(request_id)
         num_new_tokens = _check_count("num_new_tokens", num_new_tokens)
         self._check_computed(computed)
-        with self.blocks.locked():
+        with self.allocator.locked():
             if computed is not None and not req.blocks and not self._is_current(req, computed):
                 total = computed.num_tokens + num_new_tokens
                 computed = self.get_computed_blocks(request_id)
@@ -158,7 +159,7 @@ class KVCacheManager:
 
     def num_blocks_needed(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None) -> int:
         """Blocks `allocate_slots` would take from the free queue (pool hits excluded)."""
-        with self.blocks.locked():
+        with self.allocator.locked():
             req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
             return self._num_needed(req, num_new_tokens, computed)
 
@@ -172,13 +173,13 @@ class KVCacheManager:
 
     def can_allocate(self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None = None) -> bool:
         """Whether `allocate_slots` with these arguments would succeed now."""
-        with self.blocks.locked():
+        with self.allocator.locked():
             req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
             return self._can_allocate(req, num_new_tokens, computed)
 
     def _can_allocate(self, req: _Request, num_new_tokens: int, computed: ComputedBlocks | None) -> bool:
         reused = computed.pool_blocks if computed is not None and not req.blocks else []
-        return self.blocks.can_allocate(self._num_needed(req, num_new_tokens, computed), reused)
+        return self.allocator.can_allocate(self._num_needed(req, num_new_tokens, computed), reused)
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, computed: ComputedBlocks | None = None
@@ -192,27 +193,27 @@ class KVCacheManager:
         `computed.num_tokens + num_new_tokens` fixed. Raises `NoFreeBlocksError` and changes
         nothing if the pool is short.
         """
-        with self.blocks.locked():
+        with self.allocator.locked():
             req, num_new_tokens, computed = self._current(request_id, num_new_tokens, computed)
             need = self._num_needed(req, num_new_tokens, computed)
             if not self._can_allocate(req, num_new_tokens, computed):
                 raise NoFreeBlocksError(
-                    f"request {request_id!r} needs {need} blocks; {self.blocks.num_free_blocks} free"
+                    f"request {request_id!r} needs {need} blocks; {self.allocator.num_free_blocks} free"
                 )
             per_tier: dict[TierKind, int] = {}
             first_call = computed is not None and not req.blocks
             lower: list[TierKind] = []
             if first_call:
                 assert computed is not None
-                self.blocks.acquire(computed.pool_blocks)
+                self.allocator.acquire(computed.pool_blocks)
                 req.blocks.extend(computed.pool_blocks)
                 req.num_cached_blocks = len(computed.pool_blocks)
                 if computed.pool_blocks:
-                    per_tier[self.blocks.pool_kind] = len(computed.pool_blocks)
+                    per_tier[self.allocator.pool_kind] = len(computed.pool_blocks)
                 req.num_computed_tokens = len(computed.pool_blocks) * self.block_size
                 lower = computed.lower_plan
             first = len(req.blocks)
-            fill = self.blocks.allocate(need, self._keys(req, first, first + len(lower)), lower)
+            fill = self.allocator.allocate(need, self._keys(req, first, first + len(lower)), lower)
             req.blocks.extend(fill.blocks)
             if lower:
                 for kind, n in fill.blocks_per_tier.items():
@@ -226,14 +227,12 @@ class KVCacheManager:
         of tiers below the pool (checked before any reference is taken)."""
         if computed is None:
             return
-        tiers = {t.kind: t for t in self.store.tiers}
         if not (isinstance(computed, ComputedBlocks) and isinstance(computed.num_tokens, int)
                 and not isinstance(computed.num_tokens, bool)
                 and isinstance(computed.pool_blocks, list) and isinstance(computed.lower_plan, list)
                 and computed.num_tokens >= 0
-                and all(self.blocks.owns(b) for b in computed.pool_blocks)
-                and all(isinstance(t, TierKind) and t in tiers and not tiers[t].traits.engine_memory
-                        for t in computed.lower_plan)):
+                and all(self.allocator.owns(b) for b in computed.pool_blocks)
+                and all(self.allocator.is_lower_tier(t) for t in computed.lower_plan)):
             raise InvalidInputError(f"computed must come from get_computed_blocks, got {computed!r}")
 
     def _is_current(self, req: _Request, computed: ComputedBlocks) -> bool:
@@ -243,8 +242,8 @@ class KVCacheManager:
         return (
             num_blocks <= max(0, (len(req.token_ids) - 1) // self.block_size)
             and computed.num_tokens == num_blocks * self.block_size
-            and self.blocks.still_cached(req.hashes[:n], computed.pool_blocks)
-            and len(self.blocks.cached_prefix(self._keys(req, 0, n))) == n
+            and self.allocator.still_cached(req.hashes[:n], computed.pool_blocks)
+            and len(self.allocator.cached_prefix(self._keys(req, 0, n))) == n
         )
 
     def commit(self, request_id: str, num_computed_tokens: int, *, cache_blocks: bool = True) -> int:
@@ -263,7 +262,7 @@ class KVCacheManager:
         if not cache_blocks or full <= req.num_cached_blocks:
             return 0
         start = req.num_cached_blocks
-        n = self.blocks.register(req.blocks[start:full], self._keys(req, start, full))
+        n = self.allocator.register(req.blocks[start:full], self._keys(req, start, full))
         req.num_cached_blocks = full
         return n
 
@@ -272,12 +271,12 @@ class KVCacheManager:
 
         After the store was closed this only forgets the request (its pool is gone).
         """
-        with self.blocks.locked(require_open=False):
+        with self.allocator.locked(require_open=False):
             req = self._requests.pop(_check_id(request_id), None)
             if req is None:
                 raise InvalidInputError(f"unknown request {request_id!r}")
             if not self.store.closed:
-                self.blocks.release(req.blocks)
+                self.allocator.release(req.blocks)
 
     # -- views -------------------------------------------------------------------------------
     def request_ids(self) -> list[str]:

@@ -66,11 +66,11 @@ class KVStrataLLM:
         if want != have:
             raise LayoutMismatchError(f"model KV layout {want} differs from the store's {have}")
         self.manager = KVCacheManager(store)  # ConfigError without a block pool
-        if self.manager.blocks.device != model.device:
-            raise ConfigError(f"pool on {self.manager.blocks.device} but model on {model.device}")
+        if self.manager.allocator.device != model.device:
+            raise ConfigError(f"pool on {self.manager.allocator.device} but model on {model.device}")
         self.model = model
         self.store = store
-        self.blocks = self.manager.blocks
+        self.allocator = self.manager.allocator
         self.block_size = store.config.block_size
         self.prefix_caching = prefix_caching
         self._next_id = 0
@@ -87,7 +87,7 @@ class KVStrataLLM:
 
     def _forward(self, chunks: list[RequestChunk]) -> torch.Tensor:
         batch = ForwardBatch.build(chunks, self.block_size, device=self.model.device)
-        logits: torch.Tensor = self.model(batch, self.blocks.kv_cache)
+        logits: torch.Tensor = self.model(batch, self.allocator.kv_cache)
         return logits
 
     def _prefill(self, rid: str, stats: RequestStats) -> torch.Tensor:
@@ -138,7 +138,7 @@ class KVStrataLLM:
         return -(-n // self.block_size)
 
     def _take_wave(self, prompts: list[list[int]], pending: list[int], max_new: int) -> list[int]:
-        budget = self.blocks.num_blocks
+        budget = self.allocator.num_blocks
         wave, used = [], 0
         for i in pending:
             need = self._blocks_for(len(prompts[i]) + max_new)

@@ -5,7 +5,8 @@ A prefix of `n` blocks is a hit only if, for every group, every store of it (one
 tensor-parallel shard and pipeline stage) holds each block the group's rule says a hit of
 `n` blocks needs: the whole prefix for full attention, the window or chunk before `n` for
 windowed attention, the state at `n` for a state group. Each store is asked once per run of
-consecutive blocks it holds, so a lookup costs one walk per store.
+consecutive blocks it holds (the engine API's `lookup`, which reads the keys' hashes
+alone), so a lookup costs one walk per store.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections.abc import Sequence
 from engine_adapter.vllm.groups import GroupKind, GroupRule
 from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
-from kvstore.hashing import BlockChain, BlockHash
-from tiers.base import TierKind
+from kvstore.hashing import BlockChain
+from kvstore.keying import key_hashes
+from tiers.base import BlockKey, TierKind
 
 PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued writes, in all
 
@@ -25,14 +27,13 @@ PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued wri
 class _Runs:
     """Lazily, the length of the run of consecutive blocks a store holds from each block on."""
 
-    def __init__(self, store: KVCacheStore, hashes: list[BlockHash]) -> None:
-        self.store, self.hashes = store, hashes
+    def __init__(self, store: KVCacheStore, keys: Sequence[BlockKey]) -> None:
+        self.store, self.keys = store, keys
         self._run: dict[int, int] = {}
 
     def from_block(self, i: int) -> int:
         if i not in self._run:
-            with self.store.lock:
-                r = len(self.store.stack.locate(self.hashes[i:]))
+            r = self.store.blocks.lookup(self.keys[i:]).num_blocks
             for j in range(i, i + r + 1):  # inside a run, the rest of it; at its end, 0
                 self._run[j] = r - (j - i)
         return self._run[i]
@@ -76,14 +77,14 @@ class GroupLookup:
                 chain = None
                 if g == self.primary and not runs:
                     chain = self.primary_chain = store.chain(extra_keys)
-                hashes = store.block_hashes(token_ids, extra_keys, chain)
+                keys = store.keys(token_ids, extra_keys=extra_keys, chain=chain)
                 if PENDING.any(store):
-                    for h in hashes:
+                    for h in key_hashes(keys):
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break  # a stuck writer costs a miss, never a hang
                         PENDING.wait_for(store, h, left)
-                runs.append(_Runs(store, hashes))
+                runs.append(_Runs(store, keys))
             self._runs.append(runs)
         n = len(token_ids) // self.block_size
         for rule, runs in zip(self.rules, self._runs):
@@ -96,9 +97,7 @@ class GroupLookup:
         if not primary or n == 0:
             return []  # no store to load from: a miss
         store = primary[0]
-        with store.lock:
-            tiers = store.stack.locate(self._runs[self.primary][0].hashes[:n])
-        kinds = [store.tiers[i].kind for i in tiers]
+        kinds = store.blocks.lookup(self._runs[self.primary][0].keys[:n]).tiers
         return kinds + [unlocated_kind(store)] * (n - len(kinds))  # evicted since: the load will tell
 
     def cut(self, num_blocks: int) -> int:

@@ -32,6 +32,8 @@ from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError, DiskFullError
 from kvstore.hashing import BlockChain
+from kvstore.keying import key_hashes
+from tiers.base import BlockKey
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +158,9 @@ class ConnectorWorker:
         if n == 0:  # nothing of this group to load (its blocks are vLLM's own already)
             return
         staging = paged.staging(n)
-        result = self.store.retrieve_into(load.token_ids, list(staging), first_block=load.first_block,
-                                          extra_keys=load.extra_keys, chain=chain)
+        keys = self.store.keys(load.token_ids, extra_keys=load.extra_keys, chain=chain, first_block=load.first_block,
+                               num_blocks=n)
+        result = self.store.blocks.load(keys, list(staging))
         paged.scatter(staging, load.block_ids[: result.num_blocks])
         self.tier_shares.add(result.blocks_per_tier)
         for tier, count in result.blocks_per_tier.items():
@@ -212,15 +215,14 @@ class ConnectorWorker:
             staging = paged.staging(len(save.block_ids))  # the job's own buffer
             paged.gather(save.block_ids, staging)
             if self._writer is None:
-                self._write(save, staging, self._chain(save))
+                self._write(save, staging, self._keys(save, self._chain(save)))
                 continue
-            # Hashed once, here: the job gets the keys (a copy of the chain) and names its
-            # blocks as queued with them.
-            chain = self._chain(save, self._save_chains)
-            hashes = chain.hashes_of(save.token_ids)[save.first_block:]
+            # Hashed once, here: the job gets the keys (built on its thread) and names its
+            # blocks as queued with their hashes.
+            keys = self._keys(save, self._chain(save, self._save_chains))
+            hashes = key_hashes(keys)
             PENDING.add(self.store, hashes)
-            job_chain = chain.prefix(len(save.token_ids) // self.config.block_size)
-            self._writer.submit(self._write_job, save, staging, job_chain, hashes)
+            self._writer.submit(self._write_job, save, staging, keys, hashes)
         if self._writer is None:
             self.stats.write()
 
@@ -246,10 +248,10 @@ class ConnectorWorker:
         """This worker's load-policy estimates, for a scheduler in another process."""
         return worker_rates(self.store.load_policy, self.tier_shares, pp_rank, tp_rank)
 
-    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, chain: BlockChain,
+    def _write_job(self, save: BlockTransfer, staging: torch.Tensor, keys: Sequence[BlockKey],
                    hashes: Sequence[bytes]) -> None:
         try:
-            self._write(save, staging, chain)
+            self._write(save, staging, keys)
         except Exception as exc:  # a background fault is a lost save (a later miss), never a hang
             logger.warning("kvstrata: background save of %s failed: %s: %s", save.req_id, type(exc).__name__, exc)
             self.stats.count("save_failed_blocks", len(save.block_ids))
@@ -257,10 +259,14 @@ class ConnectorWorker:
             PENDING.done(self.store, hashes)
             self.stats.write()
 
-    def _write(self, save: BlockTransfer, staging: torch.Tensor, chain: BlockChain) -> None:
+    def _keys(self, save: BlockTransfer, chain: BlockChain) -> Sequence[BlockKey]:
+        """The keys of the blocks `save` copies, hashed through `chain`."""
+        return self.store.keys(save.token_ids, extra_keys=save.extra_keys, chain=chain, first_block=save.first_block,
+                               num_blocks=len(save.block_ids))
+
+    def _write(self, save: BlockTransfer, staging: torch.Tensor, keys: Sequence[BlockKey]) -> None:
         try:
-            written = self.store.store_blocks(save.token_ids, list(staging), first_block=save.first_block,
-                                              extra_keys=save.extra_keys, chain=chain)
+            written = self.store.blocks.save(keys, list(staging)).num_new
         except DiskFullError as exc:  # a cache: a refused write is a later miss
             logger.warning("kvstrata: save refused: %s", exc)
             self.stats.count("save_refused_blocks", len(save.block_ids))

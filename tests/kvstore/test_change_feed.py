@@ -9,7 +9,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from cli.ports import free_port_pair
@@ -28,7 +27,7 @@ class Sink:
 
     def __init__(self, store: KVCacheStore) -> None:
         self.changes: list[TierChange] = []
-        store.stack.changes.add_sink(self.changes.extend)
+        store.changes.add_sink(self.changes.extend)
 
     def keys(self, tier: TierKind, kind: ChangeKind) -> list[BlockKey]:
         return [k for c in self.changes if c.tier == tier and c.kind is kind for k in c.keys]
@@ -53,10 +52,10 @@ def test_a_block_demoted_from_cpu_reaches_the_disk_with_its_whole_key(tmp_path: 
         reader = Reader(int(store.config.events_endpoint.rsplit(":", 1)[1])) if events else None
         try:
             hashes = store.block_hashes(tokens, extra)
-            built = store.block_keys(np.asarray(tokens, dtype=np.uint32), hashes, extra)
+            built = list(store.keys(tokens, extra_keys=extra))
             store.store(tokens, make_kv(len(tokens)), extra_keys=extra)  # 4 blocks, 2 slots: 2 go to disk
             store.store(list(range(500, 500 + 2 * BLOCK)), make_kv(2 * BLOCK))  # evicts the other 2 from the CPU
-            disk = store.stack.tier(TierKind.DISK)
+            disk = {t.kind: t for t in store.tiers}[TierKind.DISK]
             entered = {k.block_hash: k for k in sink.keys(TierKind.DISK, ChangeKind.ENTERED)}
             assert set(entered) == set(hashes) and store.locate(tokens, extra_keys=extra) == [TierKind.DISK] * 4
             for h, key in entered.items():

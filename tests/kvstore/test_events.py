@@ -12,6 +12,7 @@ from typing import Any
 
 import msgpack
 import pytest
+import torch
 import zmq
 
 from cli.ports import free_port_pair
@@ -115,7 +116,7 @@ def test_events_name_each_tier_chain_their_blocks_and_follow_evictions(tmp_path:
         tokens = list(range(24))  # 6 blocks: 4 stay in the CPU tier, 2 go to disk
         store.store(tokens, make_kv(24))
         hashes = [wire_hash(h) for h in store.block_hashes(tokens)]
-        where = [store.tiers[t].kind.value for t in store.stack.locate(store.block_hashes(tokens))]
+        where = [kind.value for kind in store.locate(tokens)]
         want_cpu = {h for h, w in zip(hashes, where) if w == "cpu"}
         want_disk = {h for h, w in zip(hashes, where) if w == "disk"}
         deadline = time.monotonic() + 20  # until the reader follows the store: bounded, for a busy machine
@@ -176,11 +177,18 @@ def test_replay_serves_the_buffer_then_the_whole_state_without_the_store_lock(tm
     try:
         store.store(list(range(8)), make_kv(8))
         last = reader.until_stored()[-1][0]
-        assert store.events is not None
-        with store.lock:  # a replay never waits on the store's lock
-            buffered = reader.replay(last)
-            store.events.drop_replay_buffer()  # what it asks for is now older than the buffer
-            whole = reader.replay(0)
+        events = store.events
+        assert events is not None
+        replies: list[Any] = []
+
+        def replay_under_the_lock(num_blocks: int) -> list[torch.Tensor]:  # a load calls it holding the lock
+            replies.append(reader.replay(last))  # a replay never waits on the store's lock
+            events.drop_replay_buffer()  # what it asks for is now older than the buffer
+            replies.append(reader.replay(0))
+            return [torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype) for _ in range(num_blocks)]
+
+        assert store.blocks.load(store.keys(list(range(8))), replay_under_the_lock).num_blocks == 2
+        buffered, whole = replies
         assert buffered is not None and buffered[0][0] == last
         assert whole is not None, "a replay must be answered while the store's lock is held"
         state = held([e for _, b in whole for e in b])
@@ -281,7 +289,7 @@ def test_a_tier_change_log_that_overflowed_is_restated_not_a_gap(tmp_path: Path,
             state = held(reader.events())
             if state["CPU"] and state["DISK"]:
                 break
-        cpu, disk = (store.stack.tier(TierKind(k)) for k in ("cpu", "disk"))
+        cpu, disk = ({t.kind: t for t in store.tiers}[TierKind(k)] for k in ("cpu", "disk"))
         assert store.events.num_resyncs >= 1 and cpu.num_changes_dropped >= 8
         assert state["CPU"] == {wire_hash(h) for h in cpu.held_hashes()} and len(state["CPU"]) == 8
         assert state["DISK"] == {wire_hash(h) for h in disk.held_hashes()} and len(state["DISK"]) == 2

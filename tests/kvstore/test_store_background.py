@@ -135,7 +135,7 @@ def test_store_with_an_older_generation_stores_nothing(on_disk: Callable[..., KV
     assert store.generation == before + 1
     kv = make_kv(len(TOKENS), seed=2)
     assert store.store(TOKENS, kv, generation=before) == 0
-    assert store.store_blocks(TOKENS, [kv[:, :, :BLOCK]], generation=before) == 0
+    assert store.blocks.save(store.keys(TOKENS, num_blocks=1), [kv[:, :, :BLOCK]], generation=before) == (0, 0)
     assert store.lookup(TOKENS) == 0
     for bad in (before + 2, -1, "1", True):
         with pytest.raises(InvalidInputError, match=f"generation must be .* got {bad!r}"):

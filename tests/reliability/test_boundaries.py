@@ -59,14 +59,14 @@ def test_aliased_destinations_are_refused_and_promotion_stays_exact(tmp_path: Pa
         store.tiers[0].clear()  # blocks now only on disk: a retrieve promotes them
         buf = torch.empty(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
         with pytest.raises(InvalidInputError, match="overlap"):
-            store.retrieve_into(tokens, [buf, buf, buf])
+            store.blocks.load(store.keys(tokens), [buf, buf, buf])
         expanded = torch.empty(LAYOUT.block_shape(1), dtype=LAYOUT.dtype).expand(*LAYOUT.block_shape(3 * BLOCK))
         with pytest.raises(InvalidInputError, match="alias"):
             store.retrieve(tokens, out=expanded)
         whole = torch.empty(LAYOUT.block_shape(2 * BLOCK), dtype=LAYOUT.dtype)
         overlapping = [whole[:, :, i : i + BLOCK] for i in (0, BLOCK // 2, BLOCK)]
         with pytest.raises(InvalidInputError, match="overlap"):
-            store.retrieve_into(tokens, overlapping)
+            store.blocks.load(store.keys(tokens), overlapping)
         assert len(store.tiers[0]) == 0  # nothing was promoted by the refused calls
         res = store.retrieve(tokens)  # promotes the three blocks
         check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
@@ -74,7 +74,7 @@ def test_aliased_destinations_are_refused_and_promotion_stays_exact(tmp_path: Pa
         assert res.blocks_per_tier == {TierKind.CPU: 3}
         check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
         disjoint = [whole[:, :, i * 4 : i * 4 + BLOCK] for i in range(1)] + [torch.empty_like(buf) for _ in range(2)]
-        assert store.retrieve_into(tokens, disjoint).num_blocks == 3
+        assert store.blocks.load(store.keys(tokens), disjoint).num_blocks == 3
 
 
 # -- 4. scrub and clear of one model leave the other model's records alone -------------------
@@ -175,9 +175,9 @@ def test_unusable_tensors_change_nothing(tmp_path: Path, with_pool: bool) -> Non
             good = torch.zeros(LAYOUT.block_shape(BLOCK), dtype=LAYOUT.dtype)
             if name != "requires grad":  # a source that requires grad is fine to read
                 with pytest.raises(LayoutMismatchError):
-                    store.store_blocks(_tokens(2 * BLOCK, 9), [good, bad])
+                    store.blocks.save(store.keys(_tokens(2 * BLOCK, 9)), [good, bad])
             with pytest.raises((LayoutMismatchError, InvalidInputError)):
-                store.retrieve_into(tokens, [good, bad])
+                store.blocks.load(store.keys(tokens), [good, bad])
             store.check_integrity()
         assert [t.stats() for t in store.tiers] == before
         if with_pool:

@@ -2,7 +2,7 @@
 
 Two namespaces share one disk directory; each has its own store (pool in front for one of
 them), and a forked child process sometimes writes into the directory too. Rules: store,
-retrieve with and without `out=`, store_blocks / retrieve_into with random (sometimes
+retrieve with and without `out=`, the engine API's save / load with random (sometimes
 aliased) destinations, lookup, scrub, clear, close and reopen. The model is the set of block
 keys ever stored and not cleared since; every block's bytes are a pure function of
 (namespace, salt, token prefix) (`kvgen.block_bytes`), so the one invariant that matters is
@@ -112,22 +112,25 @@ class StoreModel(RuleBasedStateMachine):
         self._check_hit(ns, salt, tokens, res.num_tokens // BLOCK)
 
     @rule(ns=st.sampled_from(NAMESPACES), salt=st.sampled_from(SALTS), tokens=prompts, first=st.integers(0, 3))
-    def store_blocks(self, ns: str, salt: str | None, tokens: np.ndarray, first: int) -> None:
+    def save_blocks(self, ns: str, salt: str | None, tokens: np.ndarray, first: int) -> None:
         num_full = len(tokens) // BLOCK
         if first > num_full:
             return
         kv = make_kv(tokens, LAYOUT, BLOCK, _tag(ns, salt))
         srcs = [kv[:, :, i * BLOCK : (i + 1) * BLOCK] for i in range(first, num_full)]
-        self.stores[ns].store_blocks(tokens, srcs, first_block=first, extra_keys=_keys(salt))
+        store = self.stores[ns]
+        store.blocks.save(store.keys(tokens, extra_keys=_keys(salt), first_block=first), srcs)
         self._record(ns, salt, tokens, num_full - first, first)
 
     @rule(entry=st.one_of(stored, fresh), swap=st.sampled_from([0, 0, 1, 2]), first=st.integers(0, 2),
           dests=st.sampled_from(["separate", "one_slab", "aliased", "strided"]))
-    def retrieve_into(self, entry: tuple[str, str | None, np.ndarray], swap: int, first: int, dests: str) -> None:
+    def load_blocks(self, entry: tuple[str, str | None, np.ndarray], swap: int, first: int, dests: str) -> None:
         ns, salt, tokens = _variant(entry, swap)
         n = len(tokens) // BLOCK - first
         if n <= 0:
             return
+        store = self.stores[ns]
+        keys = store.keys(tokens, extra_keys=_keys(salt), first_block=first, num_blocks=n)
         shape = LAYOUT.block_shape(BLOCK)
         if dests == "separate":
             dsts = [torch.empty(shape, dtype=LAYOUT.dtype) for _ in range(n)]
@@ -142,9 +145,9 @@ class StoreModel(RuleBasedStateMachine):
             dsts = [one] * n
             if n > 1:
                 with pytest.raises(InvalidInputError):
-                    self.stores[ns].retrieve_into(tokens, dsts, first_block=first, extra_keys=_keys(salt))
+                    store.blocks.load(keys, dsts)
                 return
-        got = self.stores[ns].retrieve_into(tokens, dsts, first_block=first, extra_keys=_keys(salt)).num_blocks
+        got = store.blocks.load(keys, dsts).num_blocks
         for i in range(got):
             want = block_bytes(tokens[: (first + i + 1) * BLOCK], LAYOUT, BLOCK, _tag(ns, salt))
             assert dsts[i].contiguous().view(torch.uint8).numpy().tobytes() == want, f"block {first + i} differs"

@@ -137,7 +137,7 @@ def make_group_store() -> Iterator[object]:
 def _put(store: KVCacheStore, tokens: list[int], blocks: list[int], value: int = 1) -> None:
     block = torch.full(store.config.block_shape, value, dtype=torch.uint8)
     for i in blocks:
-        store.store_blocks(tokens[: (i + 1) * B], [block], first_block=i)
+        store.blocks.save(store.keys(tokens[: (i + 1) * B], first_block=i), [block])
 
 
 def test_a_hit_is_the_longest_prefix_every_group_and_shard_can_serve(make_group_store) -> None:  # type: ignore[no-untyped-def]

@@ -54,7 +54,7 @@ def test_an_asynchronous_save_hashes_each_block_once(monkeypatch: pytest.MonkeyP
     assert sum(hashed) == 6
     monkeypatch.undo()
     out = [torch.zeros(LAYOUT.block_shape(4), dtype=torch.uint8) for _ in range(6)]
-    assert store.retrieve_into(tokens, out).num_blocks == 6
+    assert store.blocks.load(store.keys(tokens), out).num_blocks == 6
     for i, block in enumerate(out):
         assert (block == i + 2).all()  # each under its own key: engine block i + 1
     store.close()
@@ -67,7 +67,7 @@ def test_the_schedulers_prefetch_takes_the_keys_its_lookup_hashed(tmp_path: Path
                          disk_path=str(tmp_path / "d"), disk_bytes=1 << 20, disk_sync=False)
     store = KVCacheStore(config)
     tokens = list(range(10, 42))  # 8 blocks into 4 CPU slots: the tail goes to disk
-    store.store_blocks(tokens, [torch.zeros(LAYOUT.block_shape(4), dtype=torch.uint8)] * 8)
+    store.blocks.save(store.keys(tokens), [torch.zeros(LAYOUT.block_shape(4), dtype=torch.uint8)] * 8)
     scheduler = ConnectorScheduler(store, 4, ConnectorStats("scheduler", None), async_loads=False)
     request = SimpleNamespace(request_id="r", all_token_ids=[*tokens, 7], prompt_embeds=None, cache_salt=None,
                               lora_request=None, mm_features=[])

@@ -75,7 +75,7 @@ class _Store:
         self.block = torch.zeros(layout.block_shape(4), dtype=torch.uint8)
 
     def put(self, tokens: list[int]) -> None:
-        self.store.store_blocks(tokens, [self.block] * (len(tokens) // 4))
+        self.store.blocks.save(self.store.keys(tokens), [self.block] * (len(tokens) // 4))
 
 
 def test_planner_loads_the_hit_beyond_local_and_saves_new_full_blocks(tmp_path: Path) -> None:
@@ -171,7 +171,7 @@ def test_planner_keys_lookups_and_transfers_by_extra_keys(tmp_path: Path) -> Non
     s = _Store(tmp_path)
     tokens = list(range(10, 30))
     a, b = ExtraKeys(cache_salt="tenant-A"), ExtraKeys(cache_salt="tenant-B")
-    s.store.store_blocks(tokens[:12], [s.block] * 3, extra_keys=a)
+    s.store.blocks.save(s.store.keys(tokens[:12], extra_keys=a), [s.block] * 3)
     planner = TransferPlanner(4, lambda t, k: s.store.lookup(t, extra_keys=k))
     assert planner.num_new_matched_tokens("b", tokens, 0, b) == 0  # another tenant: a miss
     assert planner.num_new_matched_tokens("a", tokens, 0, a) == 12
@@ -224,18 +224,19 @@ def test_background_loads_fill_blocks_and_delayed_frees_wait_for_them(tmp_path: 
     store = KVCacheStore(config)
     tokens = np.arange(10, 26, dtype=np.uint32)  # 4 blocks
     blocks = [torch.full(layout.block_shape(4), i + 1, dtype=torch.uint8) for i in range(4)]
-    store.store_blocks(tokens, blocks)
+    store.blocks.save(store.keys(tokens), blocks)
     layer = torch.zeros(8, 64, dtype=torch.uint8)  # 8 engine blocks of 64 bytes, one layer
     worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))
     worker.register_kv_caches({"l0": layer})
     gate = threading.Event()
-    original = store.retrieve_into
+    engine_api = store.blocks
+    original = engine_api.load
 
-    def slow_retrieve_into(*args: object, **kwargs: object) -> object:
+    def slow_load(*args: object, **kwargs: object) -> object:
         gate.wait(10)  # the load is "on its way" until the test opens the gate
-        return original(*args, **kwargs)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
 
-    store.retrieve_into = slow_retrieve_into  # type: ignore[method-assign]
+    engine_api.load = slow_load  # type: ignore[method-assign,assignment]
     load = BlockTransfer("r", tokens, (GroupBlocks(0, (5, 6, 7, 2)),))
     worker.load(StepPlan(async_loads=[load]))
     worker.load(StepPlan(delayed_frees=["r"]))  # vLLM aborted it meanwhile
@@ -269,9 +270,8 @@ def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill
                          disk_path=str(tmp_path / "d"), disk_bytes=1 << 20, disk_sync=False)
     store = KVCacheStore(config)
     tokens = list(range(10, 42))  # 8 blocks into 4 CPU slots: the prefix stays, the tail goes to disk
-    store.store_blocks(tokens, [torch.zeros(layout.block_shape(4), dtype=torch.uint8)] * 8)
-    plan = store.stack.locate(store.block_hashes(tokens))
-    assert [store.tiers[i].kind for i in plan] == [TierKind.CPU] * 4 + [TierKind.DISK] * 4
+    store.blocks.save(store.keys(tokens), [torch.zeros(layout.block_shape(4), dtype=torch.uint8)] * 8)
+    assert store.locate(tokens) == [TierKind.CPU] * 4 + [TierKind.DISK] * 4
     scheduler = ConnectorScheduler(store, 4, ConnectorStats("scheduler", None))
     assert scheduler.hit_tokens(tokens, None) == 32  # no prefill rate yet: load all
     worker = ConnectorWorker(store, config, ["l0"], 8, ConnectorStats("worker", None))

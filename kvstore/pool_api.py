@@ -1,36 +1,29 @@
-"""`BlockAPI`: the store as engines that page KV in blocks see it (`KVCacheStore.blocks`).
+"""`PoolAllocator`: the store's block pool as a model runner that attends over it sees it.
 
-An engine that pages KV in blocks of its own (the vLLM worker) saves and loads whole blocks
-of a request (`save`, `load`) and asks where its cached prefix lies (`locate`). A model runner
-that attends over the store's block pool (the reference runner's block manager) also asks
-which blocks of a request the pool caches, takes pool blocks, fills them from the tiers below,
-registers and releases them. Tiers are named by `TierKind`, never by position, and the pool's
-own structures stay inside the pool. Every call takes the store's lock; `locked()` holds it
-across several calls that must see one state.
+A runner (the reference runner's block manager) asks which blocks of a request the pool
+caches and which tiers below hold the rest (`cached_prefix`, `match`), takes references on
+cached blocks (`acquire`), takes free blocks and fills them from the tiers below
+(`can_allocate` / `allocate`), registers blocks whose KV it wrote (`register`) and releases a
+finished request's blocks (`release`). Tiers are named by `TierKind`, never by position; the
+pool's own structures stay inside the pool. It is given the pool, the tier stack, the store's
+lock and a check that the store is open, and reads nothing else. Every call takes the lock;
+`locked()` holds it across several calls that must see one state.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from kvstore.errors import ConfigError, InvalidInputError
-from kvstore.hashing import BlockChain, BlockHash, ExtraKeys
-from kvstore.results import LoadResult
-from kvstore.timing import timed
-from kvstore.validate import check_blocks
-from tiers.base import BlockKey, TierKind
+from kvstore.errors import InvalidInputError
+from kvstore.tier_stack import TierStack
+from tiers.base import BlockHash, BlockKey, TierKind
 from tiers.free_queue import PoolBlock
 from tiers.gpu_pool import BlockPool, NoFreeBlocksError
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from kvstore.store import KVCacheStore
 
 
 class PrefixMatch(NamedTuple):
@@ -50,122 +43,29 @@ class PoolFill(NamedTuple):
     blocks_per_tier: dict[TierKind, int]
 
 
-class BlockAPI:
-    """Block-level access to one store; see the module docstring. The pool calls raise
-    `ConfigError` on a store without a block pool."""
+class PoolAllocator:
+    """The pool's allocation calls; see the module docstring. Invariant (the pool's own,
+    `BlockPool.check_integrity`): free + cached-unreferenced + referenced = capacity."""
 
-    def __init__(self, store: KVCacheStore) -> None:
-        self.store = store
-        self.block_size = store.config.block_size
-
-    @property
-    def _pool(self) -> BlockPool:
-        pool = self.store.pool
-        if pool is None:
-            raise ConfigError("this call needs a store with a block pool (StoreConfig.pool_blocks > 0)")
-        return pool
+    def __init__(self, pool: BlockPool, stack: TierStack, lock: threading.RLock,
+                 check_open: Callable[[], None]) -> None:
+        self._pool, self._stack, self._lock, self._check_open = pool, stack, lock, check_open
 
     @property
     def pool_kind(self) -> TierKind:
-        """The block pool's tier kind (its name in `blocks_per_tier`); `ConfigError` without one."""
+        """The block pool's tier kind (its name in `blocks_per_tier`)."""
         return self._pool.kind
-
-    @property
-    def observe_latency(self) -> Callable[[str, float], None] | None:
-        return self.store.observe_latency
-
-    # -- whole blocks in and out of an engine's own memory -----------------------------------
-    @timed("store")
-    def save(self, tokens: object, srcs: Sequence[torch.Tensor], *, first_block: int = 0,
-             extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None,
-             generation: int | None = None) -> int:
-        """Store `srcs[i]` as full block `first_block + i` of `tokens`; return how many were new.
-
-        Each src is one block-shaped tensor (`StoreConfig.block_shape`, the layout's dtype, any
-        device). `tokens` must cover every given block; the blocks before `first_block` need not
-        be cached or given (their hashes chain into the keys). Writes like `store`: into the top
-        tier (and at once into shared and write-through tiers); blocks already held are only
-        touched. Invalid input raises an `InvalidInputError` subclass and stores nothing. With
-        `generation` older than the store's (a `clear()` ran since), stores nothing: returns 0.
-        """
-        store = self.store
-        store.check_open()
-        arr, hashes = store._keyer.hashes(tokens, extra_keys, chain)
-        check_blocks(store.config, srcs, len(arr), first_block)
-        keys = self._range(arr, hashes, extra_keys, first_block, len(srcs))
-        with store.lock:
-            store.check_open()
-            current = store._current(generation)  # raises for a bad value before anything counts
-            store._counters.num_store_calls += 1
-            if not current:
-                return 0
-            written = store.stack.put(keys, list(srcs))
-            store._counters.num_blocks_stored += written
-            return written
-
-    @timed("load")
-    def load(self, tokens: object, dsts: Sequence[torch.Tensor], *, first_block: int = 0,
-             extra_keys: ExtraKeys | None = None, chain: BlockChain | None = None) -> LoadResult:
-        """Copy cached blocks `first_block, first_block + 1, ...` of `tokens` into `dsts`.
-
-        Stops at the first block no tier holds (or that fails validation); `dsts[i]` past that
-        are left untouched. Lower-tier hits are promoted into the top tier as in `retrieve`.
-        The blocks before `first_block` are neither read nor required.
-        """
-        store = self.store
-        store.check_open()
-        arr, hashes = store._keyer.hashes(tokens, extra_keys, chain)
-        check_blocks(store.config, dsts, len(arr), first_block, destination=True)
-        keys = self._range(arr, hashes, extra_keys, first_block, len(dsts))
-        b = self.block_size
-        with store.lock:
-            store.check_open()
-            store._counters.num_retrieve_calls += 1
-            store._counters.num_tokens_requested += len(keys) * b
-            plan = store.stack.plan_load([k.block_hash for k in keys])
-            num_ok, counts = store.stack.load(keys, dsts, plan)
-            store.stack.promote(keys, list(dsts), plan, num_ok)
-            store._counters.num_tokens_hit += num_ok * b
-            return LoadResult(num_ok, counts)
-
-    def _range(self, arr: np.ndarray, hashes: list[BlockHash], extra_keys: ExtraKeys | None, first: int,
-               count: int) -> list[BlockKey]:
-        """The keys of blocks `first .. first + count - 1` (only those are built)."""
-        b = self.block_size
-        return self.store.block_keys(arr[first * b : (first + count) * b], hashes[first : first + count], extra_keys,
-                                     first_block=first, parent=hashes[first - 1] if first else None)
-
-    # -- hashing -----------------------------------------------------------------------------
-    def chain(self, extra_keys: ExtraKeys | None = None) -> BlockChain:
-        """A `BlockChain` in the store's namespace, to hash one growing request once."""
-        return self.store.chain(extra_keys)
-
-    def keys(self, chain: BlockChain, tokens: np.ndarray, start: int, end: int) -> list[BlockKey]:
-        """The `BlockKey`s of blocks `start .. end - 1` of the sequence `chain` hashed, whose
-        tokens from block `start` on are `tokens`: with their token ids when the store verifies
-        them, and their parent and extras when it publishes KV events."""
-        hashes = chain.hashes
-        if start >= end:
-            return []
-        return self.store.block_keys(tokens, hashes[start:end], chain.extra_keys, first_block=start,
-                                     parent=hashes[start - 1] if start else None)
 
     @contextlib.contextmanager
     def locked(self, *, require_open: bool = True) -> Iterator[None]:
         """Hold the store's lock (re-entrant) across several calls; `StoreClosedError` if the
         store is closed, unless `require_open` is False."""
-        with self.store.lock:
+        with self._lock:
             if require_open:
-                self.store.check_open()
+                self._check_open()
             yield
 
     # -- where cached blocks are -----------------------------------------------------------
-    def locate(self, hashes: Sequence[BlockHash]) -> list[TierKind]:
-        """The fastest tier holding each block of the longest cached prefix. Changes nothing."""
-        with self.locked():
-            tiers = self.store.stack.tiers
-            return [tiers[i].kind for i in self.store.stack.locate(hashes)]
-
     def cached_prefix(self, keys: Sequence[BlockKey]) -> list[PoolBlock]:
         """The longest prefix of `keys` cached in the pool whose stored token ids (if both
         sides have them) are the keys' own; changes nothing (no reference is taken)."""
@@ -185,7 +85,8 @@ class BlockAPI:
             hashes = [k.block_hash for k in keys]
             if n < len(keys) and self._pool.match_prefix(hashes, n):
                 return PrefixMatch(pool_blocks, [])  # the pool holds other tokens under this key
-            lower = self.locate(hashes)[n:]
+            tiers = self._stack.tiers
+            lower = [tiers[i].kind for i in self._stack.locate(hashes)][n:]
             # Blocks come from below the pool only: one the pool holds after a block it lacks
             # (the chain's tail outlived its prefix there) ends the prefix.
             cut = next((i for i, kind in enumerate(lower) if kind is self._pool.kind), len(lower))
@@ -199,6 +100,11 @@ class BlockAPI:
     def owns(self, block: object) -> bool:
         """Whether `block` is one of this pool's blocks (for validating caller input)."""
         return isinstance(block, PoolBlock) and self._pool.owns(block)
+
+    def is_lower_tier(self, kind: object) -> bool:
+        """Whether `kind` names a tier of the store below the pool (one `allocate` fills from)."""
+        return isinstance(kind, TierKind) and any(t.kind == kind and not t.traits.engine_memory
+                                                  for t in self._stack.tiers)
 
     # -- pool blocks -------------------------------------------------------------------------
     def can_allocate(self, num_blocks: int, acquiring: Sequence[PoolBlock] = ()) -> bool:
@@ -226,7 +132,7 @@ class BlockAPI:
         if len(fill) != len(kinds) or len(fill) > num_blocks:
             raise InvalidInputError(f"allocate: {len(fill)} keys to fill, {len(kinds)} tiers, {num_blocks} blocks")
         with self.locked():
-            stack = self.store.stack
+            stack = self._stack
             held = {t.kind: t for t in stack.tiers}
             if any(k not in held or held[k].traits.engine_memory for k in kinds):
                 raise InvalidInputError(f"allocate: tiers {sorted(set(kinds))} are not all tiers below the pool")
@@ -243,7 +149,7 @@ class BlockAPI:
             return PoolFill(blocks, num_filled, per_tier)
 
     def _fill(self, keys: Sequence[BlockKey], blocks: Sequence[PoolBlock]) -> tuple[int, dict[TierKind, int]]:
-        stack = self.store.stack
+        stack = self._stack
         plan = stack.locate([k.block_hash for k in keys])
         end = next((i for i, t in enumerate(plan) if stack.tiers[t].traits.engine_memory), len(plan))
         views = [self._pool.block_view(b.block_id) for b in blocks[:end]]

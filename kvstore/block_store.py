@@ -1,0 +1,165 @@
+"""`TierBlockStore`: the engine API (`engine_api.BlockStore`) over one store's tier stack.
+
+Its one job is moving whole blocks by key between an engine and the tiers: it validates the
+keys and tensors, takes the store's lock, asks `TierStack` (which places every byte) and
+counts. It owns the store's generation (bumped by `clear`, which it also runs, so work begun
+before a clear never brings its bytes back after it) and the event log `take_events`
+drains. What it shares with `KVCacheStore` (lock, counters, background work, whether the
+store is open) it is given at construction; it reads nothing of the store's.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from kvstore.block_events import EventLog
+from kvstore.config import StoreConfig
+from kvstore.engine_api import BlockStore, Destinations, EventBatch, LoadResult, LookupResult, SaveResult
+from kvstore.errors import InvalidInputError, StoreClosedError
+from kvstore.keying import ChainKeys, key_hashes
+from kvstore.lifecycle import Lifecycle
+from kvstore.results import ClearResult, StoreCounters
+from kvstore.tier_stack import TierStack
+from kvstore.timing import timed
+from kvstore.validate import check_block_tensors
+from tiers.base import BlockKey
+from tiers.blockbatch import BlockBatch
+
+
+def check_keys(keys: object) -> Sequence[BlockKey]:
+    """`keys` if it is a sequence of `BlockKey`s; `InvalidInputError` naming the first bad one."""
+    if isinstance(keys, ChainKeys):
+        return keys
+    if isinstance(keys, (str, bytes, bytearray)) or not isinstance(keys, Sequence):
+        raise InvalidInputError(f"block keys must be a sequence of BlockKey, got {type(keys).__name__}")
+    for i, key in enumerate(keys):
+        if not isinstance(key, BlockKey) or not isinstance(key.block_hash, bytes) or not key.block_hash \
+                or not isinstance(key.tokens, bytes):
+            raise InvalidInputError(f"block key {i} is not a BlockKey of KVCacheStore.keys or engine_keys: "
+                                    f"{key!r:.80}")
+    return keys
+
+
+class TierBlockStore(BlockStore):
+    """See the module docstring and `engine_api.BlockStore` for what each call does."""
+
+    def __init__(self, config: StoreConfig, stack: TierStack, lock: threading.RLock, counters: StoreCounters,
+                 work: Lifecycle, check_open: Callable[[], None]) -> None:
+        self._config, self._stack, self._lock = config, stack, lock
+        self.counters = counters
+        self._work = work
+        self._check_open = check_open
+        self._events = EventLog()
+        self.block_size = config.block_size
+        self.generation = 0  # clear() calls so far
+        # Called with ("store" | "load", seconds) after each such call when set (the store's
+        # `observe_latency` sets it too).
+        self.observe_latency: Callable[[str, float], None] | None = None
+
+    def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
+        self._check_open()
+        hashes = key_hashes(check_keys(keys))
+        with self._lock:
+            self._check_open()
+            self.counters.num_lookup_calls += 1
+            tiers = self._stack.tiers
+            return LookupResult([tiers[i].kind for i in self._stack.locate(hashes)])
+
+    @timed("load")
+    def load(self, keys: Sequence[BlockKey], destinations: Destinations) -> LoadResult:
+        self._check_open()
+        keys = check_keys(keys)
+        given = not callable(destinations)
+        if given:
+            check_block_tensors(self._config, destinations, len(keys), destination=True)
+        with self._lock:
+            self._check_open()
+            hashes = key_hashes(keys)
+            # Given destinations, the slowest tier is read without a lookup first (one round
+            # trip to a remote server, one transaction on disk); else the hit sizes them.
+            plan = self._stack.plan_load(hashes) if given else self._stack.locate(hashes)
+            if plan and callable(destinations):
+                destinations = destinations(len(plan))
+                check_block_tensors(self._config, destinations, len(plan), destination=True)
+            c = self.counters
+            c.num_retrieve_calls += 1
+            c.num_tokens_requested += len(keys) * self.block_size
+            if not plan:
+                return LoadResult(0, {})
+            assert not callable(destinations)
+            built = list(keys[: len(plan)])
+            num_ok, counts = self._stack.load(built, destinations, plan)
+            self._stack.promote(built, destinations, plan, num_ok)
+            c.num_tokens_hit += num_ok * self.block_size
+            return LoadResult(num_ok, counts)
+
+    @timed("store")
+    def save(self, keys: Sequence[BlockKey], sources: Sequence[torch.Tensor], *,
+             generation: int | None = None) -> SaveResult:
+        self._check_open()
+        keys = check_keys(keys)
+        check_block_tensors(self._config, sources, len(keys))
+        with self._lock:
+            self._check_open()
+            current = self._current(generation)  # raises for a bad value before anything counts
+            self.counters.num_store_calls += 1
+            if not current:
+                return SaveResult(0, 0)
+            written = self._stack.put(list(keys), sources)
+            self.counters.num_blocks_stored += written
+            if len(keys) <= self._stack.top.capacity_blocks:
+                return SaveResult(written, len(keys))  # the top tier took every block (no second lookup)
+            return SaveResult(written, len(self._stack.locate(key_hashes(keys))))  # some may be gone
+
+    def _current(self, generation: int | None) -> bool:
+        """Whether KV produced at `generation` may be stored now (call with the lock held)."""
+        if generation is None:
+            return True
+        if not isinstance(generation, int) or isinstance(generation, bool) or not 0 <= generation <= self.generation:
+            raise InvalidInputError(f"generation must be a value of KVCacheStore.generation (now {self.generation}) "
+                                    f"or None, got {generation!r}")
+        return generation == self.generation
+
+    def prefetch(self, keys: Sequence[BlockKey]) -> Future[int]:
+        self._check_open()
+        built = list(check_keys(keys))  # here: the caller may change its tokens once this returns
+        return self._work.submit(self._prefetch, built)
+
+    def _prefetch(self, keys: list[BlockKey]) -> int:
+        hashes = key_hashes(keys)
+        work, stack = self._work, self._stack
+        try:
+            with work.outside():
+                with self._lock:
+                    if work.closing:
+                        return 0
+                    generation = self.generation  # what the reads below see; a clear() later voids them
+                    plan = stack.plan_prefetch(hashes)
+                if plan is not None:
+                    buffer = BlockBatch(torch.empty((len(plan.positions), *self._config.block_shape),
+                                                    dtype=self._config.layout.dtype))
+                    got, counts = stack.read_prefetch(keys, plan, buffer, lambda: work.closing)
+                    with self._lock:
+                        if got and generation == self.generation and not work.closing:
+                            stack.insert_prefetched(keys, plan, buffer, got, counts)
+                with self._lock:
+                    return 0 if work.closing else stack.leading_in_memory(hashes)
+        except StoreClosedError:  # close() began: a queued or running prefetch resolves to 0
+            return 0
+
+    def take_events(self) -> EventBatch:
+        with self._lock:
+            self._check_open()
+            self._events.start(self._stack.changes)
+            self._stack.changes.publish()
+        return self._events.take()
+
+    def clear(self, *, all_namespaces: bool = False) -> ClearResult:
+        """Delete the store's blocks from every tier (see `KVCacheStore.clear`) and begin a new
+        generation; the event log records each tier cleared. Call with the lock held."""
+        self.generation += 1
+        return self._stack.clear(all_namespaces=all_namespaces)  # each tier's CLEARED goes to the event log
