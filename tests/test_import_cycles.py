@@ -16,6 +16,8 @@ LIBRARY = ("tiers", "kvstore", "engine_adapter", "router", "cli")
 KNOWN = {
     frozenset({"tiers.eviction", "tiers.arc", "tiers.lfu", "tiers.s3fifo"}),  # policies by name (registry)
     frozenset({"kvstore.config", "kvstore.codec_config"}),  # codec checks carved out of the config
+    frozenset({"kvstore.config", "kvstore.tier_configs"}),  # flat fields -> tier configs (a type-only edge back)
+    frozenset({"tiers.base", "tiers.changes"}),  # the change log names BlockKey (a type-only edge back)
 }
 
 

@@ -16,6 +16,7 @@ from kvstore.hashing import engine_block_hash, namespace_seed
 from kvstore.keying import Keyer
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import BlockKey, TierKind
+from tiers.changes import ChangeKind, TierChange
 
 Factory = Callable[..., KVCacheStore]
 PAGES = [f"sglang-page-{i:02d}" for i in range(6)]  # an engine's own page keys: no tokens
@@ -193,15 +194,20 @@ def test_take_events_drains_the_changes_since_the_last_call(make_store: Factory)
 
 def test_the_event_buffer_is_bounded_and_says_what_it_dropped() -> None:
     log = EventLog(max_blocks=4)
-    log.on_change(TierKind.CPU, True, [BlockKey(bytes([i])) for i in range(3)])
-    log.on_clear(TierKind.CPU)  # not started: nothing recorded
-    log.started = True
-    log.on_change(TierKind.CPU, False, [BlockKey(b"x"), BlockKey(b"y")])  # the first 3 make room for these
-    log.on_clear(TierKind.DISK)
+
+    def change(tier: TierKind, kind: ChangeKind, ids: range | list[bytes]) -> TierChange:
+        return TierChange(tier, kind, [BlockKey(bytes([i]) if isinstance(i, int) else i) for i in ids])
+
+    log.on_changes([change(TierKind.CPU, ChangeKind.ENTERED, range(3))])
+    log.on_changes([change(TierKind.CPU, ChangeKind.LEFT, [b"x", b"y"])])  # the first 3 make room for these
+    log.on_changes([change(TierKind.DISK, ChangeKind.CLEARED, [])])
     taken = log.take()
     assert [e.change for e in taken.events] == [BlockChange.REMOVED, BlockChange.CLEARED] and taken.num_dropped == 3
-    log.on_change(TierKind.CPU, True, [BlockKey(bytes([i])) for i in range(5)])  # larger than the buffer
+    log.on_changes([change(TierKind.CPU, ChangeKind.ENTERED, range(5))])  # larger than the buffer
     assert log.take() == ([], 5) and log.take() == ([], 0)
+    log.on_changes([change(TierKind.CPU, ChangeKind.RESYNC, range(2))])  # a tier restated: cleared, then held
+    assert [(e.change, len(e.block_hashes)) for e in log.take().events] == [(BlockChange.CLEARED, 0),
+                                                                           (BlockChange.STORED, 2)]
 
 
 def test_a_retrieve_is_timed_once_under_its_own_name(make_store: Factory) -> None:
