@@ -18,7 +18,7 @@ import torch
 
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
 from tiers.blockbatch import BlockBatch, copy_rows
-from tiers.blockcopy import copy_block, host_memory_bytes
+from tiers.blockcopy import copy_block, host_memory_bytes, mapped_tensor
 from tiers.changes import ChangeKind
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
 from tiers.free_queue import FreeBlockQueue, PoolBlock
@@ -75,8 +75,12 @@ class BlockPool(Tier):
         num_bytes = num_blocks * num_layers * two * block_size * heads * dim * dtype.itemsize
         if num_bytes > _memory_bytes(self.device):  # refuse before zeroing (touching) it all
             raise ValueError(f"{num_blocks} blocks need {num_bytes} bytes, more than {self.device} has")
-        self.kv_cache = torch.zeros((num_layers, two, num_blocks, block_size, heads, dim), dtype=dtype,
-                                    device=self.device)
+        shape = (num_layers, two, num_blocks, block_size, heads, dim)
+        if self.device.type == "cpu":  # a mapping of its own: close() returns it to the OS
+            self.kv_cache = mapped_tensor(shape, dtype)
+            self.kv_cache.view(torch.uint8).zero_()  # fault every page in now, as torch.zeros does
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self._rows = self.kv_cache.movedim(2, 0)  # [num_blocks, L, 2, b, H, D] view: row i is block i
         self.num_blocks = num_blocks
         self.blocks = [PoolBlock(i) for i in range(num_blocks)]

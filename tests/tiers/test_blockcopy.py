@@ -54,21 +54,26 @@ def mapping(addr):
         if start <= addr < end:
             return [start, end, line.split()[-1] if len(line.split()) > 5 else ""]
 
-tier = CPUTier(64, (2, 2, 16, 4, 64), torch.bfloat16, pin_memory=False)
-before = mapping(tier.slab.data_ptr())
-tier.close()
-gc.collect()
-print(json.dumps([before, mapping(before[0])]))
+from tiers.gpu_pool import BlockPool
+out = []
+for tier, data in ((CPUTier(64, (2, 2, 16, 4, 64), torch.bfloat16, pin_memory=False), "slab"),
+                   (BlockPool(64, (2, 2, 16, 4, 64), torch.bfloat16, device="cpu"), "kv_cache")):
+    before = mapping(getattr(tier, data).data_ptr())
+    tier.close()
+    gc.collect()
+    out.append([before, mapping(before[0])])
+print(json.dumps(out))
 """
 
 
-def test_a_cpu_slab_has_a_mapping_of_its_own_that_close_returns() -> None:
+def test_host_kv_has_a_mapping_of_its_own_that_close_returns() -> None:
     """Even where malloc would carve a large block out of its heap (here: mmap disabled for
-    malloc), the CPU tier's slab is a mapping of its own, and closing the tier unmaps it."""
+    malloc), the CPU tier's slab and a CPU block pool's KV tensor are each a mapping of their
+    own, and closing the tier unmaps it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-c", _SLAB_IN_A_HEAP], capture_output=True, text=True, timeout=120,
                           cwd=ROOT, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    before, after = json.loads(done.stdout.strip().splitlines()[-1])
-    assert before[2] != "[heap]" and before[1] - before[0] >= 64 * 2 * 2 * 16 * 4 * 64 * 2, before
-    assert after is None or after[:2] != before[:2], (before, after)
+    for before, after in json.loads(done.stdout.strip().splitlines()[-1]):
+        assert before[2] != "[heap]" and before[1] - before[0] >= 64 * 2 * 2 * 16 * 4 * 64 * 2, before
+        assert after is None or after[:2] != before[:2], (before, after)
