@@ -80,21 +80,28 @@ class DripServer:
                     break
                 name = command[0].decode().upper()
                 self.commands.append(name)
-                reply = self._reply(command)
-                if name not in self.drip or on_generation(command):
-                    conn.sendall(reply)
-                    continue
-                for i in range(len(reply)):
-                    if self._stop.is_set():
-                        return
-                    conn.sendall(reply[i : i + 1])
-                    time.sleep(self.interval_s)
+                if not self._answer(conn, name, command):
+                    return
         except OSError:  # the client gave up and closed the connection
             pass
         finally:
             with self._lock:
                 self.num_closed += 1
             conn.close()
+
+    def _answer(self, conn: socket.socket, name: str, command: list[bytes]) -> bool:
+        """Send the reply to `command` (named `name`), dripped if its name is in `drip`; False
+        once the server is stopping."""
+        reply = self._reply(command)
+        if name not in self.drip or on_generation(command):
+            conn.sendall(reply)
+            return True
+        for i in range(len(reply)):
+            if self._stop.is_set():
+                return False
+            conn.sendall(reply[i : i + 1])
+            time.sleep(self.interval_s)
+        return True
 
     def close(self) -> None:
         self._stop.set()

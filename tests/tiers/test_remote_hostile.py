@@ -10,13 +10,13 @@ from __future__ import annotations
 import socket
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from tests.drip_server import DripServer, _read_command, on_generation
+from tests.drip_server import DripServer, on_generation
 from tests.reliability.kvgen import BLOCK, LAYOUT
 from tiers.base import BlockHash, BlockKey
 from tiers.remote import RemoteTier
@@ -36,26 +36,13 @@ class HostileServer(DripServer):
         self.answers, self.flood, self.flood_bytes = answers, flood or set(), flood_bytes
         super().__init__(set())
 
-    def _serve(self, conn: socket.socket) -> None:
-        reader = conn.makefile("rb")
+    def _answer(self, conn: socket.socket, name: str, command: list[bytes]) -> bool:
+        hostile = None if on_generation(command) else self.answers.get(name)
+        conn.sendall(hostile or self._reply(command))
         piece = b"x" * (1 << 16)
-        try:
-            while not self._stop.is_set():
-                command = _read_command(reader)
-                if command is None:
-                    break
-                name = command[0].decode().upper()
-                self.commands.append(name)
-                hostile = None if on_generation(command) else self.answers.get(name)
-                conn.sendall(hostile or self._reply(command))
-                for _ in range(self.flood_bytes // len(piece) if name in self.flood else 0):
-                    conn.sendall(piece)
-        except OSError:  # the client closed the connection
-            pass
-        finally:
-            with self._lock:
-                self.num_closed += 1
-            conn.close()
+        for _ in range(self.flood_bytes // len(piece) if name in self.flood else 0):
+            conn.sendall(piece)
+        return True
 
 
 def _tier(url: str) -> RemoteTier:
@@ -123,15 +110,6 @@ def test_a_flooded_info_reply_is_cut_at_the_calls_bound() -> None:
             tier.close()
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    a.settimeout(10)
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.parametrize("reply", [GIB_CLAIM, b"*1000000000\r\n", b"%600000000\r\n", b"!1073741824\r\n",

@@ -8,24 +8,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from cli.redis_servers import redis_server
 from tiers.resp import Oversized, ProtocolError, ReplyError, RespReader, command, send_all
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    a.settimeout(10)
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def _drip(sock: socket.socket, data: bytes, piece: int) -> threading.Thread:
