@@ -157,6 +157,14 @@ def _post(url: str, body: bytes) -> int:
         return exc.code
 
 
+def _matched_tokens(url: str, instance: str) -> int | None:
+    """What `/lookup` at `url` says `instance` holds of tokens 1..4."""
+    with urllib.request.urlopen(urllib.request.Request(url, data=b'{"token_ids": [1, 2, 3, 4]}', method="POST"),
+                                timeout=10) as resp:
+        matched: int | None = json.loads(resp.read())["instances"].get(instance, {}).get("matched_tokens")
+        return matched
+
+
 def test_a_real_subscription_outlives_garbage_and_http_never_answers_500(served: Any) -> None:
     router, pub = served
     garbage = [[b"", b"x"], [b"", b"\x00" * 8, b"\xc1"], [b"", b"\x00" * 8, msgpack.packb([float("inf"), [], 0])],
@@ -175,10 +183,8 @@ def test_a_real_subscription_outlives_garbage_and_http_never_answers_500(served:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the subscription is alive: a good batch after the garbage lands
         pub.send_multipart([b"", (3).to_bytes(8, "big"), msgpack.packb([0.0, [good], 0])])
-        with urllib.request.urlopen(urllib.request.Request(url, data=b'{"token_ids": [1, 2, 3, 4]}',
-                                                           method="POST"), timeout=10) as resp:
-            if json.loads(resp.read())["instances"].get("a", {}).get("matched_tokens") == 4:
-                break
+        if _matched_tokens(url, "a") == 4:
+            break
         time.sleep(0.2)
     else:
         raise AssertionError("the subscription died on malformed messages")
@@ -249,10 +255,8 @@ def test_a_subscription_outlives_oversized_declarations_and_lookups_answer(serve
             seq += 1
         pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([0.0, [good], 0])])
         seq += 1
-        with urllib.request.urlopen(urllib.request.Request(url, data=b'{"token_ids": [1, 2, 3, 4]}',
-                                                           method="POST"), timeout=10) as resp:
-            if json.loads(resp.read())["instances"].get("a", {}).get("matched_tokens") == 4:
-                break
+        if _matched_tokens(url, "a") == 4:
+            break
         time.sleep(0.2)
     else:
         raise AssertionError("the subscription died on oversized declarations")
