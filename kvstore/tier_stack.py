@@ -26,7 +26,6 @@ from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
 from tiers.blockbatch import take
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
-from tiers.remote import RemoteTier
 
 logger = logging.getLogger(__name__)
 _P = ParamSpec("_P")
@@ -303,15 +302,12 @@ class TierStack:
     def clear(self, *, all_namespaces: bool = False) -> ClearResult:
         """Delete this namespace's blocks from every tier (with `all_namespaces`, every block
         kvstrata wrote in the tiers several namespaces share); each tier's changes end with a
-        `CLEARED`. Returns whether the remote tier's sweep finished, and how many keys it
-        deleted (`RemoteTier.sweep`)."""
+        `CLEARED`. Returns whether every tier's sweep finished, and how many keys they
+        deleted (`Tier.sweep`: a server's tier counts them)."""
         complete, deleted = True, 0
         for tier in self.tiers:
-            if isinstance(tier, RemoteTier):
-                swept = tier.sweep(all_namespaces=all_namespaces)
-                complete, deleted = complete and swept.complete, deleted + swept.num_deleted
-            else:
-                tier.clear(all_namespaces=all_namespaces)
+            swept = tier.sweep(all_namespaces=all_namespaces)
+            complete, deleted = complete and swept.complete, deleted + swept.num_deleted
             self.changes.collect(tier)
             self.changes.add(TierChange(tier.kind, ChangeKind.CLEARED, ()))
         return ClearResult(complete, deleted)

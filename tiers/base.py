@@ -158,6 +158,13 @@ class ScrubResult(NamedTuple):
     num_foreign: int = 0
 
 
+class SweepResult(NamedTuple):
+    """What a clear deleted (keys a tier counts, else 0); `complete` False: some may be left."""
+
+    num_deleted: int
+    complete: bool
+
+
 @dataclass(frozen=True)
 class TenantStats:
     """A snapshot of one tenant's share of a tier, under its hashed label."""
@@ -172,8 +179,7 @@ class TenantStats:
 
 @dataclass(frozen=True)
 class TierStats:
-    """A snapshot of one tier's occupancy and counters (`tenants`: per-tenant shares, where
-    the tier keeps quotas)."""
+    """A snapshot of one tier's occupancy and counters (`tenants`: per-tenant shares)."""
 
     kind: TierKind
     num_blocks: int
@@ -229,12 +235,10 @@ class Tier(abc.ABC):
         return tier
 
     def take_changes(self) -> list[TierChange]:
-        """The blocks that entered and left this tier since the last call, oldest first, as
-        the tier recorded them; forgets them. The first call starts the recording (it returns
-        nothing: a tier nobody asks keeps no changes). If nobody took them for so long that
-        the log overflowed (`tiers/changes.py`), the first change is a `RESYNC` with the keys
-        the tier holds now (`held_keys`; none for a tier that keeps no keys, or once it is
-        closed). Safe from any thread; changes nothing else."""
+        """The blocks that entered and left this tier since the last call, oldest first; forgets
+        them. The first call starts the recording (and returns nothing). After an overflow
+        (`tiers/changes.py`) the first change is a `RESYNC` with the keys the tier holds now
+        (`held_keys`, where it keeps keys and is open). Safe from any thread."""
         return self._changes.take(self.kind, self.held_keys)
 
     @property
@@ -243,8 +247,7 @@ class Tier(abc.ABC):
         return self._changes.num_dropped
 
     def _record(self, kind: ChangeKind, blocks: Sequence[BlockKey | BlockHash]) -> None:
-        """Record that `blocks` (keys, or bare hashes) entered or left this tier (nothing
-        for none). Never raises, never blocks on more than the log's own lock."""
+        """Record that `blocks` (keys or bare hashes) entered or left this tier; never raises."""
         if blocks:
             self._changes.record(TierChange(self.kind, kind, [b if isinstance(b, BlockKey) else BlockKey(b)
                                                               for b in blocks]))
@@ -369,6 +372,11 @@ class Tier(abc.ABC):
         """Delete every block of this store's namespace. A tier several namespaces share (a
         disk directory, a server) deletes, with `all_namespaces`, every block kvstrata wrote
         there, whoever wrote it; other tiers hold one namespace and ignore the flag."""
+
+    def sweep(self, *, all_namespaces: bool = False) -> SweepResult:
+        """`clear`, saying how it went (a tier whose clear can stop short overrides it)."""
+        self.clear(all_namespaces=all_namespaces)
+        return SweepResult(0, True)
 
     def scrub(self) -> ScrubResult | None:
         """Validate every block held; delete the damaged ones. None for a tier that keeps no

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits
+from tiers.base import BlockHash, BlockKey, Occupancy, SweepResult, Tier, TierCounters, TierKind, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
@@ -34,7 +34,7 @@ from tiers.lmdb_record import RecordCodec
 from tiers.remote_client import RateLimitedWarning, Server, connect
 from tiers.remote_keys import Generation, KeyLayout, new_generation
 from tiers.remote_stream import Op, ReplyTooLong, command
-from tiers.remote_sweep import SweepResult, Walk, sweep, unfinished
+from tiers.remote_sweep import Walk, sweep, unfinished
 from tiers.remote_url import SCHEMES, check_url, identity, redacted
 from tiers.remote_writer import Record, WriteQueue
 

@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
+
+from tiers.base import SweepResult
 
 # (what, bytes moved, fn(client), reply bytes) -> fn's result; None for a fault (counted by the caller)
 Call = Callable[[str, int, Callable[[Any], Any], int], Any]
 
 KEY_BYTES = 1024  # the longest key a round may return, on average, within its bound
 _COMMAND_BYTES = 64  # an UNLINK's bytes beside its key, and its reply
-
-
-class SweepResult(NamedTuple):
-    """What a sweep deleted, and whether it walked every node to its end without a fault
-    (False: keys that had to go may be left)."""
-
-    num_deleted: int
-    complete: bool
 
 
 def _nodes(client: Any) -> list[Any]:
