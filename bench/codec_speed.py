@@ -56,7 +56,7 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 def one_round(name: str, srcs: list[torch.Tensor], workdir: Path, url: str | None) -> dict[str, float]:
     from tiers.base import BlockHash, BlockKey
     from tiers.codecs import CodecSpec, build_codec, parse_codec
-    from tiers.lmdb import LMDBTier
+    from tiers.disk.tier import LMDBTier
 
     kind = parse_codec(name)
     codec = build_codec(kind, SHAPE, torch.bfloat16)
@@ -77,7 +77,7 @@ def one_round(name: str, srcs: list[torch.Tensor], workdir: Path, url: str | Non
     finally:
         disk.close()
     if url is not None:
-        from tiers.remote import RemoteTier
+        from tiers.remote.tier import RemoteTier
 
         remote = RemoteTier(url, SHAPE, torch.bfloat16, namespace=name.encode().ljust(16, b"."), verify_tokens=False,
                             timeout_s=5.0, codec=CodecSpec(kind))

@@ -40,7 +40,7 @@ from cli.output import print_table, write_results
 from cli.progress import tqdm
 from cli.redis_servers import RedisServer, check_server, redis_binary, redis_cluster
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from tiers.remote import connect
+from tiers.remote.tier import connect
 
 # (layers, block_size, tokens or None for --mib) at 8 KV heads x 128 dims in bf16 (4 KiB/token/layer)
 SIZES: dict[str, tuple[int, int, int | None]] = {

@@ -39,9 +39,9 @@ from cli.output import RESULTS_DIR, print_table, write_results
 from cli.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
-from tiers.admission import parse_admission
 from tiers.base import TierKind
-from tiers.eviction import EvictionKind
+from tiers.policies.admission import parse_admission
+from tiers.policies.eviction import EvictionKind
 
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_FRACTIONS = "1/64,1/32,1/16,1/8,1/4,1/2"  # of the policy replay
@@ -291,7 +291,7 @@ def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_
     fractions = fractions or parse_fractions("1/32,1/16,1/8,1/4")
     name = Path(trace_path).name.removesuffix(".gz").removesuffix(".jsonl")
     if remote_url is not None and fleet is None:
-        from tiers.remote import redacted
+        from tiers.remote.tier import redacted
 
         raise click.UsageError(f"--remote-url {redacted(remote_url)!r} needs --fleet N")
     if fleet is not None:

@@ -1,12 +1,12 @@
 """`kvstrata bench trace --policy ...`: eviction and admission policies on the Mooncake traces.
 
 For each trace and each capacity (a fraction of the trace's unique blocks), in one run:
-- one tier of that capacity under every policy asked (`tiers/eviction.py`, through
+- one tier of that capacity under every policy asked (`tiers/policies/eviction.py`, through
   `bench/trace_sim.py`, which drives the shipped classes), with Belady's offline optimum as
   the upper bound and LRU as the baseline: block hit ratio, the share of the LRU-to-Belady gap
   each policy closes, and the blocks written into the tier;
 - the same tier over a lower tier (`--lower-x` capacities, the disk) under every policy and
-  every demotion admission asked (`tiers/admission.py`): hit ratio, blocks written into each
+  every demotion admission asked (`tiers/policies/admission.py`): hit ratio, blocks written into each
   tier, and the disk writes admission saves against admitting all.
 Hit ratios count prefix hits: a request hits its longest cached prefix. Results are
 deterministic (no randomness in the replay; the admission sketch hashes deterministically).
@@ -23,8 +23,8 @@ from bench.trace import TRACE_BLOCK_TOKENS, infinite_hits, load_trace
 from bench.trace_sim import SimTier, Stack, belady_hit_blocks, parents_of
 from cli.output import RESULTS_DIR, print_table
 from cli.progress import tqdm
-from tiers.admission import AdmissionSpec
-from tiers.eviction import EvictionKind
+from tiers.policies.admission import AdmissionSpec
+from tiers.policies.eviction import EvictionKind
 
 NAMES = {"lru": "LRU", "s3fifo": "S3-FIFO", "arc": "ARC", "lfu": "LFU"}
 

@@ -1,6 +1,6 @@
 """The policy replay: a trace through tiers of block ids run by the shipped policy classes.
 
-A `SimTier` is the CPU tier without its bytes: the same `tiers.residency.Residency` (hence the
+A `SimTier` is the CPU tier without its bytes: the same `tiers.cpu.residency.Residency` (hence the
 same eviction policies, prefix links, quotas and use epochs), the same sequence of calls on a
 put (touch the held blocks, split off what can never fit, take victims, send down what the
 demotion admission admits, add, touch again, end the epoch) and on a read. `serve` replays
@@ -18,10 +18,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiers.admission import Admission, AdmissionSpec, parse_admission
-from tiers.eviction import EvictionKind
-from tiers.quota import NO_TENANT
-from tiers.residency import Residency
+from tiers.cpu.residency import Residency
+from tiers.policies.admission import Admission, AdmissionSpec, parse_admission
+from tiers.policies.eviction import EvictionKind
+from tiers.policies.quota import NO_TENANT
 
 
 def plan_ids(ids: Sequence[int], held: Residency[int], room: int) -> tuple[list[int], list[int]]:

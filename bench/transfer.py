@@ -20,7 +20,7 @@ from cli.output import print_table, write_results
 from cli.progress import tqdm
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from tiers.blockcopy import copy_block
+from tiers.shared.blockcopy import copy_block
 
 
 def _sync() -> None:

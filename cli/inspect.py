@@ -1,6 +1,6 @@
 """`kvstrata inspect PATH`: what a disk tier holds, per namespace, read-only, and its damage.
 
-Asks the disk tier (`tiers.lmdb.summarize`) to read its index under PATH read-only (safe
+Asks the disk tier (`tiers.disk.tier.summarize`) to read its index under PATH read-only (safe
 while engines use it: readers take no writer lock) and prints, per namespace: the model
 identity its stores registered (namespace text, layout, block size, hash algorithm), blocks,
 bytes, damaged blocks, the LRU ticks of its least and most recently used blocks (a tick is
@@ -25,7 +25,7 @@ import click
 
 from cli.args import CONTEXT, invoke
 from cli.output import print_table
-from tiers.lmdb import summarize
+from tiers.disk.tier import summarize
 
 
 def inspect(path: str) -> dict[str, Any]:

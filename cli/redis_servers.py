@@ -150,7 +150,7 @@ def check_server(url: str, option: str = "--url", timeout_s: float = 3.0) -> Non
     """
     import redis
 
-    from tiers.remote import check_url, connect, redacted
+    from tiers.remote.tier import check_url, connect, redacted
 
     check_url(url)
     shown = f"{option} {redacted(url)}"

@@ -16,7 +16,7 @@ from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes,
 from kvstore.results import ClearResult
 from kvstore.store import CloseResult, KVCacheStore, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
-from tiers.disk_durability import DiskSync
+from tiers.disk.durability import DiskSync
 
 __version__ = "0.1.0"
 

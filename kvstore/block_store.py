@@ -27,7 +27,7 @@ from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
 from tiers.base import BlockKey
-from tiers.blockbatch import BlockBatch
+from tiers.shared.blockbatch import BlockBatch
 
 
 def check_keys(keys: object) -> Sequence[BlockKey]:

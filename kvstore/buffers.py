@@ -21,7 +21,7 @@ import weakref
 import numpy as np
 import torch
 
-from tiers.blockcopy import host_memory_bytes
+from tiers.shared.blockcopy import host_memory_bytes
 
 _HUGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux

@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 from tiers.base import Tier
 from tiers.changes import TierChange
+from tiers.shared.ratelimit import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[Sequence[TierChange]], None]
 """Takes changes in the order they happened; called under the feed's lock, from any thread
 that publishes: it must not block, nor call back into the feed or the tier stack."""
-
-_WARN_EVERY_S = 60.0
-
 
 class ChangeFeed:
     """The changes of one stack's tiers on their way to the sinks.
@@ -44,7 +41,7 @@ class ChangeFeed:
         self._pending = [c for tier in self._tiers for c in tier.take_changes()]  # the tiers record from now on
         self._sinks: list[Sink] = []
         self.num_sink_errors = 0  # sink calls that raised (logged, at most once a minute)
-        self._warned_at = -_WARN_EVERY_S
+        self._warn = RateLimitedWarning(logger, every_s=60.0)
 
     def add_sink(self, sink: Sink) -> None:
         """Hand every change published from now on to `sink` too (after the sinks added
@@ -83,8 +80,5 @@ class ChangeFeed:
                     sink(changes)
                 except Exception as exc:  # a sink's fault never reaches the store's caller
                     self.num_sink_errors += 1
-                    now = time.monotonic()
-                    if now - self._warned_at >= _WARN_EVERY_S:
-                        self._warned_at = now
-                        logger.warning("kvstrata: a tier-change sink failed (%s: %s); %d failures so far",
-                                       type(exc).__name__, exc, self.num_sink_errors)
+                    self._warn(f"a tier-change sink failed ({type(exc).__name__}: {exc}); "
+                               f"{self.num_sink_errors} failures so far")

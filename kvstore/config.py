@@ -18,13 +18,13 @@ from kvstore.layout import DTYPES, MAX_DIM, KVLayout, dtype_name
 from kvstore.load_policy import LoadPolicyMode
 from kvstore.settings import parse_bool, parse_optional_str, parse_str
 from kvstore.tier_configs import flat_values, parse_given, store_tiers
-from tiers.admission import ADMIT_ALL, AdmissionSpec
 from tiers.codecs import CodecKind
-from tiers.disk_config import MAX_DISK_BYTES
-from tiers.disk_durability import DiskSync
-from tiers.eviction import EvictionKind
-from tiers.gpu_pool import DemotionPolicy
+from tiers.disk.config import MAX_DISK_BYTES
+from tiers.disk.durability import DiskSync
 from tiers.plugins import is_int_at_least, require_int
+from tiers.policies.admission import ADMIT_ALL, AdmissionSpec
+from tiers.policies.eviction import EvictionKind
+from tiers.pool.gpu_pool import DemotionPolicy
 from tiers.tier_config import TierConfig
 
 __all__ = ["DTYPES", "MAX_DIM", "MAX_DISK_BYTES", "HashAlgo", "KVLayout", "StoreConfig", "dtype_name",
@@ -71,7 +71,7 @@ class StoreConfig:
             store's blocks are synced to the device before it returns), `DiskSync.GROUP`
             (synced by a background thread within 0.2 s) or `DiskSync.NONE` (the kernel
             writes back when it likes). A name or a bool is accepted (True: COMMIT, False:
-            NONE); see `tiers/disk_durability.py`.
+            NONE); see `tiers/disk/durability.py`.
         write_through: write stored blocks to the disk tier at once as well as to the CPU
             tier (they survive a killed process; CPU eviction costs no write). Otherwise
             blocks reach disk when the CPU tier evicts them, or on `close()`.
@@ -129,7 +129,7 @@ class StoreConfig:
             read or demoted; a block damaged in memory is then a miss (costs one hash per
             block written and per block read).
         cpu_eviction: the CPU tier's eviction policy, `EvictionKind` or its name: "lru"
-            (default), "s3fifo", "arc" or "lfu" (`tiers/eviction.py`; measured against LRU and
+            (default), "s3fifo", "arc" or "lfu" (`tiers/policies/eviction.py`; measured against LRU and
             Belady's optimum in docs/performance.md). Whatever the policy, a block whose
             children are held is evicted after them where the keys name their parents.
         demote_admission: which blocks the CPU tier, evicting them, writes to the tier below:

@@ -3,7 +3,7 @@
 `register_metrics(store)` adds the store to its registry's one `StoreCollector` (the default
 registry unless given): every scrape reads each live store's `stats()` and its tiers'
 counters (and, for a tier with tenant quotas, each tenant's share under a hashed `tenant`
-label: only tenants holding blocks, at most `tiers.quota.LABELLED_TENANTS` a tier, the rest
+label: only tenants holding blocks, at most `tiers.policies.quota.LABELLED_TENANTS` a tier, the rest
 and the departed summed under `tenant="other"`), so a store's hot path does no metric work
 beyond timing its calls into one latency histogram. Labels: `namespace` (a short digest of
 the store's namespace seed), `store` (which store of the process: several may share a

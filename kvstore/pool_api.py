@@ -22,8 +22,8 @@ import torch
 from kvstore.errors import InvalidInputError
 from kvstore.tier_stack import TierStack
 from tiers.base import BlockHash, BlockKey, TierKind
-from tiers.free_queue import PoolBlock
-from tiers.gpu_pool import BlockPool, NoFreeBlocksError
+from tiers.pool.free_queue import PoolBlock
+from tiers.pool.gpu_pool import BlockPool, NoFreeBlocksError
 
 
 class PrefixMatch(NamedTuple):

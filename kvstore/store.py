@@ -36,8 +36,8 @@ from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_device, check_disjoint, check_kv, check_writable
 from tiers.base import BlockKey, ScrubResult, Tier, TierKind
-from tiers.blockbatch import BlockBatch, block_rows
-from tiers.gpu_pool import BlockPool
+from tiers.pool.gpu_pool import BlockPool
+from tiers.shared.blockbatch import BlockBatch, block_rows
 
 __all__ = ["CloseResult", "KVCacheStore", "LoadResult", "RetrieveResult", "StoreStats"]
 

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvstore.codec_config import check_tier_codecs
 from kvstore.errors import ConfigError
-from tiers.admission import AdmissionKind, parse_admission
 from tiers.codecs import CodecConfig, codec_config, parse_codec
-from tiers.cpu_config import CPUTierConfig, check_fits
-from tiers.disk_config import DiskTierConfig, check_disk_bytes, check_path
-from tiers.disk_durability import DiskSync
-from tiers.eviction import eviction_config, parse_eviction
+from tiers.cpu.config import CPUTierConfig, check_fits
+from tiers.disk.config import DiskTierConfig, check_disk_bytes, check_path
+from tiers.disk.durability import DiskSync
 from tiers.plugins import require_int, shape
-from tiers.pool_config import PoolTierConfig, check_device, parse_demotion
-from tiers.remote_config import MAX_TTL_S, RemoteTierConfig, check_timeout
-from tiers.remote_url import check_url
+from tiers.policies.admission import AdmissionKind, parse_admission
+from tiers.policies.eviction import eviction_config, parse_eviction
+from tiers.pool.config import PoolTierConfig, check_device, parse_demotion
+from tiers.remote.config import MAX_TTL_S, RemoteTierConfig, check_timeout
+from tiers.remote.url import check_url
 from tiers.tier_config import TierConfig, tier_config
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from kvstore.codec_config import lossy_kinds
 from kvstore.config import StoreConfig
 from kvstore.settings import remote_password
 from tiers.base import BlockHash, Tier, TierKind, TierTraits
-from tiers.gpu_pool import BlockPool
+from tiers.pool.gpu_pool import BlockPool
 from tiers.tier_config import TIERS, TierContext
 
 

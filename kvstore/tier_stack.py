@@ -23,9 +23,9 @@ import torch
 from kvstore.change_feed import ChangeFeed
 from kvstore.results import ClearResult
 from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
-from tiers.blockbatch import take
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
+from tiers.shared.blockbatch import take
 
 logger = logging.getLogger(__name__)
 _P = ParamSpec("_P")

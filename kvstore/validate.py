@@ -13,7 +13,7 @@ import torch
 
 from kvstore.config import StoreConfig
 from kvstore.errors import InvalidInputError, LayoutMismatchError
-from tiers.blockbatch import BlockBatch
+from tiers.shared.blockbatch import BlockBatch
 
 _MAX_RUNS = 1 << 22  # byte runs enumerated to prove tensors disjoint
 

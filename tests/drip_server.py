@@ -19,7 +19,7 @@ GENERATION = b"0123456789abcdef"
 
 
 def on_generation(command: list[bytes]) -> bool:
-    """Whether `command` reads or sets a namespace's generation (`tiers/remote_keys.py`)."""
+    """Whether `command` reads or sets a namespace's generation (`tiers/remote/keys.py`)."""
     return len(command) >= 2 and command[1].endswith(b":gen2")
 
 

@@ -28,7 +28,7 @@ from tiers.plugins import Registry
 R = TypeVar("R", bound=type)
 
 # The built-in tiers' config modules, fastest first: their order is `TIERS.entries()`'s.
-BUILTIN_TIERS = ("tiers.pool_config", "tiers.cpu_config", "tiers.disk_config", "tiers.remote_config")
+BUILTIN_TIERS = ("tiers.pool.config", "tiers.cpu.config", "tiers.disk.config", "tiers.remote.config")
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from kvstore.errors import InvalidInputError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array
 from kvstore.store import KVCacheStore
 from tiers.base import BlockKey, TierKind
-from tiers.free_queue import PoolBlock
-from tiers.gpu_pool import NoFreeBlocksError
+from tiers.pool.free_queue import PoolBlock
+from tiers.pool.gpu_pool import NoFreeBlocksError
 
 
 class ComputedBlocks(NamedTuple):

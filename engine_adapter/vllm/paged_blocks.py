@@ -83,7 +83,7 @@ class PagedKVBlocks:
         kidx = self._kernel_ids(block_ids)
         flat = out.view(out.shape[0], len(self._views), -1)[:, :, : self.layer_block_bytes]
         for layer, view in enumerate(self._views):
-            if view.device.type == "cpu":  # numpy: one thread (see tiers/blockcopy.py)
+            if view.device.type == "cpu":  # numpy: one thread (see tiers/shared/blockcopy.py)
                 rows = np.take(view.numpy(), kidx.numpy(), axis=0)
                 flat.numpy()[:n, layer, :] = rows.reshape(n, -1)
             else:

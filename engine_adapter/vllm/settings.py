@@ -47,8 +47,8 @@ from kvstore.settings import (
     shown_default,
 )
 from kvstore.tier_configs import FLAT_FIELDS
-from tiers.disk_config import DiskTierConfig
-from tiers.disk_durability import DiskSync
+from tiers.disk.config import DiskTierConfig
+from tiers.disk.durability import DiskSync
 from tiers.tier_config import TierConfig, tier_config
 
 __all__ = ["CONNECTOR_DEFAULTS", "DERIVED", "ENV_PREFIX", "ConnectorSettings", "library_keys", "parse_bool",

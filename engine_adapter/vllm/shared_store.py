@@ -8,7 +8,7 @@ process anyway). Each process has its own registry: a forked child never sees th
 from __future__ import annotations
 
 from kvstore import KVCacheStore, StoreConfig
-from tiers.registry import ProcessRegistry
+from tiers.shared.process_objects import ProcessRegistry
 
 _STORES: ProcessRegistry[StoreConfig, KVCacheStore] = ProcessRegistry()
 

@@ -20,8 +20,8 @@ from cli import main as kvstrata
 from tests import ROOT
 from tests.reliability.diskdamage import put_entries
 from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv, open_store
-from tiers.disk_files import file_name
-from tiers.disk_index import unpack_entry
+from tiers.disk.files import file_name
+from tiers.disk.index import unpack_entry
 
 
 def test_inspect_shows_each_namespace_while_a_store_is_open(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,13 +23,13 @@ from tests.reliability import diskdamage
 from tiers.base import BlockKey, TierKind
 from tiers.codecs import CodecKind, CodecSpec, build_codec, parse_codec
 from tiers.codecs.scaled import ScaledCodec
-from tiers.disk_codec import encoded_slot_bytes
-from tiers.disk_files import slot_bytes_for
-from tiers.disk_index import pack_entry
-from tiers.disk_payload import payload_sum
-from tiers.lmdb import LMDBTier, PayloadLocation, bytes_per_block
-from tiers.lmdb_record import RecordCodec, pack_record, parse_record
-from tiers.remote import RemoteTier
+from tiers.disk.codec import encoded_slot_bytes
+from tiers.disk.files import slot_bytes_for
+from tiers.disk.index import pack_entry
+from tiers.disk.payload import payload_sum
+from tiers.disk.tier import LMDBTier, PayloadLocation, bytes_per_block
+from tiers.remote.record import RecordCodec, pack_record, parse_record
+from tiers.remote.tier import RemoteTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 BLOCK = 16

@@ -12,7 +12,7 @@ from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import InvalidTokensError, StoreClosedError
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import TierKind
-from tiers.blockbatch import BlockBatch, block_rows, copy_rows
+from tiers.shared.blockbatch import BlockBatch, block_rows, copy_rows
 
 
 def test_block_rows_and_batched_copies_match_per_block_copies() -> None:

@@ -134,7 +134,7 @@ def test_tenant_quotas_are_exported_per_tenant_under_hashed_labels() -> None:
     """A CPU tier with tenant quotas exports each tenant's blocks, quota, hits, writes and
     evictions under a label that is a hash of its cache salt, never the salt itself."""
     from kvstore.hashing import ExtraKeys
-    from tiers.quota import tenant_label
+    from tiers.policies.quota import tenant_label
 
     registry = prometheus_client.CollectorRegistry()
     block_bytes = LAYOUT.block_bytes(BLOCK)

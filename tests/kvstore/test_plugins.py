@@ -42,7 +42,7 @@ import torch
 from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held
 from tiers.codecs import Codec, CodecConfig, CodecKind, register_codec
 from tiers.errors import ConfigError, CorruptRecordError, StoreClosedError
-from tiers.eviction import EvictionConfig, EvictionPolicy, register_eviction
+from tiers.policies.eviction import EvictionConfig, EvictionPolicy, register_eviction
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
 USES = {"pops": 0, "encoded": 0, "decoded": 0}

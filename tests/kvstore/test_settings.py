@@ -14,7 +14,7 @@ from kvstore.load_policy import LoadPolicy, LoadPolicyMode
 from kvstore.settings import LibrarySettings, remote_password
 from tests import ROOT
 from tests.switches import Switches
-from tiers.gpu_pool import DemotionPolicy
+from tiers.pool.gpu_pool import DemotionPolicy
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 LAYERS = (LibrarySettings, ConnectorSettings, Switches, BenchSettings)

@@ -16,10 +16,10 @@ from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError
 from tests.conftest import BLOCK, LAYOUT, POOL_DEVICE, make_kv
 from tiers.codecs import Int8Config
-from tiers.cpu_config import CPUTierConfig
-from tiers.disk_config import DiskTierConfig
-from tiers.pool_config import PoolTierConfig
-from tiers.remote_config import RemoteTierConfig
+from tiers.cpu.config import CPUTierConfig
+from tiers.disk.config import DiskTierConfig
+from tiers.pool.config import PoolTierConfig
+from tiers.remote.config import RemoteTierConfig
 
 BLOCK_BYTES = LAYOUT.block_bytes(BLOCK)
 

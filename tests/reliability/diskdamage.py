@@ -10,9 +10,9 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from tiers.disk_index import Entry, pack_entry, unpack_entry
-from tiers.disk_payload import payload_sum
-from tiers.lmdb import PayloadLocation
+from tiers.disk.index import Entry, pack_entry, unpack_entry
+from tiers.disk.payload import payload_sum
+from tiers.disk.tier import PayloadLocation
 
 
 def read_payload(loc: PayloadLocation) -> bytes:

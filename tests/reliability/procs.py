@@ -23,7 +23,7 @@ def context() -> multiprocessing.context.ForkServerContext:
     if _CTX is None:
         _CTX = multiprocessing.get_context("forkserver")
         workers = __name__.rsplit(".", 1)[0] + ".workers"
-        _CTX.set_forkserver_preload(["torch", "kvstore", "tiers.lmdb", workers])
+        _CTX.set_forkserver_preload(["torch", "kvstore", "tiers.disk.tier", workers])
     return _CTX
 
 

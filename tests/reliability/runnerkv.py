@@ -10,7 +10,7 @@ import xxhash
 
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import ExtraKeys, KVLayout
-from tiers.gpu_pool import BlockPool, NoFreeBlocksError
+from tiers.pool.gpu_pool import BlockPool, NoFreeBlocksError
 
 from .kvgen import block_bytes
 

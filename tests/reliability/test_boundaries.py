@@ -30,10 +30,10 @@ from kvstore import (
     StoreConfig,
 )
 from kvstore.hashing import as_token_array
-from tiers import lmdb_env
 from tiers.base import TierKind
-from tiers.cpu import CPUTier
-from tiers.lmdb import LMDBTier
+from tiers.cpu.tier import CPUTier
+from tiers.disk import env as lmdb_env
+from tiers.disk.tier import LMDBTier
 
 from .kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from kvstore import KVCacheStore, KVLayout
-from tiers.cpu import CPUTier
-from tiers.disk_index import pack_entry
-from tiers.lmdb import LMDBTier, PayloadLocation
+from tiers.cpu.tier import CPUTier
+from tiers.disk.index import pack_entry
+from tiers.disk.tier import LMDBTier, PayloadLocation
 
 from . import diskdamage
 from .budget import BUDGET

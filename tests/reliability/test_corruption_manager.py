@@ -16,8 +16,8 @@ import torch
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore
 from tests.conftest import POOL_DEVICE
-from tiers.cpu import CPUTier
-from tiers.lmdb import LMDBTier
+from tiers.cpu.tier import CPUTier
+from tiers.disk.tier import LMDBTier
 
 from . import diskdamage
 from .budget import BUDGET

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvstore import DiskFullError, KVCacheStore, KVLayout
-from tiers.lmdb import LMDBTier
+from tiers.disk.tier import LMDBTier
 
 from . import procs
 from .budget import BUDGET

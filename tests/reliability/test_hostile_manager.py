@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from engine_adapter.runner.block_manager import ComputedBlocks, KVCacheManager
 from kvstore import ConfigError, ExtraKeys, InvalidInputError, KVCacheStore, StoreConfig
 from tests.conftest import POOL_DEVICE
-from tiers import lmdb_env
-from tiers.gpu_pool import NoFreeBlocksError
+from tiers.disk import env as lmdb_env
+from tiers.pool.gpu_pool import NoFreeBlocksError
 
 from .conftest import Figures
 from .kvgen import SMALL_BLOCK as B

@@ -15,8 +15,8 @@ import torch
 
 from kvstore import KVLayout
 from tests.conftest import POOL_DEVICE
-from tiers import lmdb_env
-from tiers.cpu import CPUTier
+from tiers.cpu.tier import CPUTier
+from tiers.disk import env as lmdb_env
 
 from .budget import BUDGET
 from .conftest import Figures

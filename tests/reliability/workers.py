@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kvstore import KVCacheStore
-from tiers.lmdb import LMDBTier
+from tiers.disk.tier import LMDBTier
 
 from .kvgen import BLOCK, LAYOUT, PromptPool, check_kv, full_blocks, make_kv, open_store
 from .procs import write_json

@@ -14,7 +14,10 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash
 from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.admission import (
+from tiers.base import BlockKey
+from tiers.cpu.tier import CPUTier
+from tiers.disk.tier import LMDBTier
+from tiers.policies.admission import (
     ADMISSION_RULES,
     Admission,
     AdmissionKind,
@@ -27,9 +30,6 @@ from tiers.admission import (
     key_bits,
     parse_admission,
 )
-from tiers.base import BlockKey
-from tiers.cpu import CPUTier
-from tiers.lmdb import LMDBTier
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 

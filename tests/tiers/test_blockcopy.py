@@ -12,7 +12,7 @@ import torch
 
 import kvstore  # noqa: F401  (before tiers: `import tiers` alone is circular today)
 from tests import ROOT
-from tiers.blockcopy import copy_block
+from tiers.shared.blockcopy import copy_block
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.uint8])
@@ -46,7 +46,7 @@ import ctypes, gc, json
 assert ctypes.CDLL(None).mallopt(-4, 0) == 1  # M_MMAP_MAX = 0: malloc serves large blocks from its heap
 import torch
 import kvstore
-from tiers.cpu import CPUTier
+from tiers.cpu.tier import CPUTier
 
 def mapping(addr):
     for line in open("/proc/self/maps"):
@@ -54,7 +54,7 @@ def mapping(addr):
         if start <= addr < end:
             return [start, end, line.split()[-1] if len(line.split()) > 5 else ""]
 
-from tiers.gpu_pool import BlockPool
+from tiers.pool.gpu_pool import BlockPool
 out = []
 for tier, data in ((CPUTier(64, (2, 2, 16, 4, 64), torch.bfloat16, pin_memory=False), "slab"),
                    (BlockPool(64, (2, 2, 16, 4, 64), torch.bfloat16, device="cpu"), "kv_cache")):

@@ -13,7 +13,7 @@ import torch
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tiers.base import TierKind
-from tiers.cpu import CPUTier
+from tiers.cpu.tier import CPUTier
 
 pytestmark = pytest.mark.gpu
 LAYOUT = KVLayout(4, 8, 128, torch.bfloat16)

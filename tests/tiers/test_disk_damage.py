@@ -16,8 +16,8 @@ import pytest
 
 from kvstore import KVCacheStore
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
-from tiers.disk_index import pack_entry, unpack_entry
-from tiers.lmdb import LMDBTier, bytes_per_block
+from tiers.disk.index import pack_entry, unpack_entry
+from tiers.disk.tier import LMDBTier, bytes_per_block
 
 CAPACITY_BLOCKS = 24  # the prompts below overflow it: stores evict
 KEY_KINDS = ("key-short", "key-long", "key-prefix")

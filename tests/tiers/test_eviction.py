@@ -9,10 +9,17 @@ import pytest
 
 from bench.trace_sim import SimTier, Stack
 from kvstore.errors import ConfigError
-from tiers.eviction import EVICTION_POLICIES, EvictionKind, EvictionPolicy, eviction_config, make_policy, parse_eviction
-from tiers.lfu import LFUConfig, LFUPolicy
-from tiers.residency import Residency
-from tiers.s3fifo import S3FIFOConfig, S3FIFOPolicy
+from tiers.cpu.residency import Residency
+from tiers.policies.eviction import (
+    EVICTION_POLICIES,
+    EvictionKind,
+    EvictionPolicy,
+    eviction_config,
+    make_policy,
+    parse_eviction,
+)
+from tiers.policies.lfu import LFUConfig, LFUPolicy
+from tiers.policies.s3fifo import S3FIFOConfig, S3FIFOPolicy
 
 KINDS = list(EvictionKind)
 

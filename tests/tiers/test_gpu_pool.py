@@ -12,8 +12,8 @@ from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tests.conftest import POOL_DEVICE, make_kv
 from tiers.base import TierKind
-from tiers.free_queue import FreeBlockQueue, PoolBlock
-from tiers.gpu_pool import NoFreeBlocksError
+from tiers.pool.free_queue import FreeBlockQueue, PoolBlock
+from tiers.pool.gpu_pool import NoFreeBlocksError
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 

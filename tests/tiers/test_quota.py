@@ -16,9 +16,9 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import BlockKey
-from tiers.cpu import CPUTier
-from tiers.eviction import EvictionKind
-from tiers.quota import tenant_label
+from tiers.cpu.tier import CPUTier
+from tiers.policies.eviction import EvictionKind
+from tiers.policies.quota import tenant_label
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 

@@ -13,12 +13,12 @@ import torch
 
 from kvstore.hashing import BlockHash
 from tests.conftest import BLOCK, LAYOUT
-from tiers.admission import FrequencySketch
 from tiers.base import BlockKey
-from tiers.cpu import CPUTier
-from tiers.eviction import EvictionKind
-from tiers.quota import LABELLED_TENANTS, OTHER_LABEL, tenant_label
-from tiers.residency import Residency
+from tiers.cpu.residency import Residency
+from tiers.cpu.tier import CPUTier
+from tiers.policies.admission import FrequencySketch
+from tiers.policies.eviction import EvictionKind
+from tiers.policies.quota import LABELLED_TENANTS, OTHER_LABEL, tenant_label
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 KINDS = list(EvictionKind)

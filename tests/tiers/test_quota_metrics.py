@@ -10,8 +10,8 @@ from kvstore import KVCacheStore, StoreConfig
 from kvstore.hashing import ExtraKeys
 from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.eviction import EvictionKind
-from tiers.quota import OTHER_LABEL
+from tiers.policies.eviction import EvictionKind
+from tiers.policies.quota import OTHER_LABEL
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402

@@ -1,5 +1,5 @@
-"""Replies that claim more than their command can return (`tiers/resp.py`, the per-call bound
-of `tiers/remote_client.py`): a loopback server answering `$1073741824` to EXISTS, SET or GET,
+"""Replies that claim more than their command can return (`tiers/remote/resp.py`, the per-call bound
+of `tiers/remote/client.py`): a loopback server answering `$1073741824` to EXISTS, SET or GET,
 or flooding an INFO reply, costs the tier a counted fault and a miss, before its deadline,
 never the memory the claim names. The tier runs against a real socket (`tests/drip_server.py`
 answers everything else like Redis).
@@ -19,8 +19,8 @@ import torch
 from tests.drip_server import DripServer, on_generation
 from tests.reliability.kvgen import BLOCK, LAYOUT
 from tiers.base import BlockHash, BlockKey
-from tiers.remote import RemoteTier
-from tiers.resp import ReplyTooLong, RespReader
+from tiers.remote.resp import ReplyTooLong, RespReader
+from tiers.remote.tier import RemoteTier
 
 GIB_CLAIM = b"$1073741824\r\n"
 TIMEOUT_S = 5.0  # the tier's deadline: a call that waited for the claimed bytes would take it all

@@ -1,4 +1,4 @@
-"""The remote tier's own RESP code (`tiers/resp.py`): replies parsed from real sockets however
+"""The remote tier's own RESP code (`tiers/remote/resp.py`): replies parsed from real sockets however
 the bytes are split, values received into the caller's buffer, and commands packed so a real
 `redis-server` reads them back bit-exact, in RESP2 and RESP3.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cli.redis_servers import redis_server
-from tiers.resp import Oversized, ProtocolError, ReplyError, RespReader, command, send_all
+from tiers.remote.resp import Oversized, ProtocolError, ReplyError, RespReader, command, send_all
 
 
 def _drip(sock: socket.socket, data: bytes, piece: int) -> threading.Thread:

@@ -1,4 +1,4 @@
-"""How the remote tier moves data (`tiers/remote_stream.py`), against real servers: a long read
+"""How the remote tier moves data (`tiers/remote/stream.py`), against real servers: a long read
 keeps only a window of replies on the server, a read that misses early neither pulls the rest
 nor loses its connection, both protocol versions work, a cluster whose slot moved recovers,
 and large reads fit the default deadline.

@@ -18,8 +18,8 @@ from kvstore import StoreConfig
 from kvstore.errors import ConfigError
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.tiers.test_remote import _remote, _store, _tokens
-from tiers.remote import check_url, redacted
-from tiers.remote_url import identity, parse
+from tiers.remote.tier import check_url, redacted
+from tiers.remote.url import identity, parse
 
 SECRET = "s3cretXY"
 

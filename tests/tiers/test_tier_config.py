@@ -15,18 +15,18 @@ import torch
 
 from tests.conftest import BLOCK, LAYOUT
 from tests.tiers.test_tier_contract import block, key
-from tiers.admission import AdmitSeen
 from tiers.base import BlockHash, Tier, TierKind
 from tiers.codecs import CodecKind, Int8Config
-from tiers.cpu_config import CPUTierConfig
-from tiers.disk_config import DiskTierConfig
-from tiers.disk_durability import DiskSync
+from tiers.cpu.config import CPUTierConfig
+from tiers.disk.config import DiskTierConfig
+from tiers.disk.durability import DiskSync
+from tiers.disk.tier import LMDBTier
 from tiers.errors import ConfigError
-from tiers.eviction import EVICTION_POLICIES, eviction_config
-from tiers.lmdb import LMDBTier
-from tiers.pool_config import PoolTierConfig
-from tiers.remote_config import RemoteTierConfig
-from tiers.s3fifo import S3FIFOConfig
+from tiers.policies.admission import AdmitSeen
+from tiers.policies.eviction import EVICTION_POLICIES, eviction_config
+from tiers.policies.s3fifo import S3FIFOConfig
+from tiers.pool.config import PoolTierConfig
+from tiers.remote.config import RemoteTierConfig
 from tiers.tier_config import TIERS, TierConfig, TierContext, register_tier, tier_config
 
 SHAPE = LAYOUT.block_shape(BLOCK)

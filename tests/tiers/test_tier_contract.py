@@ -23,13 +23,13 @@ from tests.switches import switches
 from tiers import changes as changes_mod
 from tiers.base import BlockKey, Tier
 from tiers.changes import ChangeKind
-from tiers.cpu import CPUTier
-from tiers.cpu_config import CPUTierConfig
-from tiers.disk_config import DiskTierConfig
-from tiers.eviction import EVICTION_POLICIES
-from tiers.lmdb import LMDBTier, bytes_per_block
-from tiers.pool_config import PoolTierConfig
-from tiers.remote_config import RemoteTierConfig
+from tiers.cpu.config import CPUTierConfig
+from tiers.cpu.tier import CPUTier
+from tiers.disk.config import DiskTierConfig
+from tiers.disk.tier import LMDBTier, bytes_per_block
+from tiers.policies.eviction import EVICTION_POLICIES
+from tiers.pool.config import PoolTierConfig
+from tiers.remote.config import RemoteTierConfig
 from tiers.tier_config import BUILTIN_TIERS, TIERS, TierConfig, TierContext
 
 SHAPE = LAYOUT.block_shape(BLOCK)

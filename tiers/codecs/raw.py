@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tiers.blockcopy import copy_block, host_bytes
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
+from tiers.shared.blockcopy import copy_block, host_bytes
 
 
 class RawCodec(Codec):

@@ -15,9 +15,9 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from tiers.blockcopy import host_bytes
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
 from tiers.errors import ConfigError, CorruptRecordError
+from tiers.shared.blockcopy import host_bytes
 
 LEVEL = 1  # zstd's level: 1 packs these planes as well as 3 and is twice as fast (docs/performance.md)
 EXTRA = "pip install 'kvstrata[codec]'  (the zstandard package)"

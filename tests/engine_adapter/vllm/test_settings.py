@@ -17,14 +17,14 @@ from engine_adapter.vllm.settings import CONNECTOR_DEFAULTS, DERIVED, ConnectorS
 from engine_adapter.vllm.store_config import Derived, group_config
 from kvstore import ConfigError, HashAlgo, KVCacheStore, StoreConfig
 from kvstore.load_policy import LoadPolicyMode
-from tiers.admission import AdmissionKind, AdmissionSpec, AdmitSeen
 from tiers.codecs import CodecKind, Int8Config, RawConfig
-from tiers.cpu_config import CPUTierConfig
-from tiers.disk_config import DiskTierConfig
-from tiers.disk_durability import DiskSync
-from tiers.eviction import EvictionKind
-from tiers.remote_config import RemoteTierConfig
-from tiers.s3fifo import S3FIFOConfig
+from tiers.cpu.config import CPUTierConfig
+from tiers.disk.config import DiskTierConfig
+from tiers.disk.durability import DiskSync
+from tiers.policies.admission import AdmissionKind, AdmissionSpec, AdmitSeen
+from tiers.policies.eviction import EvictionKind
+from tiers.policies.s3fifo import S3FIFOConfig
+from tiers.remote.config import RemoteTierConfig
 
 LAYOUT = opaque_layout(2, 1024, 4)  # as the connector's stores: one block of 2 layers, 1 KiB each
 BLOCK = 4

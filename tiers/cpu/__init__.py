@@ -1,0 +1,1 @@
+"""The CPU tier: a preallocated (pinned with CUDA) slab and its residency bookkeeping."""

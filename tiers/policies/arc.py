@@ -1,0 +1,155 @@
+"""ARC (Megiddo & Modha, FAST'03), with the replacement decoupled from insertion."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tiers.policies.eviction import (
+    EvictionConfig,
+    EvictionKind,
+    EvictionPolicy,
+    K,
+    check_ratio,
+    register_eviction,
+    trim,
+)
+
+GHOST_X = 4.0  # entries of each ghost list, in tier capacities (ARC: one; 4x measured better here)
+
+
+class ARCPolicy(EvictionPolicy[K]):
+    """Two LRU lists, keys used once (`t1`) and keys used again (`t2`), and a ghost list of
+    keys evicted from each (`b1`, `b2`). A key inserted while its ghost is remembered goes to
+    `t2` and moves the target size `p` of `t1`: up for a `b1` ghost (recency was short), down
+    for a `b2` ghost (frequency was short). `pop` evicts the oldest of `t1` while `t1` holds at
+    least `p` keys, else the oldest of `t2`.
+
+    The tier, not the policy, decides when to evict (it may hold pinned blocks the policy does
+    not see), so `pop` is called only for room, as in vLLM's offloading ARC. Invariant: the four
+    lists are disjoint, `0 <= p <= capacity`, each ghost list holds at most `GHOST_X` capacities.
+    """
+
+    kind = EvictionKind.ARC
+
+    def __init__(self, capacity_blocks: int, *, ghost_x: float = GHOST_X) -> None:
+        super().__init__(capacity_blocks)
+        self._ghost_x = ghost_x
+        self._ghost_limit = self._ghost_cap(capacity_blocks)
+        self._t1: OrderedDict[K, None] = OrderedDict()
+        self._t2: OrderedDict[K, None] = OrderedDict()
+        self._b1: OrderedDict[K, None] = OrderedDict()
+        self._b2: OrderedDict[K, None] = OrderedDict()
+        self.p = 0.0
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def insert(self, key: K) -> None:
+        b1, b2 = self._b1, self._b2
+        if key in b1:
+            self.p = min(float(self.capacity_blocks), self.p + max(1.0, len(b2) / len(b1)))
+            del b1[key]
+            self._t2[key] = None
+        elif key in b2:
+            self.p = max(0.0, self.p - max(1.0, len(b1) / len(b2)))
+            del b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def access(self, key: K) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def refresh(self, key: K) -> None:
+        if key in self._t1:
+            self._t1.move_to_end(key)
+        else:
+            self._t2.move_to_end(key)
+
+    def remove(self, key: K) -> None:
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            del self._t2[key]
+
+    def pop(self) -> K:
+        t1 = self._t1
+        if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
+            key = t1.popitem(last=False)[0]
+            self._b1[key] = None
+            trim(self._b1, self._ghost_limit)
+        elif self._t2:
+            key = self._t2.popitem(last=False)[0]
+            self._b2[key] = None
+            trim(self._b2, self._ghost_limit)
+        else:
+            raise IndexError("pop from an empty ARC policy")
+        return key
+
+    def restore(self, key: K) -> None:
+        if key in self._b1:
+            del self._b1[key]
+            self._t1[key] = None
+            self._t1.move_to_end(key, last=False)
+        else:
+            self._b2.pop(key, None)
+            self._t2[key] = None
+            self._t2.move_to_end(key, last=False)
+
+    def order(self) -> Iterator[K]:
+        return itertools.chain(self._t1, self._t2)
+
+    def _ghost_cap(self, capacity_blocks: int) -> int:
+        """Entries of each ghost list for a tier of `capacity_blocks` blocks."""
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
+
+    @property
+    def num_remembered(self) -> int:
+        return len(self._b1) + len(self._b2)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return 2 * self._ghost_cap(capacity_blocks)
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        cap = self._ghost_cap(capacity_blocks)
+        trim(self._b1, cap)
+        trim(self._b2, cap)
+
+    def clear(self) -> None:
+        for d in (self._t1, self._t2, self._b1, self._b2):
+            d.clear()
+        self.p = 0.0
+
+    def check_integrity(self) -> None:
+        lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys()]
+        if sum(len(x) for x in lists) != len(set().union(*lists)):
+            raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2 (a bug)")
+        if not 0.0 <= self.p <= self.capacity_blocks:
+            raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
+        if max(len(self._b1), len(self._b2)) > self._ghost_limit:
+            raise RuntimeError("ARC: a ghost list is over its limit (a bug)")
+
+
+@register_eviction("arc")
+@dataclass(frozen=True)
+class ARCConfig(EvictionConfig):
+    """ARC: `ghost_x` is the entries of each ghost list, in tier capacities."""
+
+    ghost_x: float = GHOST_X
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ghost_x", check_ratio("ARCConfig.ghost_x", self.ghost_x))
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return ARCPolicy(capacity_blocks, ghost_x=self.ghost_x)

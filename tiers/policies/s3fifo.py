@@ -1,0 +1,156 @@
+"""S3-FIFO (Yang et al., SOSP'23): quick demotion of blocks used once, FIFO queues only."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tiers.policies.eviction import (
+    EvictionConfig,
+    EvictionKind,
+    EvictionPolicy,
+    K,
+    check_ratio,
+    register_eviction,
+    trim,
+)
+
+MAX_FREQ = 3  # uses counted per key (2 bits in the paper)
+SMALL_SHARE = 0.1  # the small queue's share of the tier
+GHOST_X = 4.0  # ghost entries, in tier capacities (the paper: one main queue; 4x measured better here)
+
+
+class S3FIFOPolicy(EvictionPolicy[K]):
+    """A small FIFO for new keys, a main FIFO for keys used again, a ghost FIFO of keys the
+    small queue evicted.
+
+    New keys enter the small queue (or the main one, if their ghost is remembered). Leaving
+    the small queue, a key used since its insertion moves to the main queue; one that was not
+    is evicted and becomes a ghost. Leaving the main queue, a key used since it last passed
+    is reinserted with one use less; one that was not is evicted.
+
+    Invariant: every held key is in exactly one of the small and main queues and has a use
+    count in [0, MAX_FREQ]; no held key is a ghost.
+    """
+
+    kind = EvictionKind.S3FIFO
+
+    def __init__(self, capacity_blocks: int, *, small_share: float = SMALL_SHARE, ghost_x: float = GHOST_X) -> None:
+        super().__init__(capacity_blocks)
+        self._small_limit = max(1, int(capacity_blocks * small_share))
+        self._ghost_x = ghost_x
+        self._ghost_limit = self.history_limit(capacity_blocks)
+        self._small: OrderedDict[K, None] = OrderedDict()
+        self._main: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._freq: dict[K, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._freq
+
+    def insert(self, key: K) -> None:
+        self._freq[key] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._main[key] = None
+        else:
+            self._small[key] = None
+
+    def access(self, key: K) -> None:
+        f = self._freq[key]
+        if f < MAX_FREQ:
+            self._freq[key] = f + 1
+
+    def refresh(self, key: K) -> None:
+        if key not in self._freq:
+            raise KeyError(key)
+
+    def remove(self, key: K) -> None:
+        del self._freq[key]
+        if key in self._small:
+            del self._small[key]
+        else:
+            del self._main[key]
+
+    def pop(self) -> K:
+        small, main, freq = self._small, self._main, self._freq
+        if not freq:
+            raise IndexError("pop from an empty S3-FIFO policy")
+        while True:
+            if small and (len(small) >= self._small_limit or not main):
+                key = small.popitem(last=False)[0]
+                if freq[key]:
+                    freq[key] = 0
+                    main[key] = None
+                    continue
+                del freq[key]
+                self._ghost[key] = None
+                trim(self._ghost, self._ghost_limit)
+                return key
+            key = main.popitem(last=False)[0]
+            f = freq[key]
+            if f:
+                freq[key] = f - 1
+                main[key] = None
+                continue
+            del freq[key]
+            return key
+
+    def restore(self, key: K) -> None:
+        self._freq[key] = 0
+        if key in self._ghost:  # the small queue evicted it; the main queue leaves no ghost
+            del self._ghost[key]
+            queue = self._small
+        else:
+            queue = self._main
+        queue[key] = None
+        queue.move_to_end(key, last=False)
+
+    def order(self) -> Iterator[K]:
+        return itertools.chain(self._small, self._main)
+
+    @property
+    def num_remembered(self) -> int:
+        return len(self._ghost)
+
+    def history_limit(self, capacity_blocks: int) -> int:
+        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
+
+    def trim_history(self, capacity_blocks: int) -> None:
+        trim(self._ghost, self.history_limit(capacity_blocks))
+
+    def clear(self) -> None:
+        for d in (self._small, self._main, self._ghost, self._freq):
+            d.clear()
+
+    def check_integrity(self) -> None:
+        small, main = self._small.keys(), self._main.keys()
+        if small & main or len(small) + len(main) != len(self._freq) or (small | main) != self._freq.keys():
+            raise RuntimeError("S3-FIFO: the small and main queues do not partition the held keys (a bug)")
+        if self._ghost.keys() & self._freq.keys():
+            raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
+        if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):
+            raise RuntimeError("S3-FIFO: a use count is out of range (a bug)")
+
+
+@register_eviction("s3fifo")
+@dataclass(frozen=True)
+class S3FIFOConfig(EvictionConfig):
+    """S3-FIFO: `small_share` is the small queue's share of the tier, in (0, 1); `ghost_x` the
+    ghost entries kept, in tier capacities."""
+
+    small_share: float = SMALL_SHARE
+    ghost_x: float = GHOST_X
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "small_share", check_ratio("S3FIFOConfig.small_share", self.small_share, upper=1.0))
+        object.__setattr__(self, "ghost_x", check_ratio("S3FIFOConfig.ghost_x", self.ghost_x))
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return S3FIFOPolicy(capacity_blocks, small_share=self.small_share, ghost_x=self.ghost_x)

@@ -1,0 +1,323 @@
+"""Calls to the remote server with a bound on their total time, and the health of each kind.
+
+redis-py bounds each socket operation by `socket_timeout`, not a call: a server that drips
+its reply one byte at a time keeps a call running for ever. Here every connection's socket
+consults the calling thread's deadline (`deadline()`): each send and receive may take the
+time left, and no more (a connect: at most `socket_connect_timeout`), and once it is gone the
+operation fails at once. Within a deadline a pause longer than `socket_timeout` is no fault
+by itself: a large read may wait on a busy server as long as the whole call ends in time.
+redis-py then raises `TimeoutError` and drops that connection, so none is reused in a
+half-read state. A deadline may also bound the bytes its calls receive (`max_reply_bytes`):
+redis-py reads whatever length a reply claims, so a server that answers INFO with
+`$1073741824` and keeps sending would fill memory until the deadline; past the bound a
+receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
+
+`Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
+writes never makes a read a miss), its circuit breaker and its rate-limited warning.
+`Server` makes a tier's calls: each within its deadline and its bound on replies, each
+fault counted in its kind's `Health`, never raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tiers.remote.resp import ReplyTooLong
+from tiers.remote.stream import Op, Streams
+from tiers.remote.url import UrlParts, parse, redacted, scrub
+from tiers.shared.ratelimit import RateLimitedWarning
+
+logger = logging.getLogger("tiers.remote.tier")
+
+REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
+_FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, max_reply_bytes: int) -> Iterator[None]:
+    """Bound every socket operation of this thread's redis calls in the block to end within
+    `seconds` from now, together, and to receive at most `max_reply_bytes`, together."""
+    previous = getattr(_local, "deadline", None), getattr(_local, "budget", None)
+    _local.deadline = time.monotonic() + seconds
+    _local.budget = [max_reply_bytes, max_reply_bytes]  # left, bound
+    try:
+        yield
+    finally:
+        _local.deadline, _local.budget = previous
+
+
+def _charge(nbytes: int) -> None:
+    """Count `nbytes` received against this thread's bound; `ReplyTooLong` once past it."""
+    budget: list[int] | None = getattr(_local, "budget", None)
+    if budget is not None:
+        budget[0] -= nbytes
+        if budget[0] < 0:
+            raise ReplyTooLong("replies of one call", budget[1] - budget[0], budget[1])
+
+
+def _time_left() -> float | None:
+    """Seconds left before this thread's deadline (None: no deadline); `TimeoutError` (that is
+    `socket.timeout`, which redis-py turns into its own `TimeoutError`) if none are left."""
+    end: float | None = getattr(_local, "deadline", None)
+    if end is None:
+        return None
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("kvstrata: the call's deadline passed")  # socket.timeout
+    return left
+
+
+def _bounded(timeout: float | None, left: float | None) -> float | None:
+    """`timeout` cut to `left` (None: blocking; 0: a non-blocking poll, left as is)."""
+    if left is None or timeout == 0:
+        return timeout
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineSocket:
+    """A connected socket whose blocking operations end by the calling thread's deadline."""
+
+    def __init__(self, sock: Any, timeout: float | None) -> None:
+        self._sock = sock
+        self._timeout = timeout  # what redis-py asked for
+        self._armed = timeout  # what the socket has now
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = self._armed = timeout
+        self._sock.settimeout(timeout)
+
+    def setblocking(self, flag: bool) -> None:
+        self.settimeout(None if flag else 0.0)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _arm(self) -> None:
+        left = _time_left()
+        bound = self._timeout if left is None or self._timeout == 0 else left  # 0: redis-py polls
+        if bound != self._armed:  # a system call: skipped while the deadline is further off
+            self._sock.settimeout(bound)
+            self._armed = bound
+
+    def recv(self, size: int, *flags: int) -> bytes:
+        self._arm()
+        data: bytes = self._sock.recv(size, *flags)
+        _charge(len(data))
+        return data
+
+    def recv_into(self, buffer: Any, *args: int) -> int:
+        self._arm()
+        n: int = self._sock.recv_into(buffer, *args)
+        _charge(n)
+        return n
+
+    def sendall(self, data: Any, *flags: int) -> None:
+        self._arm()  # since Python 3.5 a timeout bounds the whole sendall
+        self._sock.sendall(data, *flags)
+
+    def sendmsg(self, buffers: Any, *args: Any) -> int:
+        self._arm()
+        return self._sock.sendmsg(buffers, *args)  # type: ignore[no-any-return]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether `sendmsg` works (not on TLS)."""
+        return not isinstance(self._sock, ssl.SSLSocket)
+
+    def __getattr__(self, name: str) -> Any:  # fileno, shutdown, close, getsockname, pending, ...
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    """Connects within the deadline and hands redis-py a `_DeadlineSocket`."""
+
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+
+    def _connect(self) -> Any:
+        left = _time_left()
+        saved = self.socket_connect_timeout, self.socket_timeout
+        if left is not None:
+            self.socket_connect_timeout = _bounded(saved[0], left)
+            self.socket_timeout = _bounded(saved[1], left)  # a TLS handshake
+        try:
+            sock = super()._connect()  # type: ignore[misc]
+        finally:
+            self.socket_connect_timeout, self.socket_timeout = saved
+        sock.settimeout(saved[1])
+        return _DeadlineSocket(sock, saved[1])
+
+    def deadline_socket(self) -> _DeadlineSocket:
+        """The connected socket (connecting first), for `tiers/remote/stream.py`'s own RESP."""
+        if getattr(self, "_sock", None) is None:
+            self.connect()  # type: ignore[attr-defined]
+        sock: _DeadlineSocket = self._sock  # type: ignore[attr-defined]
+        return sock
+
+
+def _connection_class(scheme: str) -> type:
+    from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+    base = UnixDomainSocketConnection if scheme == "unix" else SSLConnection if scheme.startswith("rediss") \
+        else Connection
+    return type(f"Deadline{base.__name__}", (_DeadlineMixin, base), {})
+
+
+def connect(url: str, timeout_s: float, parts: UrlParts | None = None, password: str | None = None) -> Any:
+    """A redis-py client for `url` whose calls honour `deadline()`: `Redis`, or `RedisCluster`
+    for a cluster URL (which contacts the cluster at once: call it within a deadline). The
+    password is the URL's, else `password`. redis-py retries nothing."""
+    from redis import Redis
+    from redis.backoff import NoBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.retry import Retry
+
+    parts = parts or parse(url)
+    password = parts.password or password or None
+    # Blocks are large: read in 1 MiB chunks (a socket with a timeout polls before each read).
+    common: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                              "socket_read_size": 1 << 20, "connection_class": _connection_class(parts.scheme)}
+    if not parts.scheme.endswith("+cluster"):
+        client = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
+        if password and not client.connection_pool.connection_kwargs.get("password"):
+            client.connection_pool.connection_kwargs["password"] = password
+        return client
+    from redis.connection import parse_url
+
+    # The query's options, typed as redis-py types them for a standalone URL.
+    query = urllib.parse.urlencode([(k, v) for k, v in parts.options if k not in ("password", "username", "db")])
+    options = {k: v for k, v in parse_url(  # type: ignore[no-untyped-call]  # redis-py's parse_url is unannotated
+        f"redis://x/?{query}").items() if k != "host"}
+    (host, port), *others = parts.hosts
+    # `url=` makes every node's pool take `connection_class` (the one that honours deadlines).
+    return RedisCluster(url=f"redis://{host}:{port}", startup_nodes=[ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]  # redis-py's ClusterNode is unannotated
+                        username=parts.username, password=password, require_full_coverage=False,
+                        retry=Retry(NoBackoff(), 1), **common, **options)
+
+
+class Health:
+    """The faults of one kind of call to the server (reads, or writes), and its breaker:
+    after `_FAILURES_TO_OPEN` consecutive faults no call of this kind is made for `cooldown_s`,
+    then calls are tried again. Thread-safe."""
+
+    def __init__(self, kind: str, cooldown_s: float) -> None:
+        self.kind = kind
+        self.num_errors = 0
+        self._cooldown_s = cooldown_s
+        self._failures = 0
+        self._open_until = 0.0
+        self._lock = threading.Lock()
+        self.warn = RateLimitedWarning(logger)
+
+    def available(self) -> bool:
+        """Whether calls of this kind are made now (the breaker is closed)."""
+        return time.monotonic() >= self._open_until
+
+    def fault(self, message: str) -> None:
+        """Count a fault, open the breaker if they repeat, warn at most every `WARN_EVERY_S`."""
+        with self._lock:
+            self.num_errors += 1
+            self._failures += 1
+            if self._failures >= _FAILURES_TO_OPEN:
+                self._open_until = time.monotonic() + self._cooldown_s
+        self.warn(message)
+
+    def ok(self) -> None:
+        with self._lock:
+            self._failures = 0
+
+
+class Server:
+    """The calls of one tier to its server (or cluster): one client, connected on first use,
+    and windowed pipelines on it (`tiers/remote/stream.py`). A round trip moving `nbytes`
+    must end within `timeout_s + nbytes / min_rate_bps` and receive at most its replies'
+    bound (and `REPLY_SLACK`), else it is a fault; reads and writes keep apart `Health`."""
+
+    def __init__(self, url: str, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
+                 window_bytes: int, password: str | None) -> None:
+        self.url = url
+        self.parts = parse(url)
+        self._password = password  # used where the URL has none
+        self._secrets = self.parts.secrets + [s for s in (password,) if s]
+        self._timeout_s = timeout_s
+        self._min_rate_bps = min_rate_bps
+        self._window_bytes = window_bytes
+        self.reads, self.writes = Health("read", cooldown_s), Health("write", cooldown_s)
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._streams: Streams | None = None
+
+    def limit(self, nbytes: int) -> float:
+        """The deadline of a round trip moving `nbytes`."""
+        return self._timeout_s + nbytes / self._min_rate_bps
+
+    def _connect(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                with deadline(self._timeout_s, REPLY_SLACK):
+                    self._client = connect(self.url, self._timeout_s, self.parts, self._password)
+                self._streams = Streams(self._client, self._window_bytes)
+            return self._client
+
+    def call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any], reply_bytes: int) -> Any:
+        """`fn(client)` within the deadline for `nbytes`, receiving at most `reply_bytes` (and
+        `REPLY_SLACK`); None if the server fails, the deadline passes, it sends more, or
+        `health`'s breaker is open. A list of replies with a command the server refused (its
+        exception in its place) is returned as is. Each fault is counted in `health`, with a
+        rate-limited warning."""
+        if not health.available():
+            return None
+        try:
+            with deadline(self.limit(nbytes), reply_bytes + REPLY_SLACK):
+                result = fn(self._connect())
+        except Exception as exc:  # every server fault is a miss or a dropped write
+            self.fault(health, what, exc)
+            return None
+        refused = [r for r in result if isinstance(r, Exception)] if isinstance(result, list) else []
+        if refused:  # e.g. OOM from a full noeviction server
+            self.fault(health, f"{what} ({len(refused)} of {len(result)} commands)", refused[0])
+        else:
+            health.ok()
+        return result
+
+    def caller(self, health: Health) -> Callable[[str, int, Callable[[Any], Any], int], Any]:
+        """`call` with `health` bound."""
+        return lambda what, nbytes, fn, reply_bytes: self.call(health, what, nbytes, fn, reply_bytes)
+
+    def stream(self, health: Health, what: str, nbytes: int, ops: list[Op], on_reply: Callable[[int, Any], bool],
+               buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
+        """Run `ops` as a windowed pipeline within the deadline for `nbytes`, passing each
+        reply to `on_reply` until it returns False; False if the call failed as a whole.
+        Errors (refused commands, a lost connection, a reply longer than its `Op.limit`) are
+        one fault of `health` per call."""
+        replies = 2 * sum(op.limit for op in ops)  # a cluster may send a call twice
+        return self.call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
+            ops, on_reply, buffer_for), replies) is not None
+
+    def pipelined(self, health: Health, what: str, nbytes: int, commands: Callable[[Any], object]) -> list[Any] | None:
+        """The replies to the commands `commands(pipe)` queues, in one round trip (None: a
+        fault). A command the server refused has its exception in its place."""
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            commands(pipe)
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        replies: list[Any] | None = self.call(health, what, nbytes, run, nbytes)
+        return replies
+
+    def fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"remote tier {redacted(self.url)}: {what} failed "
+                     f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # closing a dead connection
+            if self._client is not None:
+                self._client.close()

@@ -1,0 +1,200 @@
+"""Windowed pipelines: many commands streamed over one connection per server node.
+
+redis-py sends a pipeline whole and reads its replies after: the server then builds every
+reply before the client takes the first, and for a prompt of 2 MiB blocks that is hundreds
+of MiB of output buffers allocated, faulted in, copied and pushed out of the CPU caches,
+on both sides. Here each connection (a *lane*: one per node a call touches) keeps at most
+`window_bytes` of commands unanswered, refilling when half is answered, so the data in
+flight stays small and warm; replies are taken in the commands' order across lanes while
+every node works on its window (a cluster's nodes work in parallel). A call that stops early
+(a read's first miss) sends nothing more and reads only what is in flight.
+
+Connections come from the client's redis-py pools (so every URL form, TLS and credentials
+behave as before) and honour the calling thread's deadline (`tiers/remote/client.py`); a
+connection is returned to its pool only with every reply read, otherwise it is closed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from tiers.remote.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
+
+__all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
+
+# The reply to one command (a bulk value only during the callback that receives it), or the
+# exception that ended its connection.
+OnReply = Callable[[int, Any], bool]  # (command index, reply) -> go on?
+BufferFor = Callable[[int], memoryview | None]
+_REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often after a fault
+
+
+class Op(NamedTuple):
+    """One command: the key that routes it, its packed buffers, the bytes it moves both
+    ways (for the window), whether its reply is a bulk value to read into a buffer, and the
+    most its reply may hold on the wire (a longer claim ends the connection: `ReplyTooLong`)."""
+
+    key: bytes
+    buffers: list[Buffer]
+    cost: int
+    bulk: bool = False
+    limit: int = SMALL_REPLY
+
+
+class _Lane:
+    """The commands of one call that go to one node, on one connection."""
+
+    def __init__(self, pool: Any, error: Exception | None = None) -> None:
+        self.pool = pool
+        self.conn: Any = None
+        self.error = error
+        self.todo: deque[int] = deque()
+        self.sent: deque[int] = deque()
+        self.outstanding = 0
+
+    def open(self) -> None:
+        try:
+            self.conn = self.pool.get_connection()
+            self.sock = self.conn.deadline_socket()
+            self.reader = RespReader(self.sock)
+        except Exception as exc:  # a dead node: this lane's commands fail, the others go on
+            self.fail(exc)
+
+    def fail(self, exc: Exception) -> None:
+        self.error = self.error or exc
+        if self.conn is not None:
+            self.conn.disconnect()
+
+    def fill(self, ops: Sequence[Op], window_bytes: int) -> None:
+        """Send the next commands until `window_bytes` are unanswered (when half or less is)."""
+        if self.error is not None or not self.todo or self.outstanding > window_bytes // 2:
+            return
+        buffers: list[Buffer] = []
+        while self.todo and self.outstanding < window_bytes:
+            i = self.todo.popleft()
+            buffers += ops[i].buffers
+            self.sent.append(i)
+            self.outstanding += ops[i].cost
+        try:
+            send_all(self.sock, buffers, gather=self.sock.gathers)
+        except Exception as exc:
+            self.fail(exc)
+
+    def read(self, op: Op, buffer_for: BufferFor) -> Any:
+        if self.error is not None:
+            return self.error
+        try:
+            reply = self.reader.bulk_into(buffer_for, op.limit) if op.bulk else self.reader.reply(op.limit)
+        except Exception as exc:  # a timeout, a dropped connection, a protocol error
+            self.fail(exc)
+            return exc
+        self.sent.popleft()
+        self.outstanding -= op.cost
+        return reply
+
+    def finish(self, ops: Sequence[Op]) -> None:
+        """Read what is still in flight (dropping it), then return the connection to its
+        pool; close it instead if anything failed."""
+        if self.conn is None:
+            return
+        while self.sent and self.error is None:
+            self.read(ops[self.sent[0]], _drop)
+        if self.error is None and self.reader.idle:
+            self.pool.release(self.conn)
+        else:
+            self.conn.disconnect()
+            self.pool.release(self.conn)
+
+
+def _drop(size: int) -> None:
+    return None
+
+
+class Streams:
+    """Windowed pipelines on one redis-py client (`Redis` or `RedisCluster`). Thread-safe:
+    each call takes its own connections."""
+
+    def __init__(self, client: Any, window_bytes: int) -> None:
+        self._client = client
+        self._window_bytes = window_bytes
+        self._cluster = hasattr(client, "nodes_manager")
+        self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
+        self._refreshed_at = -_REFRESH_EVERY_S
+
+    def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
+        """The lane of each command from `start` on, in order (one lane per connection pool)."""
+        if not self._cluster:
+            lane = _Lane(self._client.connection_pool)
+            lane.todo.extend(range(start, len(ops)))
+            return [lane] * (len(ops) - start)
+        by_pool: dict[int, _Lane] = {}
+        out = []
+        for i in range(start, len(ops)):
+            try:
+                pool = self._client.get_redis_connection(self._client.get_node_from_key(ops[i].key)).connection_pool
+            except Exception as exc:  # a slot no node serves
+                lane = _Lane(None, exc)
+            else:
+                lane = by_pool.setdefault(id(pool), _Lane(pool))
+            lane.todo.append(i)
+            out.append(lane)
+        return out
+
+    def _may_refresh(self) -> bool:
+        return time.monotonic() - self._refreshed_at >= _REFRESH_EVERY_S
+
+    def _refresh(self) -> None:
+        """Reread a cluster's slot map if a call found it stale (at most once a second). If no
+        node answers, the old map stays (its live nodes still serve their slots)."""
+        if self._stale and self._may_refresh():
+            self._refreshed_at = time.monotonic()
+            try:
+                self._client.nodes_manager.initialize()
+            except Exception:  # the commands that follow fail or succeed on their own, counted
+                return
+            self._stale = False
+
+    def run(self, ops: Sequence[Op], on_reply: OnReply, buffer_for: BufferFor | None = None) -> list[Any]:
+        """Send `ops` and pass each reply, in order, to `on_reply`, until it returns False.
+        Returns one entry per reply passed: the exception (an error reply or what ended its
+        connection) or True. In a cluster, the first MOVED/ASK of a call makes it reread the
+        slot map and send the rest again (once a call, at most once a second); a second is
+        passed on as an error."""
+        outcomes: list[Any] = []
+        if self._cluster:
+            self._refresh()
+        moved = self._pass(ops, 0, on_reply, buffer_for or _drop, outcomes, self._cluster and self._may_refresh())
+        if moved is not None:
+            self._refresh()
+            self._pass(ops, moved, on_reply, buffer_for or _drop, outcomes, False)
+        return outcomes
+
+    def _pass(self, ops: Sequence[Op], start: int, on_reply: OnReply, buffer_for: BufferFor, outcomes: list[Any],
+              follow: bool) -> int | None:
+        """Stream `ops[start:]`; with `follow`, a redirect ends the pass unreported and its index
+        is returned (None otherwise)."""
+        lane_of = self._lanes(ops, start)
+        lanes = list({id(lane): lane for lane in lane_of}.values())
+        try:
+            for lane in lanes:
+                if lane.error is None:
+                    lane.open()
+            for i in range(start, len(ops)):
+                for lane in lanes:
+                    lane.fill(ops, self._window_bytes)
+                reply = lane_of[i - start].read(ops[i], buffer_for)
+                failed = isinstance(reply, Exception)
+                if failed and self._cluster and (not isinstance(reply, ReplyError) or reply.is_redirect):
+                    self._stale = True  # a dead node or a moved slot: the slot map may be out of date
+                    if follow and isinstance(reply, ReplyError):
+                        return i
+                outcomes.append(reply if failed else True)
+                if not on_reply(i, reply):
+                    break
+        finally:
+            for lane in lanes:
+                lane.finish(ops)
+        return None

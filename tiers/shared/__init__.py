@@ -1,0 +1,1 @@
+"""Helpers several tiers share: host block copies, block batches, per-process shared objects."""
