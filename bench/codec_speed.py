@@ -54,9 +54,9 @@ def _timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 
 def one_round(name: str, srcs: list[torch.Tensor], workdir: Path, url: str | None) -> dict[str, float]:
-    from tiers.base import BlockHash, BlockKey
     from tiers.codecs import CodecSpec, build_codec, parse_codec
     from tiers.disk.tier import LMDBTier
+    from tiers.keys import BlockHash, BlockKey
 
     kind = parse_codec(name)
     codec = build_codec(kind, SHAPE, torch.bfloat16)

@@ -17,7 +17,7 @@ from cli.output import print_table
 from cli.progress import tqdm
 from cli.redis_servers import server_url
 from kvstore import KVCacheStore, StoreConfig
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 
 def replay_fleet(requests: list[list[int]], hosts: int, pool_blocks: int, cpu_blocks: int,

@@ -39,7 +39,7 @@ from cli.output import RESULTS_DIR, print_table, write_results
 from cli.progress import tqdm
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError, KVStoreError
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.policies.admission import parse_admission
 from tiers.policies.eviction import EvictionKind
 

@@ -25,7 +25,7 @@ from cli.args import CONTEXT, Directory, check_memory, invoke
 from cli.demo_dir import prepare
 from cli.output import print_table
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.remote.tier import redacted
 
 LAYOUT = KVLayout(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from cli.args import CONTEXT, Directory, check_memory, invoke, nonneg
 from cli.demo_dir import prepare
 from cli.output import print_table
 from kvstore import KVCacheStore, KVLayout, RetrieveResult, StoreConfig
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvevents.wire import BadPayload, vllm_extras
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 
 
 def is_described(key: BlockKey) -> bool:

@@ -48,9 +48,9 @@ from kvevents.wire import (
     removed_event,
     stored_events,
 )
-from tiers.base import BlockKey, TierKind
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import ConfigError
+from tiers.keys import BlockKey, TierKind
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0

@@ -37,8 +37,9 @@ from urllib.parse import urlsplit
 import msgpack
 import numpy as np
 
-from tiers.base import BlockKey, TierTraits
+from tiers.base import TierTraits
 from tiers.errors import ConfigError, InvalidInputError
+from tiers.keys import BlockKey
 
 DEFAULT_PORT = 5590  # vLLM's own default is 5557: both can run on one host
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -26,7 +26,7 @@ from kvstore.results import ClearResult, StoreCounters
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 from tiers.shared.blockbatch import BlockBatch
 
 

@@ -1,8 +1,15 @@
 """Frozen, validated configuration of a store: `StoreConfig` (its tiers, fastest first, and the
-store-level settings), `HashAlgo`; the KV layout is `kvstore/layout.py`'s."""
+store-level settings), `HashAlgo`; the KV layout is `kvstore/layout.py`'s.
+
+A config's tiers are its `tiers` as given, or the sequence its flat tier fields stand for,
+checked against its layout. The flat fields are sugar: each enables one built-in tier
+(`pool_blocks` > 0 the pool, `cpu_bytes` > 0 the CPU tier, `disk_path` the disk, `remote_url`
+the remote), in that order, and a store built from them is the store built from the tier
+configs `flat_tiers` returns. Their errors name the flat fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 from collections.abc import Mapping, Sequence
@@ -12,19 +19,23 @@ from typing import Any
 
 import torch
 
-from kvstore.codec_config import codec_identity, lossy_codecs, parse_codec_dtype
+from kvstore.codec_config import check_tier_codecs, codec_identity, lossy_codecs, parse_codec_dtype
 from kvstore.errors import ConfigError
 from kvstore.layout import DTYPES, MAX_DIM, KVLayout, dtype_name
 from kvstore.load_policy import LoadPolicyMode
 from kvstore.settings import parse_bool, parse_optional_str, parse_str
-from kvstore.tier_configs import flat_values, parse_given, store_tiers
-from tiers.codecs import CodecKind
-from tiers.disk.config import MAX_DISK_BYTES
+from kvstore.tier_configs import FLAT_FIELDS, NamedTier, parse_given
+from tiers.codecs import CodecConfig, CodecKind, codec_config, parse_codec
+from tiers.cpu.config import CPUTierConfig, check_fits
+from tiers.disk.config import MAX_DISK_BYTES, DiskTierConfig, check_disk_bytes, check_path
 from tiers.disk.durability import DiskSync
 from tiers.plugins import is_int_at_least, require_int
-from tiers.policies.admission import ADMIT_ALL, AdmissionSpec
-from tiers.policies.eviction import EvictionKind
+from tiers.policies.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
+from tiers.policies.eviction import EvictionKind, eviction_config, parse_eviction
+from tiers.pool.config import PoolTierConfig, check_device, parse_demotion
 from tiers.pool.gpu_pool import DemotionPolicy
+from tiers.remote.config import MAX_TTL_S, RemoteTierConfig, check_timeout
+from tiers.remote.url import check_url
 from tiers.tier_config import TierConfig
 
 __all__ = ["DTYPES", "MAX_DIM", "MAX_DISK_BYTES", "HashAlgo", "KVLayout", "StoreConfig", "dtype_name",
@@ -216,7 +227,7 @@ class StoreConfig:
         object.__setattr__(self, "hash_algo", parse_hash_algo(self.hash_algo))
         object.__setattr__(self, "tiers", parse_given(self.tiers))
         if not self.tiers:
-            for name, value in flat_values(self).items():
+            for name, value in _flat_values(self).items():
                 object.__setattr__(self, name, value)
         require_int("StoreConfig.io_threads", self.io_threads, 1, high=1024)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
@@ -238,14 +249,14 @@ class StoreConfig:
         object.__setattr__(self, "codec_dtype", parse_codec_dtype(self.codec_dtype, self.layout.dtype))
         if self.codec_group is not None:
             require_int("StoreConfig.codec_group", self.codec_group, 1)
-        object.__setattr__(self, "tier_configs", store_tiers(self))  # a bad tier is refused here, not on open
+        object.__setattr__(self, "tier_configs", _store_tiers(self))  # a bad tier is refused here, not on open
 
     @cached_property
     def tier_configs(self) -> tuple[TierConfig, ...]:
         """The tiers a store of this config opens, fastest first: `tiers`, or the sequence
-        the flat tier fields stand for (`kvstore/tier_configs.py`); built and checked when the
+        the flat tier fields stand for (see the module docstring); built and checked when the
         config is."""
-        return store_tiers(self)
+        return _store_tiers(self)
 
     @property
     def lossy_codecs(self) -> list[str]:
@@ -270,3 +281,98 @@ class StoreConfig:
         with). Exact stores keep the identity they had before codecs existed."""
         codecs = codec_identity(self.tier_configs, self.codec_dtype, self.codec_group)
         return [self.namespace, *self.layout.identity(), self.block_size, self.hash_algo.value, *codecs]
+
+
+def _flat_values(c: StoreConfig) -> dict[str, object]:
+    """The flat tier fields of `c`, checked (`ConfigError` naming the field) and normalized
+    (enums, parsed rules), to be set on it."""
+    require_int("StoreConfig.cpu_bytes", c.cpu_bytes, 0)
+    check_disk_bytes(c.disk_bytes, "StoreConfig.disk_bytes")
+    require_int("StoreConfig.pool_blocks", c.pool_blocks, 0)
+    if c.pool_device is not None:
+        check_device(c.pool_device, "StoreConfig.pool_device")
+    out: dict[str, object] = {
+        "pool_demotion": parse_demotion(c.pool_demotion, "StoreConfig.pool_demotion"),
+        "disk_sync": DiskSync.parse(c.disk_sync, "StoreConfig.disk_sync"),
+        "cpu_eviction": parse_eviction(c.cpu_eviction, "StoreConfig.cpu_eviction"),
+    }
+    if c.disk_path is not None:
+        out["disk_path"] = check_path(c.disk_path, "StoreConfig.disk_path")
+        if c.disk_bytes < 2 * c.block_bytes:
+            raise ConfigError(f"StoreConfig.disk_bytes={c.disk_bytes} is below two blocks ({2 * c.block_bytes} bytes)")
+    if 0 < c.cpu_bytes < c.block_bytes:
+        raise ConfigError(f"StoreConfig.cpu_bytes={c.cpu_bytes} holds no block of {c.block_bytes} bytes; "
+                          "use 0 to disable the CPU tier")
+    if c.remote_url is not None:
+        check_url(c.remote_url)
+    if c.remote_ttl_s is not None:
+        require_int("StoreConfig.remote_ttl_s", c.remote_ttl_s, 1, high=MAX_TTL_S)
+    check_timeout(c.remote_timeout_s, "StoreConfig.remote_timeout_s")
+    admission = parse_admission(c.demote_admission, "StoreConfig.demote_admission")
+    if admission.kind is AdmissionKind.TINYLFU:
+        raise ConfigError("StoreConfig.demote_admission must be 'all' or 'seen:N'; 'tinylfu' compares with "
+                          "the lower tier's victim, which the CPU tier does not know")
+    out["demote_admission"] = admission
+    if c.cpu_tenant_quota_bytes is not None:
+        quota = require_int("StoreConfig.cpu_tenant_quota_bytes", c.cpu_tenant_quota_bytes, 1)
+        check_fits("StoreConfig.cpu_tenant_quota_bytes", quota, c.block_bytes)
+    if c.disk_read_bps is not None:
+        require_int("StoreConfig.disk_read_bps", c.disk_read_bps, 1)
+    for name in ("disk_codec", "remote_codec"):
+        out[name] = parse_codec(getattr(c, name), f"StoreConfig.{name}")
+    return out
+
+
+def flat_tiers(c: StoreConfig) -> list[NamedTier]:
+    """The tiers `c`'s flat fields (checked by `flat_values`) enable, fastest first."""
+    named: list[NamedTier] = []
+    if c.pool_blocks:
+        named.append(NamedTier("StoreConfig.pool_blocks", "", PoolTierConfig(
+            c.pool_blocks, None if c.pool_device is None else str(c.pool_device), c.pool_demotion)))
+    if c.cpu_bytes:
+        named.append(NamedTier("StoreConfig.cpu_bytes", "", CPUTierConfig(
+            c.cpu_bytes, c.cpu_checksums, eviction_config(c.cpu_eviction), c.demote_admission,
+            c.cpu_tenant_quota_bytes)))
+    if c.disk_path is not None:
+        named.append(NamedTier("StoreConfig.disk_path", "StoreConfig.disk_codec", DiskTierConfig(
+            str(c.disk_path), c.disk_bytes, DiskSync.parse(c.disk_sync), c.disk_read_bps, codec_config(c.disk_codec))))
+    if c.remote_url is not None:
+        named.append(NamedTier("StoreConfig.remote_url", "StoreConfig.remote_codec", RemoteTierConfig(
+            c.remote_url, c.remote_ttl_s, c.remote_timeout_s, codec_config(c.remote_codec))))
+    return named
+
+
+def _store_tiers(c: StoreConfig) -> tuple[TierConfig, ...]:
+    """The tiers `c` opens, fastest first (see the module docstring). Raises `ConfigError`
+    for flat tier fields set beside `tiers`, no tier, an engine's pool below another tier,
+    two tiers of one kind, a tier too small for a block, or a codec that cannot encode the
+    layout (each naming the tier or field)."""
+    if c.tiers:
+        defaults = {f.name: f.default for f in dataclasses.fields(c)}
+        set_ = [name for name in FLAT_FIELDS if getattr(c, name) != defaults[name]]
+        if set_:
+            raise ConfigError(f"StoreConfig.tiers is given, and so are the flat tier fields {set_}: give one or "
+                              "the other (the flat fields build the tiers only when `tiers` is empty)")
+        named = [NamedTier(f"StoreConfig.tiers[{i}]", f"StoreConfig.tiers[{i}].codec", t)
+                 for i, t in enumerate(parse_given(c.tiers))]  # parsed already: the configs pass through
+    else:
+        named = flat_tiers(c)
+    if not named:
+        raise ConfigError("StoreConfig enables no tier: set pool_blocks, cpu_bytes, disk_path or remote_url, "
+                          "or give tiers")
+    kinds: dict[str, str] = {}
+    for i, t in enumerate(named):
+        tier = t.config.tier
+        if tier.traits.engine_memory and i:
+            raise ConfigError(f"{t.what}: a {tier.kind.value!r} tier holds the engine's paged KV; it must be "
+                              "the first tier")
+        if tier.kind in kinds:
+            raise ConfigError(f"{t.what}: a second {tier.kind.value!r} tier (the first is {kinds[tier.kind]})")
+        kinds[tier.kind] = t.what
+        t.config.check(c.block_bytes, t.what)
+        if t.config.codec is not None and not isinstance(t.config.codec, CodecConfig):
+            raise ConfigError(f"{t.codec_what or t.what + '.codec'} must be a codec config (a tier config turns "
+                              f"what it is given into one with tiers.codecs.codec_config), got {t.config.codec!r}")
+    check_tier_codecs([(t.codec_what or f"{t.what}.codec", t.config.codec) for t in named], c.block_shape,
+                      c.layout.dtype, c.codec_dtype, c.codec_group)
+    return tuple(t.config for t in named)

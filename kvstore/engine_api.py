@@ -25,7 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, TierKind
+from tiers.keys import BlockHash, BlockKey, TierKind
 
 # One block-shaped tensor per key, or a function that, given how many leading blocks are
 # held, returns that many (so a caller allocates only what a load will fill).

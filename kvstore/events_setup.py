@@ -18,7 +18,7 @@ from kvevents import EventPublisher, EventSource, medium_of, new_epoch, publishe
 from kvstore.config import StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.tier_stack import TierStack
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 
 
 def open_publisher(config: StoreConfig, seed: BlockHash, stack: TierStack) -> EventPublisher:

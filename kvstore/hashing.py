@@ -23,7 +23,7 @@ import xxhash
 
 from kvstore.config import HashAlgo, parse_hash_algo, require_int
 from kvstore.errors import InvalidInputError, InvalidTokensError
-from tiers.base import BlockHash as BlockHash  # a digest of one full block with its prefix and namespace
+from tiers.keys import BlockHash as BlockHash
 
 HASH_FORMAT_VERSION = b"kvstrata.blockhash.v1\x00"
 ENGINE_KEY_VERSION = b"kvstrata.enginekey.v1\x00"  # domain of keys an engine names blocks by

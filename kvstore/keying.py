@@ -28,7 +28,7 @@ from kvstore.hashing import (
     engine_block_hash,
     tenant_of,
 )
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 
 
 class ChainKeys(Sequence[BlockKey]):

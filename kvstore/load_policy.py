@@ -36,7 +36,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from kvstore.errors import ConfigError
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 _ALPHA = 0.3  # weight of a new measurement in the running averages
 # Faster than any engine prefills (1e15 FLOP/s at 2 FLOPs per parameter and token is 5e6

@@ -21,7 +21,7 @@ import torch
 
 from kvstore.errors import InvalidInputError
 from kvstore.tier_stack import TierStack
-from tiers.base import BlockHash, BlockKey, TierKind
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.pool.free_queue import PoolBlock
 from tiers.pool.gpu_pool import BlockPool, NoFreeBlocksError
 

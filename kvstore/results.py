@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from tiers.base import TierKind, TierStats
+from tiers.base import TierStats
+from tiers.keys import TierKind
 
 
 class RetrieveResult(NamedTuple):

@@ -35,7 +35,8 @@ from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_device, check_disjoint, check_kv, check_writable
-from tiers.base import BlockKey, ScrubResult, Tier, TierKind
+from tiers.base import ScrubResult, Tier
+from tiers.keys import BlockKey, TierKind
 from tiers.pool.gpu_pool import BlockPool
 from tiers.shared.blockbatch import BlockBatch, block_rows
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from kvstore.codec_config import lossy_kinds
 from kvstore.config import StoreConfig
 from kvstore.settings import remote_password
-from tiers.base import BlockHash, Tier, TierKind, TierTraits
+from tiers.base import Tier, TierTraits
+from tiers.keys import BlockHash, TierKind
 from tiers.pool.gpu_pool import BlockPool
 from tiers.tier_config import TIERS, TierContext
 

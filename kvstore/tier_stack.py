@@ -22,9 +22,10 @@ import torch
 
 from kvstore.change_feed import ChangeFeed
 from kvstore.results import ClearResult
-from tiers.base import BlockHash, BlockKey, ScrubResult, Tier, TierKind
+from tiers.base import ScrubResult, Tier
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.shared.blockbatch import take
 
 logger = logging.getLogger(__name__)

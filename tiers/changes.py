@@ -15,12 +15,10 @@ import enum
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from tiers.errors import KVStoreError
-
-if TYPE_CHECKING:
-    from tiers.base import BlockKey, TierKind
+from tiers.keys import BlockKey, TierKind
 
 logger = logging.getLogger(__name__)
 

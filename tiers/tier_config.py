@@ -20,9 +20,10 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-from tiers.base import BlockHash, Tier, TierTraits
+from tiers.base import Tier, TierTraits
 from tiers.codecs import CodecConfig, CodecKind, CodecSpec
 from tiers.errors import ConfigError
+from tiers.keys import BlockHash
 from tiers.plugins import Registry
 
 R = TypeVar("R", bound=type)

@@ -18,7 +18,7 @@ from kvstore.config import require_int
 from kvstore.errors import InvalidInputError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, as_token_array
 from kvstore.store import KVCacheStore
-from tiers.base import BlockKey, TierKind
+from tiers.keys import BlockKey, TierKind
 from tiers.pool.free_queue import PoolBlock
 from tiers.pool.gpu_pool import NoFreeBlocksError
 

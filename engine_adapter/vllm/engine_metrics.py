@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstore.tier_factory import known_tiers
-from tiers.base import TierKind, TierTraits
+from tiers.base import TierTraits
+from tiers.keys import TierKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -19,7 +19,7 @@ from engine_adapter.vllm.worker_side import PENDING
 from kvstore import ExtraKeys, KVCacheStore
 from kvstore.hashing import BlockChain
 from kvstore.keying import key_hashes
-from tiers.base import BlockKey, TierKind
+from tiers.keys import BlockKey, TierKind
 
 PENDING_WAIT_S = 5.0  # the longest a lookup waits for this process's queued writes, in all
 

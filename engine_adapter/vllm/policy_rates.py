@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvstore.load_policy import LoadPolicy, plausible_bandwidth, plausible_prefill_rate
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 _ALPHA = 0.3  # weight of a load's block counts in the recent shares
 MAX_REPORTS = 4096  # worker reports one step may carry: more is not from vLLM's workers

@@ -14,7 +14,7 @@ from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from kvstore import ExtraKeys, KVCacheStore
 from kvstore.hashing import BlockChain
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -33,7 +33,7 @@ from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError, DiskFullError
 from kvstore.hashing import BlockChain
 from kvstore.keying import key_hashes
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from bench.trace_policy import Trace, one_tier
 from bench.trace_sim import SimTier, Stack, belady_hit_blocks
 from cli import output
 from kvstore import KVCacheStore, StoreConfig
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.policies.eviction import EvictionKind
 
 TRACE = trace.DEFAULT_TRACE

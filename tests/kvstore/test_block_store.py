@@ -12,7 +12,7 @@ import torch
 from kvstore import ExtraKeys, KVCacheStore, KVLayout, LayoutMismatchError, LoadResult, StoreConfig
 from kvstore.errors import InvalidInputError
 from tests.conftest import make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.uint8)
 BLOCK = 4

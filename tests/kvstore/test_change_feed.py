@@ -18,8 +18,9 @@ from kvstore.hashing import ExtraKeys
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tests.kvstore.test_events import Reader
 from tests.redis_fixtures import RedisServer, redis_server
-from tiers.base import BlockKey, Tier, TierKind
+from tiers.base import Tier
 from tiers.changes import ChangeKind, TierChange
+from tiers.keys import BlockKey, TierKind
 
 
 class Sink:

@@ -20,7 +20,6 @@ from cli.redis_servers import RedisServer, redis_server
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import ConfigError
 from tests.reliability import diskdamage
-from tiers.base import BlockKey, TierKind
 from tiers.codecs import CodecKind, CodecSpec, build_codec, parse_codec
 from tiers.codecs.scaled import ScaledCodec
 from tiers.disk.codec import encoded_slot_bytes
@@ -28,6 +27,7 @@ from tiers.disk.files import slot_bytes_for
 from tiers.disk.index import pack_entry
 from tiers.disk.payload import payload_sum
 from tiers.disk.tier import LMDBTier, PayloadLocation, bytes_per_block
+from tiers.keys import BlockKey, TierKind
 from tiers.remote.record import RecordCodec, pack_record, parse_record
 from tiers.remote.tier import RemoteTier
 

@@ -11,7 +11,7 @@ import torch
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import InvalidTokensError, StoreClosedError
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.shared.blockbatch import BlockBatch, block_rows, copy_rows
 
 

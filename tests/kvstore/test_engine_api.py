@@ -15,8 +15,8 @@ from kvstore.block_events import EventLog
 from kvstore.hashing import engine_block_hash, namespace_seed
 from kvstore.keying import Keyer
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import BlockKey, TierKind
 from tiers.changes import ChangeKind, TierChange
+from tiers.keys import BlockKey, TierKind
 
 Factory = Callable[..., KVCacheStore]
 PAGES = [f"sglang-page-{i:02d}" for i in range(6)]  # an engine's own page keys: no tokens

@@ -21,7 +21,7 @@ from kvevents import publisher as events_mod
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 
 class Reader:
@@ -407,7 +407,7 @@ def test_damaged_extras_are_not_announced_and_raise_nothing_raw() -> None:
     or type error on the publisher's thread)."""
     from kvevents import BadPayload, vllm_extras
     from kvevents.mirror import Mirror
-    from tiers.base import BlockKey
+    from tiers.keys import BlockKey
 
     damaged = [b"\xdd\xff\xff\xff\xff", msgpack.packb(5), msgpack.packb([["lora"]]), msgpack.packb([[]]),
                msgpack.packb([["salt", "s"]]) + b"\x00", b"\x91" * 2000]

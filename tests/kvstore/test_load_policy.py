@@ -9,7 +9,7 @@ import pytest
 
 from kvstore.errors import ConfigError
 from kvstore.load_policy import MAX_LOAD_BANDWIDTH, MAX_PREFILL_RATE, LoadPolicy
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 CPU, DISK = TierKind.CPU, TierKind.DISK
 BLOCK_TOKENS, BLOCK_BYTES = 32, 1 << 20

@@ -26,9 +26,10 @@ from kvstore import KVCacheStore, StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held
+from tiers.base import Occupancy, Tier, TierCounters, TierTraits, count_held
 from tiers.changes import ChangeKind
 from tiers.errors import StoreClosedError
+from tiers.keys import BlockKey, TierKind
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
 

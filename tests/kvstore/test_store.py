@@ -20,7 +20,7 @@ from kvstore import (
     StoreConfig,
 )
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 Factory = Callable[..., KVCacheStore]
 

@@ -30,10 +30,10 @@ from kvstore import (
     StoreConfig,
 )
 from kvstore.hashing import as_token_array
-from tiers.base import TierKind
 from tiers.cpu.tier import CPUTier
 from tiers.disk import env as lmdb_env
 from tiers.disk.tier import LMDBTier
+from tiers.keys import TierKind
 
 from .kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
 

@@ -14,9 +14,9 @@ from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash
 from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import BlockKey
 from tiers.cpu.tier import CPUTier
 from tiers.disk.tier import LMDBTier
+from tiers.keys import BlockKey
 from tiers.policies.admission import (
     ADMISSION_RULES,
     Admission,

@@ -12,8 +12,8 @@ import torch
 
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from tiers.base import TierKind
 from tiers.cpu.tier import CPUTier
+from tiers.keys import TierKind
 
 pytestmark = pytest.mark.gpu
 LAYOUT = KVLayout(4, 8, 128, torch.bfloat16)

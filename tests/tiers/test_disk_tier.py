@@ -21,10 +21,10 @@ from kvstore import ConfigError, DiskSync, StoreConfig
 from tests import ROOT
 from tests.reliability import diskdamage
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv, open_store
-from tiers.base import BlockHash, BlockKey
 from tiers.disk import env as lmdb_env
 from tiers.disk.index import LOG_KEEP, pack_entry
 from tiers.disk.tier import LMDBTier, bytes_per_block
+from tiers.keys import BlockHash, BlockKey
 
 SHAPE = LAYOUT.block_shape(BLOCK)
 

@@ -11,7 +11,7 @@ import torch
 from engine_adapter.runner.block_manager import KVCacheManager
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tests.conftest import POOL_DEVICE, make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.pool.free_queue import FreeBlockQueue, PoolBlock
 from tiers.pool.gpu_pool import NoFreeBlocksError
 

@@ -15,8 +15,8 @@ from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.hashing import BlockHash
 from tests.conftest import BLOCK, LAYOUT, make_kv
-from tiers.base import BlockKey
 from tiers.cpu.tier import CPUTier
+from tiers.keys import BlockKey
 from tiers.policies.eviction import EvictionKind
 from tiers.policies.quota import tenant_label
 

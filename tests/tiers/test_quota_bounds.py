@@ -13,9 +13,9 @@ import torch
 
 from kvstore.hashing import BlockHash
 from tests.conftest import BLOCK, LAYOUT
-from tiers.base import BlockKey
 from tiers.cpu.residency import Residency
 from tiers.cpu.tier import CPUTier
+from tiers.keys import BlockKey
 from tiers.policies.admission import FrequencySketch
 from tiers.policies.eviction import EvictionKind
 from tiers.policies.quota import LABELLED_TENANTS, OTHER_LABEL, tenant_label

@@ -25,7 +25,7 @@ from kvstore.errors import ConfigError
 from tests import ROOT
 from tests.redis_fixtures import RedisServer, need_redis, redis_server
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
-from tiers.base import TierKind
+from tiers.keys import TierKind
 from tiers.remote.tier import RemoteTier, redacted
 
 

@@ -18,7 +18,7 @@ import torch
 
 from tests.drip_server import DripServer, on_generation
 from tests.reliability.kvgen import BLOCK, LAYOUT
-from tiers.base import BlockHash, BlockKey
+from tiers.keys import BlockHash, BlockKey
 from tiers.remote.resp import ReplyTooLong, RespReader
 from tiers.remote.tier import RemoteTier
 

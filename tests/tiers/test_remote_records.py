@@ -20,9 +20,9 @@ import xxhash
 
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tests.redis_fixtures import RedisServer, redis_server
-from tiers.base import BlockHash, BlockKey, TierKind
 from tiers.codecs import CodecKind, CodecSpec
 from tiers.errors import CorruptRecordError, UnverifiableRecordError
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.record import RecordCodec
 from tiers.remote.tier import RemoteTier
 

@@ -21,7 +21,7 @@ from kvstore import KVLayout, RetrieveResult
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.tiers.test_remote import _remote, _store, _tokens
 from tests.tiers.test_remote_writes import LLAMA_3_8B, _keys, _tier
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 QUARTER_MIB = KVLayout(num_layers=4, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)  # 256 KiB blocks
 

@@ -20,7 +20,7 @@ from cli.redis_servers import redis_server
 from kvstore import KVLayout
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.tiers.test_remote import _remote, _store, _tokens
-from tiers.base import BlockHash, BlockKey, TierKind
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.tier import RemoteTier
 
 LLAMA_3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)  # 128 KiB a token

@@ -15,13 +15,14 @@ import torch
 
 from tests.conftest import BLOCK, LAYOUT
 from tests.tiers.test_tier_contract import block, key
-from tiers.base import BlockHash, Tier, TierKind
+from tiers.base import Tier
 from tiers.codecs import CodecKind, Int8Config
 from tiers.cpu.config import CPUTierConfig
 from tiers.disk.config import DiskTierConfig
 from tiers.disk.durability import DiskSync
 from tiers.disk.tier import LMDBTier
 from tiers.errors import ConfigError
+from tiers.keys import BlockHash, TierKind
 from tiers.policies.admission import AdmitSeen
 from tiers.policies.eviction import EVICTION_POLICIES, eviction_config
 from tiers.policies.s3fifo import S3FIFOConfig

@@ -21,12 +21,13 @@ from tests.conftest import BLOCK, LAYOUT
 from tests.redis_fixtures import redis_server
 from tests.switches import switches
 from tiers import changes as changes_mod
-from tiers.base import BlockKey, Tier
+from tiers.base import Tier
 from tiers.changes import ChangeKind
 from tiers.cpu.config import CPUTierConfig
 from tiers.cpu.tier import CPUTier
 from tiers.disk.config import DiskTierConfig
 from tiers.disk.tier import LMDBTier, bytes_per_block
+from tiers.keys import BlockKey
 from tiers.policies.eviction import EVICTION_POLICIES
 from tiers.pool.config import PoolTierConfig
 from tiers.remote.config import RemoteTierConfig

@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Generic, Protocol
 
-from tiers.base import BlockHash, BlockKey, TenantStats
+from tiers.base import TenantStats
+from tiers.keys import BlockHash, BlockKey
 from tiers.policies.eviction import EvictionConfig, EvictionKind, EvictionPolicy, K, eviction_config, make_policy
 from tiers.policies.quota import NO_TENANT, TenantBook
 

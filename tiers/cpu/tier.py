@@ -8,21 +8,11 @@ from collections.abc import Iterator, Sequence
 import torch
 import xxhash
 
-from tiers.base import (
-    BlockHash,
-    BlockKey,
-    Occupancy,
-    TenantStats,
-    Tier,
-    TierCounters,
-    TierKind,
-    TierTraits,
-    count_held,
-    plan_put,
-)
+from tiers.base import Occupancy, TenantStats, Tier, TierCounters, TierTraits, count_held, plan_put
 from tiers.changes import ChangeKind
 from tiers.cpu.residency import Residency, key_parent, key_tenant
 from tiers.errors import ConfigError, DiskFullError, StoreClosedError
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.policies.admission import Admission, AdmissionKind, AdmissionRule, parse_admission
 from tiers.policies.eviction import EvictionConfig, EvictionKind
 from tiers.shared.blockbatch import BlockBatch, copy_rows

@@ -17,9 +17,9 @@ import threading
 
 import lmdb
 
-from tiers.base import BlockHash
 from tiers.disk.env import begin
 from tiers.disk.index import Index
+from tiers.keys import BlockHash
 
 
 class Mirror:

@@ -14,7 +14,7 @@ import lmdb
 import msgpack
 import numpy as np
 
-from tiers.base import BlockHash, BlockKey, ScrubResult
+from tiers.base import ScrubResult
 from tiers.disk.codec import DiskCodec
 from tiers.disk.env import _ENVS, TruncatedIndexError, begin, open_read_only
 from tiers.disk.files import SlotFiles, file_name
@@ -32,6 +32,7 @@ from tiers.disk.index import (
 from tiers.disk.mirror import Mirror
 from tiers.disk.payload import payload_sum
 from tiers.errors import ConfigError, CorruptRecordError, UnverifiableRecordError
+from tiers.keys import BlockHash, BlockKey
 
 unpack = unpack_entry
 _BE_TICK = 8

@@ -34,18 +34,7 @@ import lmdb
 import msgpack
 import torch
 
-from tiers.base import (
-    BlockHash,
-    BlockKey,
-    Occupancy,
-    ScrubResult,
-    Tier,
-    TierCounters,
-    TierKind,
-    TierTraits,
-    count_held,
-    plan_put,
-)
+from tiers.base import Occupancy, ScrubResult, Tier, TierCounters, TierTraits, count_held, plan_put
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.codecs.records import check_tokens
@@ -61,6 +50,7 @@ from tiers.disk.payload import Prepared, read_payloads
 from tiers.disk.scan import summarize
 from tiers.disk.writer import DiskWriter, Layout
 from tiers.errors import CorruptRecordError, DiskFullError, StoreClosedError, UnverifiableRecordError
+from tiers.keys import BlockHash, BlockKey, TierKind
 
 __all__ = ["DiskSync", "LMDBTier", "PayloadLocation", "ScrubResult", "bytes_per_block", "summarize"]
 logger = logging.getLogger(__name__)

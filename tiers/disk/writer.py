@@ -25,7 +25,6 @@ import lmdb
 import numpy as np
 import torch
 
-from tiers.base import BlockKey
 from tiers.disk import repair as disk_repair
 from tiers.disk.batch import WriteBatch
 from tiers.disk.codec import DiskCodec
@@ -36,6 +35,7 @@ from tiers.disk.index import CODEC_RAW, Entry, Index, block_cost, unpack_entry
 from tiers.disk.mirror import Mirror
 from tiers.disk.payload import Prepared, source_pieces, write_payloads
 from tiers.errors import CorruptRecordError, DiskFullError
+from tiers.keys import BlockKey
 
 _FULL_ERRNOS = {errno.ENOSPC: "file system full", errno.EDQUOT: "disk quota exceeded"}
 _T = TypeVar("_T")

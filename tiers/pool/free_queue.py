@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tiers.base import BlockHash, BlockKey
+from tiers.keys import BlockHash, BlockKey
 
 
 class PoolBlock:

@@ -16,9 +16,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, Tier, TierCounters, TierKind, TierTraits, count_held, plan_put
+from tiers.base import Occupancy, Tier, TierCounters, TierTraits, count_held, plan_put
 from tiers.changes import ChangeKind
 from tiers.errors import DiskFullError, KVStoreError, StoreClosedError
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.pool.free_queue import FreeBlockQueue, PoolBlock
 from tiers.shared.blockbatch import BlockBatch, copy_rows
 from tiers.shared.blockcopy import copy_block, host_memory_bytes, mapped_tensor

@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
-from tiers.base import BlockHash
+from tiers.keys import BlockHash
 from tiers.remote.stream import Op, command
 
 _GEN_DIGITS = 16

@@ -30,10 +30,10 @@ import numpy as np
 import torch
 import xxhash
 
-from tiers.base import BlockKey
 from tiers.codecs import Codec, CodecKind, CodecSpec
 from tiers.codecs.records import LayoutCodecs, check_tokens
 from tiers.errors import CorruptRecordError, UnverifiableRecordError
+from tiers.keys import BlockKey
 from tiers.shared.blockcopy import copy_block
 
 FORMAT_VERSION = 2

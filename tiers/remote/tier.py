@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from tiers.base import BlockHash, BlockKey, Occupancy, SweepResult, Tier, TierCounters, TierKind, TierTraits
+from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.client import Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
 from tiers.remote.record import RecordCodec

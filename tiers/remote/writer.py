@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from tiers.base import BlockKey
+from tiers.keys import BlockKey
 
 
 class Record(NamedTuple):

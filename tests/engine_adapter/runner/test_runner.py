@@ -24,7 +24,7 @@ from engine_adapter.runner.weights import init_random_weights
 from kvstore import ConfigError, InvalidInputError, KVCacheStore, KVLayout, LayoutMismatchError, StoreConfig
 from tests import ROOT
 from tests.conftest import POOL_DEVICE
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 ATOL = 1e-4
 BLOCK = 4

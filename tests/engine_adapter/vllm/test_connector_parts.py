@@ -263,7 +263,7 @@ def test_connector_lookups_follow_the_load_policy_and_the_worker_reports_prefill
     from engine_adapter.vllm.stats import ConnectorStats
     from engine_adapter.vllm.transfer_plan import StepPlan
     from engine_adapter.vllm.worker_side import ConnectorWorker
-    from tiers.base import TierKind
+    from tiers.keys import TierKind
 
     layout = opaque_layout(1, 64, 4)
     config = StoreConfig(layout=layout, block_size=4, cpu_bytes=4 * layout.block_bytes(4),

@@ -24,7 +24,8 @@ from engine_adapter.vllm.engine_metrics import (  # noqa: E402
     tier_labels,
 )
 from engine_adapter.vllm.stats import ConnectorStats  # noqa: E402
-from tiers.base import Tier, TierKind, TierTraits  # noqa: E402
+from tiers.base import Tier, TierTraits  # noqa: E402
+from tiers.keys import TierKind  # noqa: E402
 from tiers.tier_config import TierConfig, TierContext, register_tier  # noqa: E402
 
 pytestmark = pytest.mark.vllm

@@ -10,7 +10,7 @@ import pytest
 
 from engine_adapter.vllm.policy_rates import MAX_REPORTS, RatesBook, TierShares, WorkerRates, worker_rates
 from kvstore.load_policy import LoadPolicy
-from tiers.base import TierKind
+from tiers.keys import TierKind
 
 BLOCK_BYTES = 32 * 1024
 KNOWN = frozenset({"pool", "cpu", "disk", "remote"})
