@@ -73,7 +73,7 @@ def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tupl
             limits=Limits(max_sources=max_sources, max_blocks_per_slot=max_blocks, stale_after_s=stale_after,
                           forget_after_s=forget_after),
             curve=CurveClient.from_file(curve_cert) if curve_cert else None,
-            server_key=load_public(curve_server, "--curve-server") if curve_server else None, token=token)
+            curve_server_key=load_public(curve_server, "--curve-server") if curve_server else None, token=token)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

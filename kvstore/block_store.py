@@ -67,7 +67,7 @@ class TierBlockStore(BlockStore):
             self._check_open()
             self.counters.num_lookup_calls += 1
             tiers = self._stack.tiers
-            return LookupResult([tiers[i].kind for i in self._stack.locate(hashes)])
+            return LookupResult([tiers[i].kind for i in self._stack.plan_lookup(hashes)])
 
     @timed("load")
     def load(self, keys: Sequence[BlockKey], destinations: Destinations) -> LoadResult:
@@ -81,7 +81,7 @@ class TierBlockStore(BlockStore):
             hashes = key_hashes(keys)
             # Given destinations, the slowest tier is read without a lookup first (one round
             # trip to a remote server, one transaction on disk); else the hit sizes them.
-            plan = self._stack.plan_load(hashes) if given else self._stack.locate(hashes)
+            plan = self._stack.plan_load(hashes) if given else self._stack.plan_lookup(hashes)
             if plan and callable(destinations):
                 destinations = destinations(len(plan))
                 check_block_tensors(self._config, destinations, len(plan), destination=True)
@@ -113,7 +113,7 @@ class TierBlockStore(BlockStore):
             self.counters.num_blocks_stored += written
             if len(keys) <= self._stack.top.capacity_blocks:
                 return SaveResult(written, len(keys))  # the top tier took every block (no second lookup)
-            return SaveResult(written, len(self._stack.locate(key_hashes(keys))))  # some may be gone
+            return SaveResult(written, len(self._stack.plan_lookup(key_hashes(keys))))  # some may be gone
 
     def _current(self, generation: int | None) -> bool:
         """Whether KV produced at `generation` may be stored now (call with the lock held)."""

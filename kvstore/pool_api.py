@@ -86,7 +86,7 @@ class PoolAllocator:
             if n < len(keys) and self._pool.match_prefix(hashes, n):
                 return PrefixMatch(pool_blocks, [])  # the pool holds other tokens under this key
             tiers = self._stack.tiers
-            lower = [tiers[i].kind for i in self._stack.locate(hashes)][n:]
+            lower = [tiers[i].kind for i in self._stack.plan_lookup(hashes)][n:]
             # Blocks come from below the pool only: one the pool holds after a block it lacks
             # (the chain's tail outlived its prefix there) ends the prefix.
             cut = next((i for i, kind in enumerate(lower) if kind is self._pool.kind), len(lower))
@@ -150,7 +150,7 @@ class PoolAllocator:
 
     def _fill(self, keys: Sequence[BlockKey], blocks: Sequence[PoolBlock]) -> tuple[int, dict[TierKind, int]]:
         stack = self._stack
-        plan = stack.locate([k.block_hash for k in keys])
+        plan = stack.plan_lookup([k.block_hash for k in keys])
         end = next((i for i, t in enumerate(plan) if stack.tiers[t].traits.engine_memory), len(plan))
         views = [self._pool.block_view(b.block_id) for b in blocks[:end]]
         got, counts = stack.load(keys[:end], views, plan[:end])

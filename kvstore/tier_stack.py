@@ -115,7 +115,7 @@ class TierStack:
         return self.tiers[0]
 
     # -- reads -----------------------------------------------------------------------------
-    def locate(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def plan_lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
         """Index of the fastest tier holding each block of the longest cached prefix.
 
         Each tier is asked once per run of consecutive blocks it holds (one LMDB read
@@ -252,7 +252,7 @@ class TierStack:
         memory = [i for i, t in enumerate(self.tiers) if t.traits.memory]
         if not memory:
             return None
-        plan = self.locate(hashes)
+        plan = self.plan_lookup(hashes)
         fetch = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
         return Prefetch(fetch, [plan[p] for p in fetch], memory[-1]) if fetch else None
 
@@ -295,7 +295,7 @@ class TierStack:
 
     def leading_in_memory(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of the cached prefix memory tiers hold now."""
-        plan = self.locate(hashes)
+        plan = self.plan_lookup(hashes)
         return next((i for i, t in enumerate(plan) if not self.tiers[t].traits.memory), len(plan))
 
     # -- housekeeping ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class Subscription:
     name: str = ""
     replay: str | None = None
     model: str | None = None
-    server_key: bytes | None = None
+    curve_server_key: bytes | None = None
 
     def __post_init__(self) -> None:
         check_endpoint(self.endpoint, "subscription endpoint")
@@ -53,7 +53,7 @@ class RouterConfig:
         scoring: how `best` is chosen.
         limits: bounds on the state kept per source.
         curve: the router's own CURVE keys, for publishers that require them.
-        server_key: the publishers' CURVE public key where a subscription names none.
+        curve_server_key: the publishers' CURVE public key where a subscription names none.
         token: the bearer token every request but `GET /healthz` must carry (None: none
             needed; then `/register` and `/unregister` answer only on a loopback address).
     """
@@ -62,13 +62,13 @@ class RouterConfig:
     scoring: Scoring = field(default_factory=Scoring)
     limits: Limits = field(default_factory=Limits)
     curve: CurveClient | None = None
-    server_key: bytes | None = None
+    curve_server_key: bytes | None = None
     token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.limits.stale_after_s < 3600:
             raise ConfigError(f"stale_after_s must be in (0, 3600), got {self.limits.stale_after_s!r}")
-        keys = [self.server_key, *(s.server_key for s in self.subscriptions)]
+        keys = [self.curve_server_key, *(s.curve_server_key for s in self.subscriptions)]
         for key in keys:
             if key is not None:
                 check_public_key(key.decode() if isinstance(key, bytes) else key, "a publisher's CURVE key")

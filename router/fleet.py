@@ -91,15 +91,15 @@ class FleetView:
         self._free.append(slot.index)
 
     def add(self, endpoint: str, name: str, *, replay: str | None = None, model: str | None = None,
-            server_key: bytes | None = None, registered: bool = False) -> Source:
+            curve_server_key: bytes | None = None, registered: bool = False) -> Source:
         """A new source (or the one at `endpoint`, renamed). Raises `FleetFull`."""
         src = self.sources.get(endpoint)
         if src is not None:
-            src.name, src.replay_endpoint, src.model, src.server_key = name, replay, model, server_key
+            src.name, src.replay_endpoint, src.model, src.curve_server_key = name, replay, model, curve_server_key
             return src
         if len(self.sources) >= self.limits.max_sources:
             raise FleetFull(f"the router already follows {len(self.sources)} sources (its limit)")
-        src = Source(endpoint, name, self._slot(), replay, model, server_key, registered)
+        src = Source(endpoint, name, self._slot(), replay, model, curve_server_key, registered)
         limits = self.limits
         src.bytes_budget = Bucket(limits.bytes_per_s, limits.burst_bytes)
         src.claims_budget = Bucket(limits.claims_per_s, limits.burst_claims)

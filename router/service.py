@@ -82,7 +82,8 @@ class Router:
         self.subscriber: Any = None
         self._registry: Any = None
         for sub in config.subscriptions:
-            self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model, server_key=sub.server_key)
+            self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model,
+                           curve_server_key=sub.curve_server_key)
 
     # -- HTTP -----------------------------------------------------------------------------
     async def lookup(self, request: Any) -> Any:
@@ -111,7 +112,7 @@ class Router:
             raise BadRequest(str(exc)) from None
         try:
             src = self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model,
-                                 server_key=sub.server_key, registered=True)
+                                 curve_server_key=sub.curve_server_key, registered=True)
         except FleetFull as exc:
             return web.json_response({"error": str(exc)}, status=429)
         src.last_seen = time.monotonic()  # the silence that forgets it counts from now
@@ -235,7 +236,7 @@ class Router:
     async def _start(self, _: Any) -> None:
         from router.subscriber import Subscriber
 
-        self.subscriber = Subscriber(self.fleet, self.config.curve, self.config.server_key)
+        self.subscriber = Subscriber(self.fleet, self.config.curve, self.config.curve_server_key)
         for src in self.fleet.sources.values():
             self.subscriber.follow(src)
         self._sweeper = asyncio.ensure_future(self._sweep())

@@ -61,7 +61,7 @@ class Source:
     slot: Slot
     replay_endpoint: str | None = None
     model: str | None = None  # given at registration: wins over what events say
-    server_key: bytes | None = None  # the publisher's CURVE public key
+    curve_server_key: bytes | None = None  # the publisher's CURVE public key
     registered: bool = False  # came from POST /register (else from the command line)
     seq: int | None = None  # last batch applied
     replaying: bool = False

@@ -28,10 +28,11 @@ _LOG_EVERY_S = 10.0
 class Subscriber:
     """Follows the sources of a `FleetView` on one asyncio loop."""
 
-    def __init__(self, fleet: FleetView, curve: CurveClient | None = None, server_key: bytes | None = None) -> None:
+    def __init__(self, fleet: FleetView, curve: CurveClient | None = None,
+                 curve_server_key: bytes | None = None) -> None:
         import zmq.asyncio
 
-        self.fleet, self.curve, self.server_key = fleet, curve, server_key
+        self.fleet, self.curve, self.curve_server_key = fleet, curve, curve_server_key
         self._ctx = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._replays: set[asyncio.Task[None]] = set()
@@ -43,7 +44,7 @@ class Subscriber:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        key = src.server_key or self.server_key
+        key = src.curve_server_key or self.curve_server_key
         if key is not None and self.curve is not None:
             self.curve.secure(sock, key)
         return sock
