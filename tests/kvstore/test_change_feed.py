@@ -52,7 +52,7 @@ def test_a_block_demoted_from_cpu_reaches_the_disk_with_its_whole_key(tmp_path: 
         sink = Sink(store)
         reader = Reader(int(store.config.events_endpoint.rsplit(":", 1)[1])) if events else None
         if reader is not None:  # the welcome first: one that came after the stores would restate them
-            reader.until(lambda evs: any(e["type"] == "AllBlocksCleared" for e in evs))
+            reader.welcomed()
         try:
             hashes = store.block_hashes(tokens, extra)
             built = list(store.keys(tokens, extra_keys=extra))

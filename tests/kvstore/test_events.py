@@ -63,6 +63,12 @@ class Reader:
             self.drain(0.2)
         return self.batches
 
+    def welcomed(self, timeout: float = 20.0) -> list[tuple[int, list[dict[str, Any]]]]:
+        """Drain until the welcome a new reader gets (it opens with `AllBlocksCleared`) has come:
+        after it, every change is live (a fixed wait lost the first batches on a busy machine,
+        before the subscription reached the publisher)."""
+        return self.until(lambda events: any(e["type"] == "AllBlocksCleared" for e in events), timeout)
+
     def until_stored(self, timeout: float = 20.0) -> list[tuple[int, list[dict[str, Any]]]]:
         """Drain until a BlockStored event has come (or `timeout`)."""
         return self.until(lambda events: any(e["type"] == "BlockStored" for e in events), timeout)
@@ -112,7 +118,7 @@ def test_events_name_each_tier_chain_their_blocks_and_follow_evictions(tmp_path:
     store = _store(tmp_path / "d", port, cpu_blocks=4)
     reader = Reader(port)
     try:
-        reader.drain(1.5)  # the welcome a new reader gets
+        reader.welcomed()
         tokens = list(range(24))  # 6 blocks: 4 stay in the CPU tier, 2 go to disk
         store.store(tokens, make_kv(24))
         hashes = [wire_hash(h) for h in store.block_hashes(tokens)]
@@ -252,7 +258,7 @@ def test_an_overflowing_queue_becomes_a_welcome_not_a_gap(tmp_path: Path, monkey
     store = _store(tmp_path / "d", port)
     reader = Reader(port)
     try:
-        reader.drain(1.2)
+        reader.welcomed()
         assert store.store(list(range(40)), make_kv(40)) == 40  # 10 blocks > 3: the queue overflows
         want = {wire_hash(h) for h in store.block_hashes(list(range(40)))}
         reader.until(lambda events: held(events)["CPU"] | held(events)["DISK"] == want)
@@ -279,7 +285,7 @@ def test_a_tier_change_log_that_overflowed_is_restated_not_a_gap(tmp_path: Path,
     store = _store(tmp_path / "d", port)
     reader = Reader(port)
     try:
-        reader.drain(1.2)
+        reader.welcomed()
         tokens = list(range(40))
         assert store.store(tokens, make_kv(40)) == 40  # 10 blocks: the CPU tier records 8 > 3 at once
         assert store.events is not None
