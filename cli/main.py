@@ -37,6 +37,7 @@ BENCHMARKS = {
     "codec-vllm": "bench.codec_vllm",  # run with .venv-vllm's Python
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
     "peer": "bench.peer",
+    "soak": "bench.soak",
 }
 COMMANDS = {
     "demo": "cli.demo",
@@ -75,6 +76,7 @@ _BENCH_SUMMARIES = {
     "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
     "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
+    "soak": "Many clients on every tier while faults land at random; every hit checked bit-exact.",
 }
 
 
