@@ -8,9 +8,10 @@ each `kill -9`, reads back every prompt it acknowledged. Faults, at random momen
 `--seed`: `kill -9` of an engine process (restarted on the same disk), of the probe (which
 then verifies), `SIGSTOP`/`SIGCONT` of the server, its restart (without persistence: its
 blocks are gone), a server that fills up (`noeviction` at a small `maxmemory` for a while),
-and bit rot in the disk tier's slot files and in remote records. Exits 1 if a block came
+bit rot in the disk tier's slot files and in remote records, and a link (a proxy between
+the engines and the server) that turns slow or drops every connection. Exits 1 if a block came
 back wrong, a durable block was lost, a raw exception left the store, or a call ran past
-its bound; the same seed draws the same faults at the same offsets.
+its bound; the same seed draws the same workload and sequence of faults.
 """
 
 from __future__ import annotations
@@ -30,10 +31,12 @@ from typing import Any
 
 import click
 
+from bench.soak_proxy import FaultyLink
 from cli.args import CONTEXT, invoke
 from cli.output import print_table, write_results
 
-FAULTS = ("kill_engine", "kill_probe", "server_pause", "server_restart", "server_full", "disk_rot", "remote_rot")
+FAULTS = ("kill_engine", "kill_probe", "server_pause", "server_restart", "server_full", "disk_rot", "remote_rot",
+          "link_slow", "link_drop")
 
 
 class Soak:
@@ -48,9 +51,10 @@ class Soak:
             from cli.redis_servers import RedisServer
 
             self.server = RedisServer(None, "--maxmemory", "16mb").start()
+            self.link = FaultyLink(self.server.port)  # the engines reach the server through it
         self.specs = [{"mode": "engine", "index": i, "seed": seed, "threads": threads, "cpu_blocks": 48,
                        "disk": str(workdir / "disk"), "disk_bytes": 3 << 20,
-                       "remote_url": self.server.url if self.server else None} for i in range(clients)]
+                       "remote_url": f"redis://127.0.0.1:{self.link.port}" if self.server else None} for i in range(clients)]
         self.specs.append({"mode": "durable", "index": clients, "seed": seed, "disk": str(workdir / "durable"),
                            "acks": str(workdir / "durable.acks")})
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.specs)
@@ -94,6 +98,10 @@ class Soak:
             time.sleep(self.rng.uniform(0.5, 3.0))
             self._redis("CONFIG", "SET", "maxmemory", "16mb")
             self._redis("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        elif fault == "link_slow" and self.server:
+            self.link.slow(self.rng.uniform(1.0, 4.0), self.rng.uniform(0.05, 0.5))
+        elif fault == "link_drop" and self.server:
+            self.link.drop()
         elif fault == "disk_rot":
             files = [p for p in (self.dir / "disk").rglob("*") if p.is_file() and "slot" in p.name and p.stat().st_size]
             if files:
@@ -156,6 +164,7 @@ class Soak:
             self.faults["hung_at_end"] += 1
             probe.kill()  # type: ignore[union-attr]
         if self.server:
+            self.link.close()
             self.server.stop()
 
 
