@@ -52,9 +52,9 @@ class Soak:
 
             self.server = RedisServer(None, "--maxmemory", "16mb").start()
             self.link = FaultyLink(self.server.port)  # the engines reach the server through it
+        url = f"redis://127.0.0.1:{self.link.port}" if self.server else None
         self.specs = [{"mode": "engine", "index": i, "seed": seed, "threads": threads, "cpu_blocks": 48,
-                       "disk": str(workdir / "disk"), "disk_bytes": 3 << 20,
-                       "remote_url": f"redis://127.0.0.1:{self.link.port}" if self.server else None} for i in range(clients)]
+                       "disk": str(workdir / "disk"), "disk_bytes": 3 << 20, "remote_url": url} for i in range(clients)]
         self.specs.append({"mode": "durable", "index": clients, "seed": seed, "disk": str(workdir / "durable"),
                            "acks": str(workdir / "durable.acks")})
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.specs)
