@@ -32,16 +32,17 @@ def prompt(seed: int, doc: int, variant: int) -> np.ndarray:
     return np.concatenate([base, extra])
 
 
-def block_bytes(prefix: np.ndarray, tag: str) -> bytes:
-    """The bytes of the block that ends `prefix` (a whole number of blocks) in namespace `tag`."""
+def block_bytes(prefix: np.ndarray, layout: KVLayout = LAYOUT, block_size: int = BLOCK, tag: str = "") -> bytes:
+    """The bytes of the block that ends `prefix` (a whole number of blocks) in namespace `tag`
+    (`tests/reliability/` derives its KV the same way)."""
     data = tag.encode() + b"\x00" + np.ascontiguousarray(prefix, "<u4").tobytes()
     seed = xxhash.xxh64_intdigest(data)
-    return np.random.Generator(np.random.PCG64(seed)).bytes(LAYOUT.block_bytes(BLOCK))
+    return np.random.Generator(np.random.PCG64(seed)).bytes(layout.block_bytes(block_size))
 
 
 def make_kv(tokens: np.ndarray, tag: str) -> torch.Tensor:
     """KV `[L, 2, len(tokens), H, D]` (whole blocks) whose blocks are `block_bytes` of their prefixes."""
-    blocks = [torch.frombuffer(bytearray(block_bytes(tokens[: (i + 1) * BLOCK], tag)), dtype=torch.uint8)
+    blocks = [torch.frombuffer(bytearray(block_bytes(tokens[: (i + 1) * BLOCK], tag=tag)), dtype=torch.uint8)
               .view(LAYOUT.dtype).view(LAYOUT.block_shape(BLOCK)) for i in range(len(tokens) // BLOCK)]
     return torch.cat(blocks, dim=2)
 
@@ -56,5 +57,5 @@ def wrong_blocks(tokens: np.ndarray, kv: torch.Tensor | None, num_tokens: int, t
     wrong = 0
     for i in range(num_tokens // BLOCK):
         got = kv[:, :, i * BLOCK:(i + 1) * BLOCK].contiguous().view(torch.uint8).numpy().tobytes()
-        wrong += got != block_bytes(tokens[: (i + 1) * BLOCK], tag)
+        wrong += got != block_bytes(tokens[: (i + 1) * BLOCK], tag=tag)
     return wrong

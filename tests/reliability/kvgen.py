@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import xxhash
 
+from bench.soak_kv import block_bytes
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
 # 4 KiB blocks: each LMDB record spills into overflow pages, as real blocks do.
@@ -22,13 +23,6 @@ BLOCK = 16
 # 256-byte blocks for tests that need many of them (records live inside LMDB leaf pages).
 SMALL_LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float16)
 SMALL_BLOCK = 4
-
-
-def block_bytes(prefix: np.ndarray, layout: KVLayout, block_size: int, tag: str = "") -> bytes:
-    """The bytes of the block that ends `prefix` (whose length is a multiple of block_size)."""
-    data = tag.encode() + b"\x00" + np.ascontiguousarray(prefix, "<u4").tobytes()
-    seed = xxhash.xxh64_intdigest(data)
-    return np.random.Generator(np.random.PCG64(seed)).bytes(layout.block_bytes(block_size))
 
 
 def make_kv(tokens: np.ndarray, layout: KVLayout, block_size: int, tag: str = "") -> torch.Tensor:
