@@ -5,13 +5,14 @@ Engine processes (`--clients`, each with `--threads` threads; `bench/soak_client
 one small disk tier and one `redis-server` (so every tier evicts and demotes all the time)
 and check every hit bit-exact. A durability probe stores with `disk_sync="commit"` and, after
 each `kill -9`, reads back every prompt it acknowledged. Faults, at random moments drawn from
-`--seed`: `kill -9` of an engine process (restarted on the same disk), of the probe (which
-then verifies), `SIGSTOP`/`SIGCONT` of the server, its restart (without persistence: its
-blocks are gone), a server that fills up (`noeviction` at a small `maxmemory` for a while),
-bit rot in the disk tier's slot files and in remote records, and a link (a proxy between
-the engines and the server) that turns slow or drops every connection. Exits 1 if a block came
-back wrong, a durable block was lost, a raw exception left the store, or a call ran past
-its bound; the same seed draws the same workload and sequence of faults.
+`--seed`: `kill -9` of an engine process (restarted on the same disk) or of the probe (which
+then verifies); `SIGSTOP`/`SIGCONT` of the server; its restart, with or without its
+append-only file (switched at random: its blocks come back or are gone); a server that fills
+up (`noeviction` at a small `maxmemory` for a while); bit rot in the disk tier's slot files
+and in remote records; a link (a proxy between the engines and the server) that turns slow
+or drops every connection. Exits 1 if a block came back wrong, a durable block was lost, a
+raw exception left the store, a call ran past its bound, or the store's counters disagree
+with its calls; the same seed draws the same workload and sequence of faults.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from cli.args import CONTEXT, invoke
 from cli.output import print_table, write_results
 
 FAULTS = ("kill_engine", "kill_probe", "server_pause", "server_restart", "server_full", "disk_rot", "remote_rot",
-          "link_slow", "link_drop")
+          "link_slow", "link_drop", "server_persistence")
 
 
 class Soak:
@@ -98,6 +99,10 @@ class Soak:
             time.sleep(self.rng.uniform(0.5, 3.0))
             self._redis("CONFIG", "SET", "maxmemory", "16mb")
             self._redis("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
+        elif fault == "server_persistence" and self.server:  # the next restart keeps its blocks, or not
+            on = self.rng.choice(["yes", "no"])
+            self._redis("CONFIG", "SET", "appendonly", on)
+            self.server.extra = ("--maxmemory", "16mb", "--appendonly", on)
         elif fault == "link_slow" and self.server:
             self.link.slow(self.rng.uniform(1.0, 4.0), self.rng.uniform(0.05, 0.5))
         elif fault == "link_drop" and self.server:
@@ -184,7 +189,9 @@ def summarize(stats_files: list[str], seconds: float) -> dict[str, Any]:
     hits: Counter[str] = Counter()
     errors: Counter[str] = Counter()
     samples: dict[str, list[float]] = {}
-    total = {"wrong_blocks": 0, "late": 0, "checked_blocks": 0, "lost_blocks": 0, "verified_blocks": 0}
+    total = {"wrong_blocks": 0, "late": 0, "checked_blocks": 0, "lost_blocks": 0, "verified_blocks": 0,
+             "counter_mismatches": 0}
+    tier_faults: Counter[str] = Counter()
     growth = {"rss_bytes": 0, "fds": 0, "threads": 0}
     for path in stats_files:
         try:
@@ -202,10 +209,14 @@ def summarize(stats_files: list[str], seconds: float) -> dict[str, Any]:
             for k in growth:
                 growth[k] = max(growth[k], s["now"][k] - s["start"][k])
         errors.update({k: v for k, v in s.items() if k.startswith("error_")})
+        for name in ("tier_corrupt", "tier_errors"):  # an engine's last word, if it finished
+            tier_faults.update({f"{name[5:]}_{k}": v for k, v in s.get("counters", {}).get(name, {}).items()})
+        if s.get("counters", {}).get("off"):
+            print(f"kvstrata bench soak: counters off in {path}: {s['counters']['off']}", file=sys.stderr)
     latency = {op: {"p50_ms": 1e3 * statistics.median(xs), "p99_ms": 1e3 * sorted(xs)[int(0.99 * (len(xs) - 1))],
                     "max_ms": 1e3 * max(xs), "count": ops[op]} for op, xs in sorted(samples.items()) if xs}
     return {"ops": dict(ops), "hit_tokens": dict(hits), "ops_per_s": sum(ops.values()) / seconds,
-            "errors": dict(errors), **total, "latency": latency, "growth": growth}
+            "errors": dict(errors), **total, "latency": latency, "growth": growth, "tier_faults": dict(tier_faults)}
 
 
 def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, faults: bool) -> int:
@@ -227,11 +238,14 @@ def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, fau
     print(f"counted misses by kind: {dict((k, v) for k, v in result['errors'].items() if k.startswith('error_'))}")
     print(f"raw exceptions: {sum(raw.values())} {raw if raw else ''}")
     print(f"calls past {10:g} s: {result['late']}")
+    print(f"faults the tiers counted (engines that finished): {result['tier_faults']}")
+    print(f"counter mismatches: {result['counter_mismatches']}")
     print(f"durable blocks lost: {result['lost_blocks']}")
     print(f"wrong bytes: {result['wrong_blocks']}")
     write_results("soak", {"minutes": minutes, "seed": seed, "clients": clients, "threads": threads,
                            "faults": dict(soak.faults), "fault_log": soak.log, **result})
-    bad = result["wrong_blocks"] or result["lost_blocks"] or raw or result["late"] or soak.faults["hung_at_end"]
+    bad = (result["wrong_blocks"] or result["lost_blocks"] or raw or result["late"] or soak.faults["hung_at_end"]
+           or result["counter_mismatches"])
     died = sum(v for k, v in soak.faults.items() if k.startswith("died_by_itself"))
     return 1 if bad or died else 0
 

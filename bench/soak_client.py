@@ -136,6 +136,24 @@ def _one(store: KVCacheStore, op: str, tokens: np.ndarray, tag: str, extra: Extr
     return got.num_tokens
 
 
+def _check_counters(store: KVCacheStore, figures: Figures) -> None:
+    """The store's own counters against what this process's calls did: every call counted once,
+    every token a retrieve returned counted as hit (a clear resets no counter)."""
+    st, snap = store.stats(), figures.snapshot()
+    ops, hits = snap["ops"], snap["hit_tokens"]
+    failed = sum(v for k, v in snap.items() if k.startswith("error_"))  # refused calls may count or not
+    want = {"num_store_calls": ops.get("store", 0) + ops.get("astore", 0),
+            "num_retrieve_calls": ops.get("retrieve", 0) + ops.get("retrieve_out", 0) + ops.get("aretrieve", 0),
+            "num_tokens_hit": hits.get("retrieve", 0) + hits.get("retrieve_out", 0) + hits.get("aretrieve", 0)}
+    got = {name: getattr(st, name) for name in want}
+    off = {k: (got[k], v) for k, v in want.items() if not v <= got[k] <= v + failed * (k != "num_tokens_hit")}
+    figures.count("counter_mismatches", len(off))
+    with figures.lock:
+        figures.extra["counters"] = {"store": got, "calls": want, "off": off,
+                                     "tier_corrupt": {t.kind.value: t.num_corrupt for t in st.tiers},
+                                     "tier_errors": {t.kind.value: t.num_errors for t in st.tiers}}
+
+
 def _durable(spec: dict[str, Any], figures: Figures, deadline: float) -> None:
     """Read back every acknowledged prompt, then store more, acknowledging each once it returns."""
     acks = Path(spec["acks"])
@@ -199,6 +217,7 @@ def main(argv: list[str]) -> int:
                 t.start()
             for t in threads:
                 t.join()
+            _check_counters(store, figures)
     stop.set()
     _write(spec["stats"], {**figures.snapshot(), "finished": True})
     return 0
