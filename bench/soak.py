@@ -2,17 +2,18 @@
 random moments, every answer checked; ends with a line `wrong bytes: N` (N blocks).
 
 Engine processes (`--clients`, each with `--threads` threads; `bench/soak_client.py`) share
-one small disk tier and one `redis-server` (so every tier evicts and demotes all the time)
-and check every hit bit-exact. A durability probe stores with `disk_sync="commit"` and, after
-each `kill -9`, reads back every prompt it acknowledged. Faults, at random moments drawn from
-`--seed`: `kill -9` of an engine process (restarted on the same disk) or of the probe (which
-then verifies); `SIGSTOP`/`SIGCONT` of the server; its restart, with or without its
-append-only file (switched at random: its blocks come back or are gone); a server that fills
-up (`noeviction` at a small `maxmemory` for a while); bit rot in the disk tier's slot files
-and in remote records; a link (a proxy between the engines and the server) that turns slow
-or drops every connection. Exits 1 if a block came back wrong, a durable block was lost, a
-raw exception left the store, a call ran past its bound, or the store's counters disagree
-with its calls; the same seed draws the same workload and sequence of faults.
+one small disk tier and one `redis-server` (the last engine a 3-master cluster instead), so
+every tier evicts and demotes all the time, and check every hit bit-exact. A durability
+probe stores with `disk_sync="commit"` and, after each `kill -9`, reads back every prompt it
+acknowledged. Faults, at random moments drawn from `--seed`: `kill -9` of an engine process
+(restarted on the same disk) or of the probe (which then verifies); `SIGSTOP`/`SIGCONT` of
+the server or of a cluster node; a restart of the server (with or without its append-only
+file, switched at random: its blocks come back or are gone) or of a node; a server that
+fills up (`noeviction` at a small `maxmemory` for a while); bit rot in the disk tier's slot
+files and in remote records; a link (a proxy between the engines and the server) that turns
+slow or drops every connection. Exits 1 if a block came back wrong, a durable block was
+lost, a raw exception left the store, a call ran past its bound, or the store's counters
+disagree with its calls; the same seed draws the same workload and sequence of faults.
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ from cli.args import CONTEXT, invoke
 from cli.output import print_table, write_results
 
 FAULTS = ("kill_engine", "kill_probe", "server_pause", "server_restart", "server_full", "disk_rot", "remote_rot",
-          "link_slow", "link_drop", "server_persistence")
+          "link_slow", "link_drop", "server_persistence", "cluster_node_pause", "cluster_node_restart")
 
 
 class Soak:
     """The processes of one soak and the faults it injects."""
 
-    def __init__(self, workdir: Path, seed: int, clients: int, threads: int, seconds: float, remote: bool) -> None:
+    def __init__(self, workdir: Path, seed: int, clients: int, threads: int, seconds: float, remote: bool,
+                 cluster: bool) -> None:
         self.dir, self.seed, self.seconds = workdir, seed, seconds
         self.rng = random.Random(seed)
         self.end = time.monotonic() + seconds
@@ -56,6 +58,12 @@ class Soak:
         url = f"redis://127.0.0.1:{self.link.port}" if self.server else None
         self.specs = [{"mode": "engine", "index": i, "seed": seed, "threads": threads, "cpu_blocks": 48,
                        "disk": str(workdir / "disk"), "disk_bytes": 3 << 20, "remote_url": url} for i in range(clients)]
+        self.cluster = None
+        if remote and cluster and clients >= 2:  # the last engine's remote tier is a 3-master cluster
+            from cli.redis_servers import RedisCluster
+
+            self.cluster = RedisCluster(3).start()
+            self.specs[-1]["remote_url"] = self.cluster.url
         self.specs.append({"mode": "durable", "index": clients, "seed": seed, "disk": str(workdir / "durable"),
                            "acks": str(workdir / "durable.acks")})
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.specs)
@@ -103,6 +111,17 @@ class Soak:
             on = self.rng.choice(["yes", "no"])
             self._redis("CONFIG", "SET", "appendonly", on)
             self.server.extra = ("--maxmemory", "16mb", "--appendonly", on)
+        elif fault == "cluster_node_pause" and self.cluster:
+            node = self.rng.choice(self.cluster.servers)
+            if node.proc is not None:
+                node.proc.send_signal(signal.SIGSTOP)
+                time.sleep(self.rng.uniform(0.2, 2.5))  # past 1 s the others mark it failed: the cluster is down
+                node.proc.send_signal(signal.SIGCONT)
+        elif fault == "cluster_node_restart" and self.cluster:
+            node = self.rng.choice(self.cluster.servers)
+            node.kill()
+            time.sleep(self.rng.uniform(0.1, 1.0))
+            node.start()  # its nodes.conf brings it back into the cluster; its blocks are gone
         elif fault == "link_slow" and self.server:
             self.link.slow(self.rng.uniform(1.0, 4.0), self.rng.uniform(0.05, 0.5))
         elif fault == "link_drop" and self.server:
@@ -142,6 +161,7 @@ class Soak:
         for i in range(len(self.specs)):
             self.start(i)
         next_fault = time.monotonic() + self.rng.expovariate(1 / 3.0)
+        deck: list[str] = []
         while time.monotonic() < self.end:
             for i, proc in enumerate(self.procs):  # an engine that died by itself is a defect: shown, restarted
                 if proc is not None and proc.poll() not in (None, 0):
@@ -150,7 +170,9 @@ class Soak:
                     print(f"kvstrata bench soak: process {i} died by itself:\n{tail}", file=sys.stderr)
                     self.start(i)
             if faults and time.monotonic() >= next_fault and time.monotonic() < self.end - 5:
-                self.inject(self.rng.choice(FAULTS))
+                if not deck:  # every kind once per round, in a random order: each lands, even in a short soak
+                    deck = self.rng.sample(FAULTS, len(FAULTS))
+                self.inject(deck.pop())
                 next_fault = time.monotonic() + self.rng.expovariate(1 / 3.0)
             time.sleep(0.1)
         for proc in self.procs:
@@ -171,6 +193,8 @@ class Soak:
         if self.server:
             self.link.close()
             self.server.stop()
+        if self.cluster:
+            self.cluster.stop()
 
 
 def _flip(path: Path, rng: random.Random) -> None:
@@ -219,10 +243,10 @@ def summarize(stats_files: list[str], seconds: float) -> dict[str, Any]:
             "errors": dict(errors), **total, "latency": latency, "growth": growth, "tier_faults": dict(tier_faults)}
 
 
-def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, faults: bool) -> int:
+def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, cluster: bool, faults: bool) -> int:
     seconds = minutes * 60
     with tempfile.TemporaryDirectory(prefix="kvstrata-soak-") as tmp:
-        soak = Soak(Path(tmp), seed, clients, threads, seconds, remote)
+        soak = Soak(Path(tmp), seed, clients, threads, seconds, remote, cluster)
         soak.run(faults)
         result = summarize(soak.stats, seconds)
     raw = {k: v for k, v in result["errors"].items() if not k.startswith("error_")}
@@ -256,9 +280,11 @@ def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, fau
 @click.option("--clients", type=click.IntRange(1, 64), default=3, show_default=True, help="engine processes")
 @click.option("--threads", type=click.IntRange(1, 64), default=3, show_default=True, help="threads per engine")
 @click.option("--remote/--no-remote", default=True, show_default=True, help="a redis-server as the remote tier")
+@click.option("--cluster/--no-cluster", default=True, show_default=True,
+              help="the last engine's remote tier a 3-master redis cluster (with --remote and 2+ clients)")
 @click.option("--faults/--no-faults", default=True, show_default=True)
-def command(minutes: float, seed: int, clients: int, threads: int, remote: bool, faults: bool) -> int:
-    return run(minutes, seed, clients, threads, remote, faults)
+def command(minutes: float, seed: int, clients: int, threads: int, remote: bool, cluster: bool, faults: bool) -> int:
+    return run(minutes, seed, clients, threads, remote, cluster, faults)
 
 
 def main(argv: list[str] | None = None) -> int:
