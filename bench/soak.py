@@ -19,192 +19,18 @@ disagree with its calls; the same seed draws the same workload and sequence of f
 from __future__ import annotations
 
 import json
-import os
-import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import click
 
-from bench.soak_proxy import FaultyLink
+from bench.soak_faults import Soak
 from cli.args import CONTEXT, invoke
 from cli.output import print_table, write_results
-
-FAULTS = ("kill_engine", "kill_probe", "server_pause", "server_restart", "server_full", "disk_rot", "remote_rot",
-          "link_slow", "link_drop", "server_persistence", "cluster_node_pause", "cluster_node_restart")
-
-
-class Soak:
-    """The processes of one soak and the faults it injects."""
-
-    def __init__(self, workdir: Path, seed: int, clients: int, threads: int, seconds: float, remote: bool,
-                 cluster: bool) -> None:
-        self.dir, self.seed, self.seconds = workdir, seed, seconds
-        self.rng = random.Random(seed)
-        self.end = time.monotonic() + seconds
-        self.server = None
-        if remote:
-            from cli.redis_servers import RedisServer
-
-            self.server = RedisServer(None, "--maxmemory", "16mb").start()
-            self.link = FaultyLink(self.server.port)  # the engines reach the server through it
-        url = f"redis://127.0.0.1:{self.link.port}" if self.server else None
-        self.specs = [{"mode": "engine", "index": i, "seed": seed, "threads": threads, "cpu_blocks": 48,
-                       "disk": str(workdir / "disk"), "disk_bytes": 3 << 20, "remote_url": url} for i in range(clients)]
-        self.cluster = None
-        if remote and cluster and clients >= 2:  # the last engine's remote tier is a 3-master cluster
-            from cli.redis_servers import RedisCluster
-
-            self.cluster = RedisCluster(3).start()
-            self.specs[-1]["remote_url"] = self.cluster.url
-        self.specs.append({"mode": "durable", "index": clients, "seed": seed, "disk": str(workdir / "durable"),
-                           "acks": str(workdir / "durable.acks")})
-        self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.specs)
-        self.stats: list[str] = []  # every process's stats file, restarts included
-        self.faults: Counter[str] = Counter()
-        self.log: list[tuple[float, str]] = []
-
-    def start(self, i: int) -> None:
-        """Start process `i` (again) with the time left and a stats file of its own."""
-        spec = dict(self.specs[i], seconds=max(1.0, self.end - time.monotonic()),
-                    stats=str(self.dir / f"stats-{i}-{len(self.stats)}.json"))
-        self.stats.append(spec["stats"])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                        os.environ.get("PYTHONPATH")]))}
-        with (self.dir / f"stderr-{i}.log").open("ab") as err:  # the child keeps its own copy
-            self.procs[i] = subprocess.Popen([sys.executable, "-m", "bench.soak_client", json.dumps(spec)], env=env,
-                                             stdout=subprocess.DEVNULL, stderr=err)
-
-    def inject(self, fault: str) -> None:
-        """One fault now; counted by kind."""
-        self.faults[fault] += 1
-        self.log.append((round(self.seconds - (self.end - time.monotonic()), 1), fault))
-        if fault in ("kill_engine", "kill_probe"):
-            i = len(self.specs) - 1 if fault == "kill_probe" else self.rng.randrange(len(self.specs) - 1)
-            proc = self.procs[i]
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-            self.start(i)
-        elif fault == "server_pause" and self.server and self.server.proc:
-            self.server.proc.send_signal(signal.SIGSTOP)
-            time.sleep(self.rng.uniform(0.2, 2.5))
-            self.server.proc.send_signal(signal.SIGCONT)
-        elif fault == "server_restart" and self.server:
-            self.server.kill()
-            time.sleep(self.rng.uniform(0.1, 1.0))
-            self.server.start()
-        elif fault == "server_full" and self.server:
-            self._redis("CONFIG", "SET", "maxmemory-policy", "noeviction")
-            self._redis("CONFIG", "SET", "maxmemory", "2mb")
-            time.sleep(self.rng.uniform(0.5, 3.0))
-            self._redis("CONFIG", "SET", "maxmemory", "16mb")
-            self._redis("CONFIG", "SET", "maxmemory-policy", "allkeys-lru")
-        elif fault == "server_persistence" and self.server:  # the next restart keeps its blocks, or not
-            on = self.rng.choice(["yes", "no"])
-            self._redis("CONFIG", "SET", "appendonly", on)
-            self.server.extra = ("--maxmemory", "16mb", "--appendonly", on)
-        elif fault == "cluster_node_pause" and self.cluster:
-            node = self.rng.choice(self.cluster.servers)
-            if node.proc is not None:
-                node.proc.send_signal(signal.SIGSTOP)
-                time.sleep(self.rng.uniform(0.2, 2.5))  # past 1 s the others mark it failed: the cluster is down
-                node.proc.send_signal(signal.SIGCONT)
-        elif fault == "cluster_node_restart" and self.cluster:
-            node = self.rng.choice(self.cluster.servers)
-            node.kill()
-            time.sleep(self.rng.uniform(0.1, 1.0))
-            node.start()  # its nodes.conf brings it back into the cluster; its blocks are gone
-        elif fault == "link_slow" and self.server:
-            self.link.slow(self.rng.uniform(1.0, 4.0), self.rng.uniform(0.05, 0.5))
-        elif fault == "link_drop" and self.server:
-            self.link.drop()
-        elif fault == "disk_rot":
-            files = [p for p in (self.dir / "disk").rglob("*") if p.is_file() and "slot" in p.name and p.stat().st_size]
-            if files:
-                _flip(self.rng.choice(files), self.rng)
-        elif fault == "remote_rot" and self.server:
-            self._remote_rot()
-
-    def _redis(self, *args: str) -> Any:
-        import redis
-
-        try:
-            return redis.Redis(port=self.server.port, socket_timeout=2).execute_command(*args)  # type: ignore[union-attr]
-        except redis.RedisError:
-            return None  # the server is down or paused right now: the fault did less
-
-    def _remote_rot(self) -> None:
-        import redis
-
-        try:
-            client = redis.Redis(port=self.server.port, socket_timeout=2)  # type: ignore[union-attr]
-            keys = client.scan(self.rng.randrange(1 << 16), count=50)[1]
-            if keys:
-                key = self.rng.choice(keys)
-                size = client.strlen(key)
-                if size:
-                    at = self.rng.randrange(size)
-                    old = client.getrange(key, at, at)
-                    client.setrange(key, at, bytes([old[0] ^ (1 << self.rng.randrange(8))]) if old else b"\x00")
-        except redis.RedisError:
-            pass
-
-    def run(self, faults: bool) -> None:
-        for i in range(len(self.specs)):
-            self.start(i)
-        next_fault = time.monotonic() + self.rng.expovariate(1 / 3.0)
-        deck: list[str] = []
-        while time.monotonic() < self.end:
-            for i, proc in enumerate(self.procs):  # an engine that died by itself is a defect: shown, restarted
-                if proc is not None and proc.poll() not in (None, 0):
-                    self.faults[f"died_by_itself_{self.specs[i]['mode']}"] += 1
-                    tail = (self.dir / f"stderr-{i}.log").read_text(errors="replace")[-2000:]
-                    print(f"kvstrata bench soak: process {i} died by itself:\n{tail}", file=sys.stderr)
-                    self.start(i)
-            if faults and time.monotonic() >= next_fault and time.monotonic() < self.end - 5:
-                if not deck:  # every kind once per round, in a random order: each lands, even in a short soak
-                    deck = self.rng.sample(FAULTS, len(FAULTS))
-                self.inject(deck.pop())
-                next_fault = time.monotonic() + self.rng.expovariate(1 / 3.0)
-            time.sleep(0.1)
-        for proc in self.procs:
-            if proc is not None:
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:  # a hang: killed, counted
-                    self.faults["hung_at_end"] += 1
-                    proc.kill()
-        self.end = time.monotonic() + 1.0  # a last start of the probe: it verifies every acknowledged prompt
-        self.start(len(self.specs) - 1)
-        probe = self.procs[-1]
-        try:
-            probe.wait(timeout=120) if probe is not None else None
-        except subprocess.TimeoutExpired:
-            self.faults["hung_at_end"] += 1
-            probe.kill()  # type: ignore[union-attr]
-        if self.server:
-            self.link.close()
-            self.server.stop()
-        if self.cluster:
-            self.cluster.stop()
-
-
-def _flip(path: Path, rng: random.Random) -> None:
-    with path.open("r+b") as f:
-        size = f.seek(0, 2)
-        at = rng.randrange(size)
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ (1 << rng.randrange(8))]))
 
 
 def summarize(stats_files: list[str], seconds: float) -> dict[str, Any]:
@@ -264,12 +90,15 @@ def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, clu
     print(f"calls past {10:g} s: {result['late']}")
     print(f"faults the tiers counted (engines that finished): {result['tier_faults']}")
     print(f"counter mismatches: {result['counter_mismatches']}")
+    print(f"prompts the router still disagreed on with engine 0 after 60 s: {len(soak.router_off)} "
+          f"{dict(list(soak.router_off.items())[:5]) if soak.router_off else ''}")
     print(f"durable blocks lost: {result['lost_blocks']}")
     print(f"wrong bytes: {result['wrong_blocks']}")
     write_results("soak", {"minutes": minutes, "seed": seed, "clients": clients, "threads": threads,
-                           "faults": dict(soak.faults), "fault_log": soak.log, **result})
+                           "faults": dict(soak.faults), "fault_log": soak.log, "router_disagreed": soak.router_off,
+                           "disk_tmpfs": soak.tmpfs, **result})
     bad = (result["wrong_blocks"] or result["lost_blocks"] or raw or result["late"] or soak.faults["hung_at_end"]
-           or result["counter_mismatches"])
+           or result["counter_mismatches"] or soak.router_off)
     died = sum(v for k, v in soak.faults.items() if k.startswith("died_by_itself"))
     return 1 if bad or died else 0
 

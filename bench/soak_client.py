@@ -154,6 +154,19 @@ def _check_counters(store: KVCacheStore, figures: Figures) -> None:
                                      "tier_errors": {t.kind.value: t.num_errors for t in st.tiers}}
 
 
+def _final_state(store: KVCacheStore, spec: dict[str, Any]) -> None:
+    """Write what this store holds of every prompt (for the router to be held to), then stay
+    open, publishing, until the soak says it is done (or 120 s)."""
+    held = {f"{d}/{v}/{salt}": [prompt(spec["seed"], d, v).tolist(), salt, 0]
+            for d in range(NUM_DOCS) for v in range(SUFFIXES) for salt in SALTS}
+    for item in held.values():
+        item[2] = store.lookup(item[0], extra_keys=ExtraKeys(cache_salt=item[1]))
+    _write(spec["final"], held)
+    deadline = time.monotonic() + 120
+    while not Path(spec["final_done"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def _durable(spec: dict[str, Any], figures: Figures, deadline: float) -> None:
     """Read back every acknowledged prompt, then store more, acknowledging each once it returns."""
     acks = Path(spec["acks"])
@@ -209,7 +222,7 @@ def main(argv: list[str]) -> int:
     else:
         cfg = StoreConfig(LAYOUT, block_size=BLOCK, namespace="soak", cpu_bytes=spec["cpu_blocks"] * LAYOUT.block_bytes(
             BLOCK), disk_path=spec["disk"], disk_bytes=spec["disk_bytes"], remote_url=spec.get("remote_url"),
-            remote_timeout_s=2.0)
+            remote_timeout_s=2.0, events_endpoint=spec.get("events_endpoint"), instance_id=spec.get("instance_id"))
         with KVCacheStore(cfg) as store:
             threads = [threading.Thread(target=_engine_thread, args=(store, figures, random.Random(
                 spec["seed"] * 1000 + spec["index"] * 10 + i), spec["seed"], deadline)) for i in range(spec["threads"])]
@@ -218,6 +231,8 @@ def main(argv: list[str]) -> int:
             for t in threads:
                 t.join()
             _check_counters(store, figures)
+            if spec.get("final"):
+                _final_state(store, spec)
     stop.set()
     _write(spec["stats"], {**figures.snapshot(), "finished": True})
     return 0
