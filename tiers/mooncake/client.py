@@ -1,0 +1,202 @@
+"""The Mooncake tier's connection: the store client, imported and set up lazily, its
+registered transfer buffer, and every call bounded and counted.
+
+A call leases a lane of the registered buffer (`Connection.lease`); the caller fills it
+(records encoded from its tensors) and `Connection.run` makes the native call on a worker
+thread (`tiers/mooncake/calls.py`) within `timeout_s + nbytes / min_rate_bps`; the caller then
+reads the lane (validation, copies into its tensors). Only the caller's thread touches its
+tensors, so nothing of a call that passed its deadline ever reaches them, and the lane stays
+leased until the abandoned call returns. Faults (the deadline, an error code
+the tier treats as one, no client) are counted in the kind's `Health` (`tiers/shared/health.py`)
+with a rate-limited warning; repeated ones open its breaker for `cooldown_s`. A client that
+could not be set up (the master down) is set up again by a later call, once its breaker lets
+calls through.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tiers.errors import ConfigError
+from tiers.mooncake.calls import CallFailed, Lanes, Workers
+from tiers.shared.health import Health
+
+logger = logging.getLogger("tiers.mooncake.tier")
+
+R = TypeVar("R")
+NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
+NUM_WORKERS = 4
+CLOSE_WAIT_S = 5.0  # at exit, how long to wait for clients still closing
+EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
+         "apt-get install libibverbs1)")
+_closing: list[threading.Thread] = []
+
+
+class Fault(Exception):
+    """A native call answered with an error the tier counts as a fault (not a plain miss)."""
+
+
+def store_class() -> Any:
+    """Mooncake's `MooncakeDistributedStore`; `ConfigError` naming the extra if it is not installed."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found,import-untyped,unused-ignore]
+    except ImportError as exc:
+        raise ConfigError(f"the mooncake tier needs the Mooncake store client: {EXTRA} ({exc})") from None
+    return MooncakeDistributedStore
+
+
+@dataclass(frozen=True)
+class ClientParams:
+    """What `MooncakeDistributedStore.setup` takes (see `MooncakeTierConfig`)."""
+
+    local_hostname: str
+    metadata_server: str
+    segment_bytes: int
+    local_buffer_bytes: int
+    protocol: str
+    device_name: str
+    master: str
+
+
+class Lease:
+    """One lane of the transfer buffer, held by the caller and by each native call made with
+    it until all let go (a call that passed its deadline holds it until it returns)."""
+
+    def __init__(self, lanes: Lanes, lane: int) -> None:
+        self.lane = lane
+        self.address = lanes.address_of(lane)
+        self.view = lanes.view(lane)
+        self._lanes = lanes
+        self._holders = 1
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._lanes.give(self.lane)
+
+
+def _close_later(client: Any) -> None:
+    """Close a client on a thread of its own (Mooncake's close waits about a second for its
+    heartbeat); the process waits for it at exit, at most `CLOSE_WAIT_S`."""
+    def close() -> None:
+        with contextlib.suppress(Exception):
+            client.close()
+
+    thread = threading.Thread(target=close, name="kvstrata-mooncake-close", daemon=True)
+    _closing[:] = [t for t in _closing if t.is_alive()] + [thread]
+    thread.start()
+
+
+@atexit.register
+def _wait_for_closes() -> None:
+    for thread in list(_closing):
+        thread.join(CLOSE_WAIT_S)
+
+
+class Connection:
+    """One tier's client and its calls."""
+
+    def __init__(self, params: ClientParams, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
+                 setup_timeout_s: float, lane_bytes: int) -> None:
+        self._cls = store_class()
+        self.params = params
+        self._timeout_s = timeout_s
+        self._min_rate_bps = min_rate_bps
+        self._setup_timeout_s = setup_timeout_s
+        self.reads, self.writes = Health("read", cooldown_s, logger), Health("write", cooldown_s, logger)
+        self.lanes = Lanes(NUM_LANES, lane_bytes)
+        self._workers = Workers(NUM_WORKERS, "kvstrata-mooncake")
+        self._client: Any = None
+        self._setup_lock = threading.Lock()
+        self._cooldown_s = cooldown_s
+        self._next_setup = 0.0
+
+    def limit(self, nbytes: int) -> float:
+        """The deadline of a call moving `nbytes`."""
+        return self._timeout_s + nbytes / self._min_rate_bps
+
+    def _setup(self) -> Any:
+        p = self.params
+        client = self._cls()
+        rc = client.setup(p.local_hostname, p.metadata_server, p.segment_bytes, p.local_buffer_bytes, p.protocol,
+                          p.device_name, p.master)
+        if rc != 0:
+            raise Fault(f"setup returned {rc}")
+        rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
+        if rc != 0:
+            _close_later(client)
+            raise Fault(f"register_buffer returned {rc}")
+        return client
+
+    def _connected(self) -> Any:
+        """The client, set up first (within `setup_timeout_s`) if there is none yet; after a
+        failed setup none is tried for `cooldown_s` (`CallFailed` at once)."""
+        with self._setup_lock:
+            if self._client is None:
+                if time.monotonic() < self._next_setup:
+                    raise CallFailed("no client: its last setup failed (the master down?); retried later")
+                try:
+                    self._client = self._workers.run(self._setup, self._setup_timeout_s)
+                except CallFailed:
+                    self._next_setup = time.monotonic() + self._cooldown_s
+                    raise
+            return self._client
+
+    def connect(self, health: Health) -> bool:
+        """Set the client up now if it is not; False (a counted fault) if that failed."""
+        try:
+            self._connected()
+        except CallFailed as exc:
+            self.fault(health, "setup", exc)
+            return False
+        return True
+
+    def lease(self, health: Health, what: str) -> Lease | None:
+        """A lane of the transfer buffer for a call (the caller drops it); None (a counted
+        fault) if the breaker of `health` is open or every lane is held by abandoned calls."""
+        if not health.available():
+            return None
+        lane = self.lanes.take()
+        if lane is None:
+            self.fault(health, what, CallFailed("every lane of the transfer buffer is held by calls that passed "
+                                                "their deadline"))
+            return None
+        return Lease(self.lanes, lane)
+
+    def run(self, health: Health, what: str, nbytes: int, native: Callable[[Any], R], lease: Lease) -> R | None:
+        """`native(client)` on a worker within the deadline for `nbytes`, holding `lease` while
+        it runs; its result, or None (a counted fault) if the client cannot be set up, no
+        worker is free, the deadline passes or `native` raised (`Fault`: an error code)."""
+        try:
+            client = self._connected()
+            lease.hold()
+            result = self._workers.run(lambda: native(client), self.limit(nbytes), release=lease.drop)
+        except CallFailed as exc:
+            self.fault(health, what, exc)
+            return None
+        health.ok()
+        return result
+
+    def fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"mooncake tier (master {self.params.master}): {what} failed ({exc}); treated as a miss")
+
+    def close(self) -> None:
+        """Stop the workers and close the client (in the background)."""
+        self._workers.close()
+        if self._client is not None:
+            _close_later(self._client)
+            self._client = None
