@@ -33,10 +33,8 @@ logger = logging.getLogger("tiers.mooncake.tier")
 R = TypeVar("R")
 NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
 NUM_WORKERS = 4
-CLOSE_WAIT_S = 5.0  # at exit, how long to wait for clients still closing
 EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
          "apt-get install libibverbs1)")
-_closing: list[threading.Thread] = []
 
 
 class Fault(Exception):
@@ -46,7 +44,7 @@ class Fault(Exception):
 def store_class() -> Any:
     """Mooncake's `MooncakeDistributedStore`; `ConfigError` naming the extra if it is not installed."""
     try:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        from mooncake.store import MooncakeDistributedStore
     except ImportError as exc:
         raise ConfigError(f"the mooncake tier needs the Mooncake store client: {EXTRA} ({exc})") from None
     return MooncakeDistributedStore
@@ -89,22 +87,46 @@ class Lease:
             self._lanes.give(self.lane)
 
 
-def _close_later(client: Any) -> None:
-    """Close a client on a thread of its own (Mooncake's close waits about a second for its
-    heartbeat); the process waits for it at exit, at most `CLOSE_WAIT_S`."""
-    def close() -> None:
-        with contextlib.suppress(Exception):
-            client.close()
+class _Idle:
+    """Set-up clients with their registered buffers that no open tier uses, by what they were
+    set up with: a tier that opens takes one instead of setting up its own. Mooncake's
+    `close` holds the interpreter's lock for a second or more (many with the master down), so
+    a tier's close never calls it: its client waits here and is closed at exit."""
 
-    thread = threading.Thread(target=close, name="kvstrata-mooncake-close", daemon=True)
-    _closing[:] = [t for t in _closing if t.is_alive()] + [thread]
-    thread.start()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
+        self._kept: list[tuple[Any, Lanes]] = []  # lanes held by abandoned calls: never reused
+
+    def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
+        with self._lock:
+            found = self._idle.get(key)
+            return found.pop() if found else None
+
+    def give(self, key: tuple[ClientParams, int], client: Any, lanes: Lanes) -> None:
+        with self._lock:
+            if lanes.num_free == NUM_LANES:
+                self._idle.setdefault(key, []).append((client, lanes))
+            else:
+                self._kept.append((client, lanes))
+
+    def close_all(self) -> None:
+        with self._lock:
+            clients = [c for found in self._idle.values() for c, _ in found] + [c for c, _ in self._kept]
+            self._idle.clear()
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close()
 
 
-@atexit.register
-def _wait_for_closes() -> None:
-    for thread in list(_closing):
-        thread.join(CLOSE_WAIT_S)
+_IDLE = _Idle()
+atexit.register(_IDLE.close_all)
+
+
+def close_idle() -> None:
+    """Close the clients no open tier uses (each takes a second or more; many with its master
+    down, so close them while it runs)."""
+    _IDLE.close_all()
 
 
 class Connection:
@@ -118,9 +140,11 @@ class Connection:
         self._min_rate_bps = min_rate_bps
         self._setup_timeout_s = setup_timeout_s
         self.reads, self.writes = Health("read", cooldown_s, logger), Health("write", cooldown_s, logger)
-        self.lanes = Lanes(NUM_LANES, lane_bytes)
+        self._key = (params, lane_bytes)
+        idle = _IDLE.take(self._key)
+        self._client: Any = None if idle is None else idle[0]
+        self.lanes = Lanes(NUM_LANES, lane_bytes) if idle is None else idle[1]
         self._workers = Workers(NUM_WORKERS, "kvstrata-mooncake")
-        self._client: Any = None
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
         self._next_setup = 0.0
@@ -138,7 +162,7 @@ class Connection:
             raise Fault(f"setup returned {rc}")
         rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
         if rc != 0:
-            _close_later(client)
+            _IDLE.give(self._key, client, Lanes(NUM_LANES, 0))  # never reused: closed at exit
             raise Fault(f"register_buffer returned {rc}")
         return client
 
@@ -195,8 +219,9 @@ class Connection:
         health.fault(f"mooncake tier (master {self.params.master}): {what} failed ({exc}); treated as a miss")
 
     def close(self) -> None:
-        """Stop the workers and close the client (in the background)."""
+        """Stop the workers; the client, with its buffer, waits for the next tier of the same
+        setup (`_Idle`)."""
         self._workers.close()
         if self._client is not None:
-            _close_later(self._client)
+            _IDLE.give(self._key, self._client, self.lanes)
             self._client = None
