@@ -23,8 +23,8 @@ from tests.redis_fixtures import RedisServer, redis_server
 from tiers.codecs import CodecKind, CodecSpec
 from tiers.errors import CorruptRecordError, UnverifiableRecordError
 from tiers.keys import BlockHash, BlockKey, TierKind
-from tiers.shared.record import RecordCodec
 from tiers.remote.tier import RemoteTier
+from tiers.shared.record import RecordCodec
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 BLOCK = 16
