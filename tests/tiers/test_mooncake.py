@@ -22,9 +22,10 @@ import pytest
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import ConfigError
 from tests import ROOT
-from tests.mooncake_fixtures import MooncakeMaster, mooncake_master
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, need_mooncake
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tiers.keys import TierKind
+from tiers.mooncake.client import close_idle
 from tiers.mooncake.tier import MooncakeTier
 from tiers.tier_config import tier_config
 
@@ -178,6 +179,34 @@ def test_a_killed_master_is_a_bounded_counted_miss_and_the_tier_recovers() -> No
         res = store.retrieve(v)
         assert res.blocks_per_tier == {MOONCAKE: 4}
         check_kv(v, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+def test_a_master_down_at_open_is_a_bounded_miss_and_the_tier_sets_up_when_it_starts() -> None:
+    """Mooncake's setup holds the interpreter's lock while it retries a dead master (minutes):
+    the tier first checks that the master answers, so opening never hangs."""
+    master = MooncakeMaster(need_mooncake())  # not started yet
+    try:
+        started = time.monotonic()
+        with _store(master.tier(cooldown_s=0.2)) as store:
+            assert time.monotonic() - started < 15, "opening against a dead master was not bounded"
+            tier = _mooncake(store)
+            t = _tokens(4, 5)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))  # kept locally; the Mooncake write is a counted fault
+            store.tiers[0].clear()
+            assert store.retrieve(t).num_tokens == 0 and tier.num_errors > 0
+            master.start()
+            deadline = time.monotonic() + 30
+            while tier.match_prefix(store.block_hashes(t)) < len(t) // BLOCK:
+                assert time.monotonic() < deadline, "the mooncake tier did not set up once the master started"
+                time.sleep(0.3)
+                store.store(t, make_kv(t, LAYOUT, BLOCK))
+                store.tiers[0].clear()
+            res = store.retrieve(t)
+            assert res.blocks_per_tier == {MOONCAKE: 4}
+            check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+    finally:
+        close_idle()
+        master.kill()
 
 
 def test_config_alone_and_through_the_vllm_connector(master: MooncakeMaster) -> None:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,6 +35,7 @@ logger = logging.getLogger("tiers.mooncake.tier")
 R = TypeVar("R")
 NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
 NUM_WORKERS = 4
+PROBE_S = 2.0  # a connect to the master before a setup, at most
 EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
          "apt-get install libibverbs1)")
 
@@ -166,6 +169,23 @@ class Connection:
             raise Fault(f"register_buffer returned {rc}")
         return client
 
+    def _probe(self) -> None:
+        """Connect to the master and an HTTP metadata server (plain sockets, within
+        `setup_timeout_s`); `CallFailed` if one does not answer. Mooncake's `setup` holds the
+        interpreter's lock while it retries a master that is down (for minutes), so no worker
+        could bound it: it is only called once both answer."""
+        host, _, port = self.params.master.rpartition(":")
+        ends = [(host.strip("[]"), int(port))]
+        url = urllib.parse.urlsplit(self.params.metadata_server)
+        with contextlib.suppress(ValueError):
+            if url.scheme in ("http", "https") and url.hostname:
+                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80)))
+        for end in ends:
+            try:
+                socket.create_connection(end, timeout=min(self._setup_timeout_s, PROBE_S)).close()
+            except OSError as exc:
+                raise CallFailed(f"{end[0]}:{end[1]} does not answer ({exc})") from None
+
     def _connected(self) -> Any:
         """The client, set up first (within `setup_timeout_s`) if there is none yet; after a
         failed setup none is tried for `cooldown_s` (`CallFailed` at once)."""
@@ -174,6 +194,7 @@ class Connection:
                 if time.monotonic() < self._next_setup:
                     raise CallFailed("no client: its last setup failed (the master down?); retried later")
                 try:
+                    self._probe()
                     self._client = self._workers.run(self._setup, self._setup_timeout_s)
                 except CallFailed:
                     self._next_setup = time.monotonic() + self._cooldown_s
