@@ -209,6 +209,32 @@ def test_a_master_down_at_open_is_a_bounded_miss_and_the_tier_sets_up_when_it_st
         master.kill()
 
 
+def test_events_announce_its_blocks_as_shared_naming_the_master(master: MooncakeMaster) -> None:
+    """As the remote tier's: the shared trait makes its blocks SHARED for routers (every host
+    reads them), and the source names the master, so routers tell which instances share them."""
+    from cli.ports import free_port_pair
+    from kvevents import wire_hash
+    from tests.kvstore.test_events import Reader, held
+
+    port = free_port_pair()
+    tier = master.tier()
+    config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="mooncake-events", events_endpoint=f"tcp://127.0.0.1:{port}",
+                         tiers=[{"type": "cpu", "capacity_bytes": 16 * LAYOUT.block_bytes(BLOCK)}, tier])
+    with KVCacheStore(config) as store:
+        reader = Reader(port)
+        try:
+            reader.drain(1.0)
+            t = _tokens(3, 6)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            want = {wire_hash(h) for h in store.block_hashes(t)}
+            reader.until(lambda events: want <= held(events)["SHARED"])
+            assert want <= held(reader.events())["SHARED"] and want <= held(reader.events())["CPU"]
+            stored = [e for e in reader.events() if e["type"] == "BlockStored" and e["medium"] == "SHARED"]
+            assert stored and all(e["kvstrata"]["remote"] == f"mooncake://{master.master}" for e in stored)
+        finally:
+            reader.close()
+
+
 def test_config_alone_and_through_the_vllm_connector(master: MooncakeMaster) -> None:
     from engine_adapter.vllm.settings import ConnectorSettings
     from engine_adapter.vllm.store_config import Derived, group_config
