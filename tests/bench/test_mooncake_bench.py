@@ -25,6 +25,7 @@ def test_bench_mooncake_writes_rates_and_ratios(tmp_path: Path, monkeypatch: pyt
                                                          (2 << 20, "store"), (2 << 20, "retrieve")]
     for r in rows:
         assert r["tier"] == "mooncake" and r["gbps"] > 0 and r["baseline_gbps"] > 0
+        assert r["ratio_range"][0] <= r["ratio"] <= r["ratio_range"][1]  # one round: all three equal
         assert r["ratio"] == pytest.approx(r["gbps"] / r["baseline_gbps"])
     assert 0 < out["lookup_32"]["p50_us"] <= out["lookup_32"]["p99_us"]
     assert "tier/raw" in capsys.readouterr().out
