@@ -255,6 +255,10 @@ def test_config_alone_and_through_the_vllm_connector(master: MooncakeMaster) -> 
 
 def test_without_the_extra_opening_is_one_error_naming_it(master: MooncakeMaster,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registering the built-in tiers imports the tier's modules, never Mooncake's client.
+    probe = "import sys, tiers.tier_config as t; t.TIERS.names(); print(sorted(m.split('.')[0] for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "'tiers'" in out.stdout and "'mooncake'" not in out.stdout, out
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match=r"kvstrata\[mooncake\]"):
         _store(master.tier())
