@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
@@ -90,6 +91,9 @@ class Lease:
             self._lanes.give(self.lane)
 
 
+_ORPHANS: list[tuple[Any, Lanes]] = []  # a forked child's copies of its parent's clients
+
+
 class _Idle:
     """Set-up clients with their registered buffers that no open tier uses, by what they were
     set up with: a tier that opens takes one instead of setting up its own. Mooncake's
@@ -100,6 +104,14 @@ class _Idle:
         self._lock = threading.Lock()
         self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
         self._kept: list[tuple[Any, Lanes]] = []  # lanes held by abandoned calls: never reused
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's clients are not this process's; they are neither
+        reused nor closed (only kept referenced: their destructor would close them)."""
+        self._lock = threading.Lock()
+        _ORPHANS.extend([*(c for found in self._idle.values() for c in found), *self._kept])
+        self._idle, self._kept = {}, []
 
     def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
         with self._lock:
