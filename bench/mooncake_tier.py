@@ -29,6 +29,7 @@ from cli.args import CONTEXT, invoke, positive
 from cli.output import print_table, write_results
 from cli.ports import free_port
 from tiers.keys import BlockHash, BlockKey
+from tiers.mooncake.client import close_idle
 from tiers.tier_config import TierContext, tier_config
 
 
@@ -123,6 +124,7 @@ def measure(block_sizes: tuple[int, ...] | None = None, total_bytes: int = 128 <
                     lat.append(time.perf_counter() - t)
                 lookup = {"p50_us": float(np.percentile(lat, 50) * 1e6), "p99_us": float(np.percentile(lat, 99) * 1e6)}
             tier.close()
+        close_idle()  # the tiers' clients, while the master runs
         raw.close()
         pool.close()
     finally:
