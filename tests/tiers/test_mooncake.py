@@ -54,13 +54,16 @@ def _mooncake(store: KVCacheStore) -> MooncakeTier:
     return tier
 
 
-def _raw_client(master: MooncakeMaster) -> Any:
-    """Mooncake's own client (no segment of its own), as another program on the cluster."""
+@pytest.fixture(scope="module")
+def raw(master: MooncakeMaster) -> Iterator[Any]:
+    """Mooncake's own client (no segment of its own), as another program on the cluster;
+    closed before the master stops."""
     from mooncake.store import MooncakeDistributedStore
 
     client = MooncakeDistributedStore()
     assert client.setup("127.0.0.1", master.metadata_server, 0, 16 << 20, "tcp", "", master.master) == 0
-    return client
+    yield client
+    client.close()
 
 
 _HOST_A = textwrap.dedent(
@@ -122,9 +125,8 @@ def test_namespaces_never_see_each_other(master: MooncakeMaster) -> None:
 
 
 @pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key"])
-def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, damage: str) -> None:
+def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, raw: Any, damage: str) -> None:
     t, other = _tokens(4, 2), _tokens(4, 3)
-    raw = _raw_client(master)
     with _store(master.tier(), namespace=f"damage-{damage}", cpu_blocks=0) as store:
         store.store(t, make_kv(t, LAYOUT, BLOCK))
         store.store(other, make_kv(other, LAYOUT, BLOCK))
