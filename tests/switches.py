@@ -22,6 +22,8 @@ class Switches(EnvSettings):
     Attributes:
         require_redis: a missing `redis-server` fails the remote-tier tests instead of
             skipping them (CI).
+        require_mooncake: a missing Mooncake (its store client and `mooncake_master`, the
+            `mooncake` extra) fails the Mooncake tier's tests instead of skipping them (CI).
         require_vllm: a missing vLLM fails the connector's tests instead of skipping them (CI).
         require_dynamo: a missing Dynamo indexer (`.venv-dynamo`) fails its tests (CI).
         pool_device: the block pool's device in tests that have one ("cuda" on a GPU machine:
@@ -35,6 +37,7 @@ class Switches(EnvSettings):
     FOREIGN: ClassVar[tuple[str, ...]] = ()
 
     require_redis: bool = False
+    require_mooncake: bool = False
     require_vllm: bool = False
     require_dynamo: bool = False
     pool_device: str = "cpu"
@@ -44,7 +47,7 @@ class Switches(EnvSettings):
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        for name in ("require_redis", "require_vllm", "require_dynamo"):
+        for name in ("require_redis", "require_mooncake", "require_vllm", "require_dynamo"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         parse_str("pool_device", self.pool_device, empty=False)
         parse_str("rel_report", self.rel_report, empty=False)

@@ -12,8 +12,8 @@ redis-py reads whatever length a reply claims, so a server that answers INFO wit
 `$1073741824` and keeps sending would fill memory until the deadline; past the bound a
 receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
 
-`Health` keeps one kind of call's faults (reads apart from writes: a full server refusing
-writes never makes a read a miss), its circuit breaker and its rate-limited warning.
+`Health` (`tiers/shared/health.py`) keeps one kind of call's faults (reads apart from writes: a
+full server refusing writes never makes a read a miss), its circuit breaker and its warning.
 `Server` makes a tier's calls: each within its deadline and its bound on replies, each
 fault counted in its kind's `Health`, never raised.
 """
@@ -32,12 +32,11 @@ from typing import Any
 from tiers.remote.resp import ReplyTooLong
 from tiers.remote.stream import Op, Streams
 from tiers.remote.url import UrlParts, parse, redacted, scrub
-from tiers.shared.ratelimit import RateLimitedWarning
+from tiers.shared.health import Health
 
 logger = logging.getLogger("tiers.remote.tier")
 
 REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
-_FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
 _local = threading.local()
 
 
@@ -203,38 +202,6 @@ def connect(url: str, timeout_s: float, parts: UrlParts | None = None, password:
                         retry=Retry(NoBackoff(), 1), **common, **options)
 
 
-class Health:
-    """The faults of one kind of call to the server (reads, or writes), and its breaker:
-    after `_FAILURES_TO_OPEN` consecutive faults no call of this kind is made for `cooldown_s`,
-    then calls are tried again. Thread-safe."""
-
-    def __init__(self, kind: str, cooldown_s: float) -> None:
-        self.kind = kind
-        self.num_errors = 0
-        self._cooldown_s = cooldown_s
-        self._failures = 0
-        self._open_until = 0.0
-        self._lock = threading.Lock()
-        self.warn = RateLimitedWarning(logger)
-
-    def available(self) -> bool:
-        """Whether calls of this kind are made now (the breaker is closed)."""
-        return time.monotonic() >= self._open_until
-
-    def fault(self, message: str) -> None:
-        """Count a fault, open the breaker if they repeat, warn at most every `WARN_EVERY_S`."""
-        with self._lock:
-            self.num_errors += 1
-            self._failures += 1
-            if self._failures >= _FAILURES_TO_OPEN:
-                self._open_until = time.monotonic() + self._cooldown_s
-        self.warn(message)
-
-    def ok(self) -> None:
-        with self._lock:
-            self._failures = 0
-
-
 class Server:
     """The calls of one tier to its server (or cluster): one client, connected on first use,
     and windowed pipelines on it (`tiers/remote/stream.py`). A round trip moving `nbytes`
@@ -250,7 +217,7 @@ class Server:
         self._timeout_s = timeout_s
         self._min_rate_bps = min_rate_bps
         self._window_bytes = window_bytes
-        self.reads, self.writes = Health("read", cooldown_s), Health("write", cooldown_s)
+        self.reads, self.writes = Health("read", cooldown_s, logger), Health("write", cooldown_s, logger)
         self._lock = threading.Lock()
         self._client: Any = None
         self._streams: Streams | None = None

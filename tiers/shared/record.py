@@ -1,7 +1,8 @@
 """A self-checking block record: encoding, validation and the payload copy-out.
 
-The remote tier stores its values in this form (it began as the first disk format's record;
-the disk tier now keeps payloads in slot files and their checks in its index, `tiers/disk_*.py`).
+The tiers on a server shared by many hosts (`remote`, `mooncake`) store their values in this
+form (it began as the first disk format's record; the disk tier now keeps payloads in slot
+files and their checks in its index, `tiers/disk/`).
 
 Record (format 2) = b"KVS2" | u32 header length | u64 xxh3-64 | msgpack header | payload.
 The checksum covers every byte but its own: the magic, the header length, the header as
@@ -23,6 +24,7 @@ layout and version out: never decoded).
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import NamedTuple
 
 import msgpack
@@ -67,7 +69,7 @@ def pack_record(header: dict[str, object], payload: memoryview | bytes | bytearr
     return buf
 
 
-def _seal(buf: bytearray, hlen: int) -> None:
+def _seal(buf: bytearray | memoryview, hlen: int) -> None:
     """Write the prefix of the record in `buf` (header and payload already in place)."""
     _PREFIX.pack_into(buf, 0, _MAGIC, hlen, 0)
     mv = memoryview(buf)
@@ -154,13 +156,32 @@ class RecordCodec:
         """Build the record for one block: raw (one copy of the KV bytes), or encoded by this
         tier's codec. A block the codec cannot represent (infinite or NaN values for a lossy
         one) or does not make smaller (noise through a lossless one) is written raw."""
+        made: list[bytearray] = []
+
+        def alloc(size: int) -> memoryview:
+            made.append(bytearray(size))
+            return memoryview(made[0])
+
+        self._build(key, src, alloc)
+        return made[0]
+
+    def encode_into(self, key: BlockKey, src: torch.Tensor, out: memoryview) -> int | None:
+        """`encode` into the front of `out` (writable bytes, e.g. a registered transfer
+        buffer), without a copy of its own; the record's length, or None (`out` left as it
+        was) if it does not fit."""
+        return self._build(key, src, lambda size: out[:size] if size <= len(out) else None)
+
+    def _build(self, key: BlockKey, src: torch.Tensor,
+               alloc: Callable[[int], memoryview | None]) -> int | None:
         encoded = None if self._writer is None else self._writer.encode(src)
         if encoded is not None and len(encoded) >= self._block_bytes:
             encoded = None
         length = self._block_bytes if encoded is None else len(encoded)
         header = self._header(key, None if encoded is None else self._writer, length)
         off = _PREFIX.size + len(header)
-        buf = bytearray(off + length)
+        buf = alloc(off + length)
+        if buf is None:
+            return None
         buf[_PREFIX.size : off] = header
         if encoded is None:
             payload = torch.frombuffer(buf, dtype=torch.uint8, offset=off, count=self._block_bytes)
@@ -168,7 +189,7 @@ class RecordCodec:
         else:
             buf[off:] = encoded
         _seal(buf, len(header))
-        return buf
+        return off + length
 
     def decode(self, value: memoryview | bytes, key: BlockKey) -> Payload:
         """Validate a record as this tier's block `key` and return its payload; raise

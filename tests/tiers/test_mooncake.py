@@ -1,0 +1,266 @@
+"""The Mooncake tier against a real `mooncake_master` on loopback (TCP transport, no mocks).
+
+Two processes standing for two hosts, each with its own CPU tier, share a prefix bit-exact
+through the store; namespaces never see each other's blocks; a damaged record written through
+the raw client is a counted miss and is removed; a killed master makes counted misses within
+a bounded time, and the tier recovers when it is back; the tier works from config alone, also
+through the vLLM connector's `tiers`; without the extra, opening it is one error naming it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstore import KVCacheStore, StoreConfig
+from kvstore.errors import ConfigError
+from tests import ROOT
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, need_mooncake
+from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+from tiers.keys import TierKind
+from tiers.mooncake.client import close_idle
+from tiers.mooncake.tier import MooncakeTier
+from tiers.tier_config import tier_config
+
+MOONCAKE = TierKind("mooncake")
+
+
+@pytest.fixture(scope="module")
+def master() -> Iterator[MooncakeMaster]:
+    with mooncake_master() as m:
+        yield m
+
+
+def _store(tier: dict[str, Any], *, namespace: str = "mooncake-test", cpu_blocks: int = 16) -> KVCacheStore:
+    cpu = {"type": "cpu", "capacity_bytes": cpu_blocks * LAYOUT.block_bytes(BLOCK)}
+    tiers: list[object] = [cpu] if cpu_blocks else []
+    return KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, namespace=namespace, tiers=[*tiers, tier]))
+
+
+def _tokens(n_blocks: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, size=n_blocks * BLOCK, dtype=np.uint32)
+
+
+def _mooncake(store: KVCacheStore) -> MooncakeTier:
+    tier = store.tiers[-1]
+    assert isinstance(tier, MooncakeTier)
+    return tier
+
+
+@pytest.fixture(scope="module")
+def raw(master: MooncakeMaster) -> Iterator[Any]:
+    """Mooncake's own client (no segment of its own), as another program on the cluster;
+    closed before the master stops."""
+    from mooncake.store import MooncakeDistributedStore
+
+    client = MooncakeDistributedStore()
+    assert client.setup("127.0.0.1", master.metadata_server, 0, 16 << 20, "tcp", "", master.master) == 0
+    yield client
+    client.close()
+
+
+_HOST_A = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[2])
+    from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
+    from tests.tiers.test_mooncake import _store, _tokens
+    store = _store(json.loads(sys.argv[1]))
+    for seed in range(4):
+        t = _tokens(6, seed)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+    print(json.dumps({"puts": store.tiers[-1].stats().num_puts}), flush=True)
+    sys.stdin.readline()  # its segment holds blocks: it stays until host B has read them
+    store.close()
+    """
+)
+
+
+def test_two_hosts_share_a_prefix_bit_exact(master: MooncakeMaster) -> None:
+    import json
+
+    host_a = subprocess.Popen([sys.executable, "-c", _HOST_A, json.dumps(master.tier()), str(ROOT)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert host_a.stdout is not None and host_a.stdin is not None
+        line = host_a.stdout.readline()
+        assert line, host_a.stderr.read()[-3000:] if host_a.stderr else ""
+        assert json.loads(line)["puts"] >= 24  # and again as the CPU tier demotes (a put of a held key is kept)
+        with _store(master.tier()) as store:  # host B: its own, empty CPU tier
+            for seed in range(4):
+                t = _tokens(6, seed)
+                res = store.retrieve(t)
+                assert res.num_tokens == len(t) and res.blocks_per_tier == {MOONCAKE: 6}
+                check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+            local = store.retrieve(_tokens(6, 3)).blocks_per_tier  # the last, promoted into B's CPU tier
+            assert local == {TierKind.CPU: 6}
+            store.check_integrity()
+        host_a.stdin.write("\n")
+        host_a.stdin.flush()
+        assert host_a.wait(60) == 0
+    finally:
+        host_a.kill()
+
+
+def test_namespaces_never_see_each_other(master: MooncakeMaster) -> None:
+    t = _tokens(4, 1)
+    with _store(master.tier(), namespace="model-a", cpu_blocks=0) as a, \
+            _store(master.tier(), namespace="model-b", cpu_blocks=0) as b:
+        a.store(t, make_kv(t, LAYOUT, BLOCK))
+        assert a.lookup(t) == len(t)
+        assert b.lookup(t) == 0 and b.retrieve(t).num_tokens == 0
+        b.clear()  # clears only model-b's blocks
+        assert a.lookup(t) == len(t)
+        with _store(master.tier(), namespace="model-a", cpu_blocks=0) as a2:
+            assert a2.retrieve(t).num_tokens == len(t)
+            a.clear()  # a new generation: no store of model-a finds the old blocks
+            assert a2.lookup(t) == 0 and a2.retrieve(t).num_tokens == 0
+
+
+@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key"])
+def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, raw: Any, damage: str) -> None:
+    t, other = _tokens(4, 2), _tokens(4, 3)
+    with _store(master.tier(), namespace=f"damage-{damage}", cpu_blocks=0) as store:
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+        store.store(other, make_kv(other, LAYOUT, BLOCK))
+        tier = _mooncake(store)
+        key = tier.server_key(store.block_hashes(t)[2])
+        value = raw.get(key)
+        assert len(value) > LAYOUT.block_bytes(BLOCK)
+        if damage == "garbage":
+            bad = b"not a record at all" * 7
+        elif damage == "flip-payload":
+            bad = value[:-5] + bytes([value[-5] ^ 0x10]) + value[-4:]
+        else:  # a sound record of another block under this key
+            bad = raw.get(tier.server_key(store.block_hashes(other)[2]))
+        assert raw.upsert(key, bad) == 0
+        res = store.retrieve(t)
+        assert res.num_tokens == 2 * BLOCK  # stops before the damaged block: no hole
+        check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        assert tier.stats().num_corrupt == 1 and tier.num_errors == 0
+        assert raw.batch_is_exist([key]) == [0], "a damaged record was not removed"
+        store.store(t, make_kv(t, LAYOUT, BLOCK))  # written again, whole
+        res = store.retrieve(t)
+        assert res.num_tokens == len(t)
+        check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+def test_a_killed_master_is_a_bounded_counted_miss_and_the_tier_recovers() -> None:
+    with mooncake_master() as master, _store(master.tier(timeout_s=0.5, cooldown_s=0.5)) as store:
+        tier = _mooncake(store)
+        t = _tokens(4, 4)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+        master.kill()
+        started = time.monotonic()
+        for seed in range(10, 14):  # stores keep working locally; the Mooncake writes are dropped
+            u = _tokens(4, seed)
+            store.store(u, make_kv(u, LAYOUT, BLOCK))
+            res = store.retrieve(u)
+            assert res.num_tokens == len(u)
+            check_kv(u, res.kv, res.num_tokens, LAYOUT, BLOCK)
+        store.tiers[0].clear()  # only the dead store could serve t now: a miss, no exception
+        assert store.lookup(t) == 0 and store.retrieve(t).num_tokens == 0
+        assert time.monotonic() - started < 20, "calls against a dead master were not bounded"
+        assert tier.num_errors > 0 and tier.num_write_drops > 0
+        master.start()  # back on the same ports, empty: the clients mount their segments again
+        v = _tokens(4, 30)
+        deadline = time.monotonic() + 30
+        while tier.match_prefix(store.block_hashes(v)) < len(v) // BLOCK:
+            assert time.monotonic() < deadline, "the mooncake tier did not recover"
+            time.sleep(0.3)
+            store.tiers[0].clear()
+            store.store(v, make_kv(v, LAYOUT, BLOCK))  # the CPU tier emptied: the put reaches Mooncake
+        store.tiers[0].clear()
+        res = store.retrieve(v)
+        assert res.blocks_per_tier == {MOONCAKE: 4}
+        check_kv(v, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+def test_a_master_down_at_open_is_a_bounded_miss_and_the_tier_sets_up_when_it_starts() -> None:
+    """Mooncake's setup holds the interpreter's lock while it retries a dead master (minutes):
+    the tier first checks that the master answers, so opening never hangs."""
+    master = MooncakeMaster(need_mooncake())  # not started yet
+    try:
+        started = time.monotonic()
+        with _store(master.tier(cooldown_s=0.2)) as store:
+            assert time.monotonic() - started < 15, "opening against a dead master was not bounded"
+            tier = _mooncake(store)
+            t = _tokens(4, 5)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))  # kept locally; the Mooncake write is a counted fault
+            store.tiers[0].clear()
+            assert store.retrieve(t).num_tokens == 0 and tier.num_errors > 0
+            master.start()
+            deadline = time.monotonic() + 30
+            while tier.match_prefix(store.block_hashes(t)) < len(t) // BLOCK:
+                assert time.monotonic() < deadline, "the mooncake tier did not set up once the master started"
+                time.sleep(0.3)
+                store.store(t, make_kv(t, LAYOUT, BLOCK))
+                store.tiers[0].clear()
+            res = store.retrieve(t)
+            assert res.blocks_per_tier == {MOONCAKE: 4}
+            check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+    finally:
+        close_idle()
+        master.kill()
+
+
+def test_events_announce_its_blocks_as_shared_naming_the_master(master: MooncakeMaster) -> None:
+    """As the remote tier's: the shared trait makes its blocks SHARED for routers (every host
+    reads them), and the source names the master, so routers tell which instances share them."""
+    from cli.ports import free_port_pair
+    from kvevents import wire_hash
+    from tests.kvstore.test_events import Reader, held
+
+    port = free_port_pair()
+    tier = master.tier()
+    config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="mooncake-events", events_endpoint=f"tcp://127.0.0.1:{port}",
+                         tiers=[{"type": "cpu", "capacity_bytes": 16 * LAYOUT.block_bytes(BLOCK)}, tier])
+    with KVCacheStore(config) as store:
+        reader = Reader(port)
+        try:
+            reader.drain(1.0)
+            t = _tokens(3, 6)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            want = {wire_hash(h) for h in store.block_hashes(t)}
+            reader.until(lambda events: want <= held(events)["SHARED"])
+            assert want <= held(reader.events())["SHARED"] and want <= held(reader.events())["CPU"]
+            stored = [e for e in reader.events() if e["type"] == "BlockStored" and e["medium"] == "SHARED"]
+            assert stored and all(e["kvstrata"]["remote"] == f"mooncake://{master.master}" for e in stored)
+        finally:
+            reader.close()
+
+
+def test_config_alone_and_through_the_vllm_connector(master: MooncakeMaster) -> None:
+    from engine_adapter.vllm.settings import ConnectorSettings
+    from engine_adapter.vllm.store_config import Derived, group_config
+
+    config = tier_config(master.tier(segment_bytes=0))
+    assert config.segment_bytes == 0  # type: ignore[attr-defined]
+    settings = ConnectorSettings.from_sources({"tiers": [{"type": "cpu", "capacity_bytes": 1 << 20},
+                                                         master.tier()]}, {})
+    derived = Derived(LAYOUT, BLOCK, "{}", head_size=64, kv_dtype=LAYOUT.dtype)
+    assert [type(c).__name__ for c in group_config(settings, derived).tier_configs] == \
+        ["CPUTierConfig", "MooncakeTierConfig"]
+    for bad, field in [({"master": "nohost"}, "master"), ({"protocol": "udp"}, "protocol"),
+                       ({"timeout_s": 0}, "timeout_s"), ({"segment_bytes": -1}, "segment_bytes"),
+                       ({"buffer_bytes": 1024}, "buffer_bytes")]:
+        with pytest.raises(ConfigError, match=field):
+            tier_config(master.tier(**bad))
+
+
+def test_without_the_extra_opening_is_one_error_naming_it(master: MooncakeMaster,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Registering the built-in tiers imports the tier's modules, never Mooncake's client.
+    probe = "import sys, tiers.tier_config as t; t.TIERS.names(); print(sorted(m.split('.')[0] for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0 and "'tiers'" in out.stdout and "'mooncake'" not in out.stdout, out
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the extra were not installed
+    with pytest.raises(ConfigError, match=r"kvstrata\[mooncake\]"):
+        _store(master.tier())

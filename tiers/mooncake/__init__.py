@@ -1,0 +1,1 @@
+"""The Mooncake Store tier: blocks pooled across hosts in a Mooncake Store (`kind` "mooncake")."""

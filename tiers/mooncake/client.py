@@ -1,0 +1,260 @@
+"""The Mooncake tier's connection: the store client, imported and set up lazily, its
+registered transfer buffer, and every call bounded and counted.
+
+A call leases a lane of the registered buffer (`Connection.lease`); the caller fills it
+(records encoded from its tensors) and `Connection.run` makes the native call on a worker
+thread (`tiers/mooncake/calls.py`) within `timeout_s + nbytes / min_rate_bps`; the caller then
+reads the lane (validation, copies into its tensors). Only the caller's thread touches its
+tensors, so nothing of a call that passed its deadline ever reaches them, and the lane stays
+leased until the abandoned call returns. Faults (the deadline, an error code
+the tier treats as one, no client) are counted in the kind's `Health` (`tiers/shared/health.py`)
+with a rate-limited warning; repeated ones open its breaker for `cooldown_s`. A client that
+could not be set up (the master down) is set up again by a later call, once its breaker lets
+calls through.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tiers.errors import ConfigError
+from tiers.mooncake.calls import CallFailed, Lanes, Workers
+from tiers.shared.health import Health
+
+logger = logging.getLogger("tiers.mooncake.tier")
+
+R = TypeVar("R")
+NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
+NUM_WORKERS = 4
+PROBE_S = 2.0  # a connect to the master before a setup, at most
+EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
+         "apt-get install libibverbs1)")
+
+
+class Fault(Exception):
+    """A native call answered with an error the tier counts as a fault (not a plain miss)."""
+
+
+def store_class() -> Any:
+    """Mooncake's `MooncakeDistributedStore`; `ConfigError` naming the extra if it is not installed."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ConfigError(f"the mooncake tier needs the Mooncake store client: {EXTRA} ({exc})") from None
+    return MooncakeDistributedStore
+
+
+@dataclass(frozen=True)
+class ClientParams:
+    """What `MooncakeDistributedStore.setup` takes (see `MooncakeTierConfig`)."""
+
+    local_hostname: str
+    metadata_server: str
+    segment_bytes: int
+    local_buffer_bytes: int
+    protocol: str
+    device_name: str
+    master: str
+
+
+class Lease:
+    """One lane of the transfer buffer, held by the caller and by each native call made with
+    it until all let go (a call that passed its deadline holds it until it returns)."""
+
+    def __init__(self, lanes: Lanes, lane: int) -> None:
+        self.lane = lane
+        self.address = lanes.address_of(lane)
+        self.view = lanes.view(lane)
+        self._lanes = lanes
+        self._holders = 1
+        self._lock = threading.Lock()
+
+    def hold(self) -> None:
+        with self._lock:
+            self._holders += 1
+
+    def drop(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            last = self._holders == 0
+        if last:
+            self._lanes.give(self.lane)
+
+
+_ORPHANS: list[tuple[Any, Lanes]] = []  # a forked child's copies of its parent's clients
+
+
+class _Idle:
+    """Set-up clients with their registered buffers that no open tier uses, by what they were
+    set up with: a tier that opens takes one instead of setting up its own. Mooncake's
+    `close` holds the interpreter's lock for a second or more (many with the master down), so
+    a tier's close never calls it: its client waits here and is closed at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
+        self._kept: list[tuple[Any, Lanes]] = []  # lanes held by abandoned calls: never reused
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        """In a forked child: the parent's clients are not this process's; they are neither
+        reused nor closed (only kept referenced: their destructor would close them)."""
+        self._lock = threading.Lock()
+        _ORPHANS.extend([*(c for found in self._idle.values() for c in found), *self._kept])
+        self._idle, self._kept = {}, []
+
+    def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
+        with self._lock:
+            found = self._idle.get(key)
+            return found.pop() if found else None
+
+    def give(self, key: tuple[ClientParams, int], client: Any, lanes: Lanes) -> None:
+        with self._lock:
+            if lanes.num_free == NUM_LANES:
+                self._idle.setdefault(key, []).append((client, lanes))
+            else:
+                self._kept.append((client, lanes))
+
+    def close_all(self) -> None:
+        with self._lock:
+            clients = [c for found in self._idle.values() for c, _ in found] + [c for c, _ in self._kept]
+            self._idle.clear()
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close()
+
+
+_IDLE = _Idle()
+atexit.register(_IDLE.close_all)
+
+
+def close_idle() -> None:
+    """Close the clients no open tier uses (each takes a second or more; many with its master
+    down, so close them while it runs)."""
+    _IDLE.close_all()
+
+
+class Connection:
+    """One tier's client and its calls."""
+
+    def __init__(self, params: ClientParams, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
+                 setup_timeout_s: float, lane_bytes: int) -> None:
+        self._cls = store_class()
+        self.params = params
+        self._timeout_s = timeout_s
+        self._min_rate_bps = min_rate_bps
+        self._setup_timeout_s = setup_timeout_s
+        self.reads, self.writes = Health("read", cooldown_s, logger), Health("write", cooldown_s, logger)
+        self._key = (params, lane_bytes)
+        idle = _IDLE.take(self._key)
+        self._client: Any = None if idle is None else idle[0]
+        self.lanes = Lanes(NUM_LANES, lane_bytes) if idle is None else idle[1]
+        self._workers = Workers(NUM_WORKERS, "kvstrata-mooncake")
+        self._setup_lock = threading.Lock()
+        self._cooldown_s = cooldown_s
+        self._next_setup = 0.0
+
+    def limit(self, nbytes: int) -> float:
+        """The deadline of a call moving `nbytes`."""
+        return self._timeout_s + nbytes / self._min_rate_bps
+
+    def _setup(self) -> Any:
+        p = self.params
+        client = self._cls()
+        rc = client.setup(p.local_hostname, p.metadata_server, p.segment_bytes, p.local_buffer_bytes, p.protocol,
+                          p.device_name, p.master)
+        if rc != 0:
+            raise Fault(f"setup returned {rc}")
+        rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
+        if rc != 0:
+            _IDLE.give(self._key, client, Lanes(NUM_LANES, 0))  # never reused: closed at exit
+            raise Fault(f"register_buffer returned {rc}")
+        return client
+
+    def _probe(self) -> None:
+        """Connect to the master and an HTTP metadata server (plain sockets, within
+        `setup_timeout_s`); `CallFailed` if one does not answer. Mooncake's `setup` holds the
+        interpreter's lock while it retries a master that is down (for minutes), so no worker
+        could bound it: it is only called once both answer."""
+        host, _, port = self.params.master.rpartition(":")
+        ends = [(host.strip("[]"), int(port))]
+        url = urllib.parse.urlsplit(self.params.metadata_server)
+        with contextlib.suppress(ValueError):
+            if url.scheme in ("http", "https") and url.hostname:
+                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80)))
+        for end in ends:
+            try:
+                socket.create_connection(end, timeout=min(self._setup_timeout_s, PROBE_S)).close()
+            except OSError as exc:
+                raise CallFailed(f"{end[0]}:{end[1]} does not answer ({exc})") from None
+
+    def _connected(self) -> Any:
+        """The client, set up first (within `setup_timeout_s`) if there is none yet; after a
+        failed setup none is tried for `cooldown_s` (`CallFailed` at once)."""
+        with self._setup_lock:
+            if self._client is None:
+                if time.monotonic() < self._next_setup:
+                    raise CallFailed("no client: its last setup failed (the master down?); retried later")
+                try:
+                    self._probe()
+                    self._client = self._workers.run(self._setup, self._setup_timeout_s)
+                except CallFailed:
+                    self._next_setup = time.monotonic() + self._cooldown_s
+                    raise
+            return self._client
+
+    def connect(self, health: Health) -> bool:
+        """Set the client up now if it is not; False (a counted fault) if that failed."""
+        try:
+            self._connected()
+        except CallFailed as exc:
+            self.fault(health, "setup", exc)
+            return False
+        return True
+
+    def lease(self, health: Health, what: str) -> Lease | None:
+        """A lane of the transfer buffer for a call (the caller drops it); None (a counted
+        fault) if the breaker of `health` is open or every lane is held by abandoned calls."""
+        if not health.available():
+            return None
+        lane = self.lanes.take()
+        if lane is None:
+            self.fault(health, what, CallFailed("every lane of the transfer buffer is held by calls that passed "
+                                                "their deadline"))
+            return None
+        return Lease(self.lanes, lane)
+
+    def run(self, health: Health, what: str, nbytes: int, native: Callable[[Any], R], lease: Lease) -> R | None:
+        """`native(client)` on a worker within the deadline for `nbytes`, holding `lease` while
+        it runs; its result, or None (a counted fault) if the client cannot be set up, no
+        worker is free, the deadline passes or `native` raised (`Fault`: an error code)."""
+        try:
+            client = self._connected()
+            lease.hold()
+            result = self._workers.run(lambda: native(client), self.limit(nbytes), release=lease.drop)
+        except CallFailed as exc:
+            self.fault(health, what, exc)
+            return None
+        health.ok()
+        return result
+
+    def fault(self, health: Health, what: str, exc: BaseException) -> None:
+        health.fault(f"mooncake tier (master {self.params.master}): {what} failed ({exc}); treated as a miss")
+
+    def close(self) -> None:
+        """Stop the workers; the client, with its buffer, waits for the next tier of the same
+        setup (`_Idle`)."""
+        self._workers.close()
+        if self._client is not None:
+            _IDLE.give(self._key, self._client, self.lanes)
+            self._client = None
