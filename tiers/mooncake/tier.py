@@ -176,9 +176,12 @@ class MooncakeTier(Tier):
 
             def native(client: Any) -> list[int]:
                 gen = self._server_generation(client, lease)
-                return list(client.batch_get_into([self._keys.key(gen, k.block_hash) for k in batch],
-                                                  [lease.address + o for o in offsets],
-                                                  [self._slot(k) for k in batch]))
+                codes = list(client.batch_get_into([self._keys.key(gen, k.block_hash) for k in batch],
+                                                   [lease.address + o for o in offsets],
+                                                   [self._slot(k) for k in batch]))
+                if self._server_generation(client, lease) != gen:  # a clear ran meanwhile: serve none of it
+                    return [NOT_FOUND] * len(codes)
+                return codes
 
             codes = self._conn.run(self.reads, "read", end, native, lease)
             if codes is None:
