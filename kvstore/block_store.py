@@ -26,6 +26,7 @@ from kvstore.results import ClearResult, StoreCounters
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
+from kvstore.verify import VerifyResult
 from tiers.keys import BlockKey
 from tiers.shared.blockbatch import BlockBatch
 
@@ -123,6 +124,21 @@ class TierBlockStore(BlockStore):
             raise InvalidInputError(f"generation must be a value of KVCacheStore.generation (now {self.generation}) "
                                     f"or None, got {generation!r}")
         return generation == self.generation
+
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
+        self._check_open()
+        keys = check_keys(keys)
+        check_block_tensors(self._config, computed, len(keys))
+        lossy = frozenset(t.tier.kind for t in self._config.tier_configs
+                          if t.codec is not None and t.codec.kind.lossy)
+        with self._lock:
+            self._check_open()
+            result = self._stack.verify(list(keys), computed, lossy, self._config.namespace)
+            c = self.counters
+            c.num_verified_blocks += result.num_checked
+            for kind, idx in result.mismatches.items():
+                c.verify_mismatches[kind] = c.verify_mismatches.get(kind, 0) + len(idx)
+            return result
 
     def prefetch(self, keys: Sequence[BlockKey]) -> Future[int]:
         self._check_open()

@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from kvstore.verify import VerifyResult
 from tiers.keys import BlockHash, BlockKey, TierKind
 
 # One block-shaped tensor per key, or a function that, given how many leading blocks are
@@ -133,6 +134,14 @@ class BlockStore(Protocol):
         number of leading blocks then held in memory tiers; to 0 if `close()` found it
         queued or running (never cancelled). The slow reads run without the store's lock;
         nothing is inserted if a `clear()` ran meanwhile."""
+        ...
+
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
+        """Compare KV the engine just computed (`computed[i]` for `keys[i]`, block-shaped)
+        with what every tier holding each key keeps, byte for byte where the tier keeps exact
+        KV; a block that differs in any tier is removed from every tier (KV events withdraw
+        it) and counted per tier (`StoreStats.verify_mismatches`). Writes nothing else
+        (`kvstore/verify.py`)."""
         ...
 
     def take_events(self) -> EventBatch:

@@ -58,6 +58,7 @@ _PER_STORE: dict[str, tuple[str, Callable[[StoreStats], int]]] = {
     "kvstrata_store_calls": ("store() and engine API save() calls", lambda s: s.num_store_calls),
     "kvstrata_retrieve_calls": ("retrieve() and engine API load() calls", lambda s: s.num_retrieve_calls),
     "kvstrata_promotion_failures": ("Promotions a full tier refused", lambda s: s.num_promotion_failures),
+    "kvstrata_verified_blocks": ("Blocks verify mode compared with a tier's copy", lambda s: s.num_verified_blocks),
 }
 
 
@@ -165,13 +166,17 @@ class StoreCollector:
                                      "writes", labels=tier_labels)
         drops = CounterMetricFamily("kvstrata_write_drops", "Writes skipped for a fault or a full queue",
                                     labels=tier_labels)
+        mismatches = CounterMetricFamily("kvstrata_verify_mismatch", "Blocks verify mode found differing from the "
+                                         "KV just computed (removed from every tier)", labels=tier_labels)
         for name, store, stats in snapshots:
             for tier in stats.tiers:  # 0 for tiers whose medium does not fail on its own
                 labels = [self.namespace(store), name, tier.kind.value]
                 errors.add_metric(labels, float(tier.num_errors))
                 drops.add_metric(labels, float(tier.num_write_drops))
+                mismatches.add_metric(labels, float(stats.verify_mismatches.get(tier.kind, 0)))
         yield errors
         yield drops
+        yield mismatches
         yield from self._tenant_families(snapshots)
         for metric, (doc, count) in _PER_STORE.items():
             family = CounterMetricFamily(metric, doc, labels=["namespace", "store"])

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,8 @@ class StoreCounters:
     num_blocks_stored: int = 0
     num_tokens_requested: int = 0
     num_tokens_hit: int = 0
+    num_verified_blocks: int = 0
+    verify_mismatches: dict[TierKind, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class StoreStats:
     num_tokens_hit: int
     num_promotion_failures: int
     tiers: tuple[TierStats, ...]
+    num_verified_blocks: int = 0  # (block, tier) pairs verify mode compared
+    verify_mismatches: Mapping[TierKind, int] = field(default_factory=dict)  # blocks found differing, per tier
 
     @property
     def hit_ratio(self) -> float:

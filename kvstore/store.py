@@ -35,6 +35,7 @@ from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_device, check_disjoint, check_kv, check_writable
+from kvstore.verify import VerifyResult
 from tiers.base import ScrubResult, Tier
 from tiers.keys import BlockKey, TierKind
 from tiers.pool.gpu_pool import BlockPool
@@ -266,6 +267,16 @@ class KVCacheStore:
         """
         return len(self.locate(tokens, extra_keys=extra_keys)) * self.config.block_size
 
+    def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> VerifyResult:
+        """Compare `kv` (as `store` takes it), just computed for `tokens`, with what every tier
+        holds for its full blocks; remove each block that differs anywhere from every tier
+        (`blocks.verify`, `kvstore/verify.py`). Stores nothing."""
+        self.check_open()
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        kv = check_kv(self.config, kv, len(arr))
+        keys = self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))
+        return self._blocks.verify(list(keys), BlockBatch(block_rows(kv, self.config.block_size)))
+
     def locate(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> list[TierKind]:
         """The tier that would serve each block of the longest cached prefix (what `lookup`
         measures, with where from); changes nothing."""
@@ -315,7 +326,8 @@ class KVCacheStore:
             c = self._counters
             return StoreStats(c.num_store_calls, c.num_retrieve_calls, c.num_lookup_calls, c.num_blocks_stored,
                               c.num_tokens_requested, c.num_tokens_hit, self._stack.num_promotion_failures,
-                              tuple(t.stats() for t in self._stack.tiers))
+                              tuple(t.stats() for t in self._stack.tiers), c.num_verified_blocks,
+                              dict(c.verify_mismatches))
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""

@@ -22,6 +22,7 @@ import torch
 
 from kvstore.change_feed import ChangeFeed
 from kvstore.results import ClearResult
+from kvstore.verify import VerifyResult, verify_blocks
 from tiers.base import ScrubResult, Tier
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
@@ -172,6 +173,12 @@ class TierStack:
             if num_ok < end:
                 break
         return num_ok, counts
+
+    @_publishes
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], lossy: frozenset[TierKind],
+               namespace: str) -> VerifyResult:
+        """`kvstore/verify.py`'s check over every tier; its removals go out as changes."""
+        return verify_blocks(self.tiers, lossy, keys, computed, namespace)
 
     # -- writes ----------------------------------------------------------------------------
     @_publishes

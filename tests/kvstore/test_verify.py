@@ -1,0 +1,112 @@
+"""Verify mode's check (`KVCacheStore.verify`, `blocks.verify`): a block whose bytes are intact
+(valid checksum, right token ids) but wrong (another prefix's KV stored under its key) is
+caught in whichever tier holds it, removed from every tier and withdrawn by a KV event;
+correct blocks are never flagged."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvstore import KVCacheStore, StoreConfig
+from kvstore.hashing import ExtraKeys
+from tests.conftest import BLOCK, LAYOUT, make_kv
+from tests.redis_fixtures import redis_server
+from tiers.changes import ChangeKind
+from tiers.keys import TierKind
+
+TOKENS = list(range(6 * BLOCK))
+OTHER = list(range(1000, 1000 + 6 * BLOCK))
+
+
+@contextmanager
+def _store(tmp_path: Path, tier: str) -> Iterator[KVCacheStore]:
+    """A store whose only tier is `tier` (so the injected block lands there)."""
+    bb = LAYOUT.block_bytes(BLOCK)
+    tiers: dict[str, dict[str, Any]] = {
+        "pool": {"type": "pool", "num_blocks": 64, "device": "cpu"},
+        "cpu": {"type": "cpu", "capacity_bytes": 64 * bb},
+        "disk": {"type": "disk", "path": str(tmp_path / "d"), "capacity_bytes": 16 << 20, "sync": False},
+    }
+    if tier == "remote":
+        with redis_server() as server, KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, tiers=[
+                {"type": "remote", "url": server.url}])) as store:
+            yield store
+        return
+    with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, tiers=[tiers[tier]])) as store:
+        yield store
+
+
+@pytest.mark.parametrize("tier", ["pool", "cpu", "disk", "remote"])
+def test_another_prefixs_kv_under_a_key_is_caught_and_removed_everywhere(tmp_path: Path, tier: str) -> None:
+    kv, other_kv = make_kv(len(TOKENS), seed=1), make_kv(len(OTHER), seed=2)
+    with _store(tmp_path, tier) as store:
+        sink: list[Any] = []
+        store.changes.add_sink(sink.extend)
+        keys = list(store.keys(TOKENS))
+        rows = [other_kv[:, :, i * BLOCK:(i + 1) * BLOCK] for i in range(6)]
+        good = [kv[:, :, i * BLOCK:(i + 1) * BLOCK] for i in range(6)]
+        # blocks 0-2 right, block 3 wrong but intact (its own key and token ids, another prefix's KV), 4-5 right
+        store.blocks.save(keys, [good[0], good[1], good[2], rows[3], good[4], good[5]])
+        store.flush()
+        assert store.lookup(TOKENS) == len(TOKENS)  # checksums and token ids cannot see it
+        result = store.verify(TOKENS, kv)
+        assert result.mismatches == {TierKind(tier): [3]} and result.num_quarantined == 1
+        assert result.num_checked == 6 and not result.ok
+        assert store.lookup(TOKENS) == 3 * BLOCK  # gone: the prefix ends before it
+        got = store.retrieve(TOKENS)
+        assert got.kv is not None and got.kv.equal(kv[:, :, : 3 * BLOCK])
+        left = [k.block_hash for c in sink if c.kind is ChangeKind.LEFT for k in c.keys]
+        assert keys[3].block_hash in left  # withdrawn from routers
+        stats = store.stats()
+        assert stats.verify_mismatches == {TierKind(tier): 1} and stats.num_verified_blocks == 6
+
+
+def test_correct_blocks_are_never_flagged_and_nothing_is_stored(tmp_path: Path) -> None:
+    bb = LAYOUT.block_bytes(BLOCK)
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=4 * bb, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      disk_sync=False)
+    with KVCacheStore(cfg) as store:
+        salt = ExtraKeys(cache_salt="tenant-a")
+        for seed in range(20):
+            tokens = [seed * 1000 + t for t in range(8 * BLOCK)]
+            kv = make_kv(len(tokens), seed=seed)
+            store.store(tokens, kv, extra_keys=salt)
+            result = store.verify(tokens, kv, extra_keys=salt)
+            assert result.ok and result.num_quarantined == 0 and result.num_checked >= 8
+        assert store.verify(list(range(9000, 9000 + 4 * BLOCK)), make_kv(4 * BLOCK)).num_checked == 0  # not held
+        assert store.lookup(list(range(9000, 9000 + 4 * BLOCK))) == 0  # verify stored nothing
+        assert store.stats().verify_mismatches == {}
+
+
+def test_a_block_wrong_in_one_tier_is_removed_from_the_tier_that_was_right_too(tmp_path: Path) -> None:
+    bb = LAYOUT.block_bytes(BLOCK)
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=16 * bb, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      disk_sync=False, write_through=True)
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(TOKENS), seed=1)
+        store.store(TOKENS, kv)  # CPU and disk both hold every block, right
+        keys = list(store.keys(TOKENS))
+        disk = next(t for t in store.tiers if t.kind is TierKind.DISK)
+        disk.discard([keys[2].block_hash])
+        disk.put([keys[2]], [make_kv(BLOCK, seed=9)])  # the disk's copy: intact, wrong
+        result = store.verify(TOKENS, kv)
+        assert result.mismatches == {TierKind.DISK: [2]}
+        assert store.lookup(TOKENS) == 2 * BLOCK  # removed from the CPU tier as well
+        assert not torch.equal(make_kv(BLOCK, seed=9), kv[:, :, 2 * BLOCK:3 * BLOCK])
+
+
+def test_lossy_tiers_are_counted_unverified_not_compared(tmp_path: Path) -> None:
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      disk_sync=False, disk_codec="int8")
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(TOKENS), seed=3)
+        store.store(TOKENS, kv)
+        result = store.verify(TOKENS, kv)
+        assert result.ok and result.num_checked == 0 and result.num_unverified == 6
+        assert store.lookup(TOKENS) == len(TOKENS)
