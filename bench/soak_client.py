@@ -185,6 +185,8 @@ def _durable(spec: dict[str, Any], figures: Figures, deadline: float) -> None:
             figures.count("lost_blocks", (len(tokens) - got.num_tokens) // BLOCK)
             figures.count("wrong_blocks", wrong_blocks(tokens, got.kv, got.num_tokens, "soak/durable"))
             done.add((doc, variant))
+        with figures.lock:
+            figures.extra["verified"] = True  # the soak kills a probe only once it has verified
         _write(spec["stats"], figures.snapshot())
         todo = [(d, v) for d in range(NUM_DOCS) for v in range(SUFFIXES) if (d, v) not in done]
         random.Random(spec["seed"] + len(done)).shuffle(todo)

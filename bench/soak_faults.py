@@ -59,6 +59,7 @@ class Soak:
         self.tmpfs = _mount_tmpfs(workdir / "disk")
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * len(self.specs)
         self.stats: list[str] = []  # every process's stats file, restarts included
+        self._last_stats: dict[int, int] = {}  # process -> its current stats file (index into `stats`)
         self.faults: Counter[str] = Counter()
         self.log: list[tuple[float, str]] = []
         self.router_off: dict[str, list[int]] = {}  # prompts on which the router disagreed at the end
@@ -67,6 +68,7 @@ class Soak:
         """Start process `i` (again) with the time left and a stats file of its own."""
         spec = dict(self.specs[i], seconds=max(1.0, self.end - time.monotonic()),
                     stats=str(self.dir / f"stats-{i}-{len(self.stats)}.json"))
+        self._last_stats[i] = len(self.stats)
         self.stats.append(spec["stats"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
                                                                         os.environ.get("PYTHONPATH")]))}
@@ -76,6 +78,9 @@ class Soak:
 
     def inject(self, fault: str) -> None:
         """One fault now; counted by kind."""
+        if fault == "kill_probe" and not self._probe_verified():
+            self.faults["kill_probe_deferred"] += 1  # each kill is followed by a whole verification
+            return
         self.faults[fault] += 1
         self.log.append((round(self.seconds - (self.end - time.monotonic()), 1), fault))
         if fault in ("kill_engine", "kill_probe"):
@@ -139,6 +144,13 @@ class Soak:
                 _flip(self.rng.choice(files), self.rng)
         elif fault == "remote_rot" and self.server:
             self._remote_rot()
+
+    def _probe_verified(self) -> bool:
+        """Whether the running probe has read back everything acknowledged before its start."""
+        try:
+            return bool(json.loads(Path(self.stats[self._last_stats[len(self.specs) - 1]]).read_text()).get("verified"))
+        except (OSError, ValueError, KeyError, IndexError):
+            return False
 
     def _redis(self, *args: str) -> Any:
         import redis
