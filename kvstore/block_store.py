@@ -23,6 +23,7 @@ from kvstore.errors import InvalidInputError, StoreClosedError
 from kvstore.keying import ChainKeys, key_hashes
 from kvstore.lifecycle import Lifecycle
 from kvstore.results import ClearResult, StoreCounters
+from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
@@ -57,6 +58,8 @@ class TierBlockStore(BlockStore):
         self._events = EventLog()
         self.block_size = config.block_size
         self.generation = 0  # clear() calls so far
+        memory = next((t for t in stack.tiers if t.traits.memory and not t.traits.engine_memory), None)
+        self.retention = Retention(memory, int(config.retain_share * memory.capacity_blocks) if memory is not None else 0)
         # Called with ("store" | "load", seconds) after each such call when set (the store's
         # `observe_latency` sets it too).
         self.observe_latency: Callable[[str, float], None] | None = None
@@ -110,6 +113,8 @@ class TierBlockStore(BlockStore):
             self.counters.num_store_calls += 1
             if not current:
                 return SaveResult(0, 0)
+            if len(self.retention):
+                self.retention.expire()
             written = self._stack.put(list(keys), sources)
             self.counters.num_blocks_stored += written
             if len(keys) <= self._stack.top.capacity_blocks:
@@ -125,6 +130,15 @@ class TierBlockStore(BlockStore):
                                     f"or None, got {generation!r}")
         return generation == self.generation
 
+    def retain(self, keys: Sequence[BlockKey], seconds: float) -> RetainResult:
+        self._check_open()
+        keys = check_keys(keys)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds <= MAX_RETAIN_S:
+            raise InvalidInputError(f"retain seconds must be a number in (0, {MAX_RETAIN_S}], got {seconds!r}")
+        with self._lock:
+            self._check_open()
+            return self.retention.retain(keys, float(seconds))
+
     def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
         self._check_open()
         keys = check_keys(keys)
@@ -134,6 +148,9 @@ class TierBlockStore(BlockStore):
         with self._lock:
             self._check_open()
             result = self._stack.verify(list(keys), computed, lossy, self._config.namespace)
+            bad = [keys[i].block_hash for idx in result.mismatches.values() for i in idx]
+            if bad and self.retention.release(bad):  # a retained block is quarantined all the same
+                self._stack.discard(bad)
             c = self.counters
             c.num_verified_blocks += result.num_checked
             for kind, idx in result.mismatches.items():
@@ -178,4 +195,5 @@ class TierBlockStore(BlockStore):
         """Delete the store's blocks from every tier (see `KVCacheStore.clear`) and begin a new
         generation; the event log records each tier cleared. Call with the lock held."""
         self.generation += 1
+        self.retention.forget()  # the tier's pins go with its blocks
         return self._stack.clear(all_namespaces=all_namespaces)  # each tier's CLEARED goes to the event log

@@ -104,6 +104,8 @@ class StoreConfig:
         load_policy: `LoadPolicyMode` or its name: "auto" (load a cached prefix from a tier only where the measured load
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
+        retain_share: the share of the memory tier below the engine (the CPU tier) that one
+            tenant (namespace and cache salt) may keep with `KVCacheStore.retain`, in (0, 1].
         disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
             stored (encoded, with `disk_codec`; None: no cap); to share a device with other
             work, or to emulate a slower one.
@@ -195,6 +197,7 @@ class StoreConfig:
     io_threads: int = 4
     result_buffer_bytes: int = 256 << 20
     load_policy: LoadPolicyMode = LoadPolicyMode.AUTO
+    retain_share: float = 0.5
     disk_read_bps: int | None = None
     events_endpoint: str | None = None
     events_replay_endpoint: str | None = None
@@ -232,6 +235,10 @@ class StoreConfig:
         require_int("StoreConfig.io_threads", self.io_threads, 1, high=1024)
         require_int("StoreConfig.result_buffer_bytes", self.result_buffer_bytes, 0)
         object.__setattr__(self, "load_policy", LoadPolicyMode.parse(self.load_policy, "StoreConfig.load_policy"))
+        if isinstance(self.retain_share, bool) or not isinstance(self.retain_share, (int, float)) \
+                or not 0 < self.retain_share <= 1:
+            raise ConfigError(f"StoreConfig.retain_share must be a number in (0, 1], got {self.retain_share!r}")
+        object.__setattr__(self, "retain_share", float(self.retain_share))
         parse_str("StoreConfig.events_topic", self.events_topic)
         for name in ("events_replay_endpoint", "events_curve_cert", "events_curve_clients"):
             parse_optional_str(f"StoreConfig.{name}", getattr(self, name))  # even where nothing reads them

@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from kvstore.retention import RetainResult
 from kvstore.verify import VerifyResult
 from tiers.keys import BlockHash, BlockKey, TierKind
 
@@ -134,6 +135,13 @@ class BlockStore(Protocol):
         number of leading blocks then held in memory tiers; to 0 if `close()` found it
         queued or running (never cancelled). The slow reads run without the store's lock;
         nothing is inserted if a `clear()` ran meanwhile."""
+        ...
+
+    def retain(self, keys: Sequence[BlockKey], seconds: float) -> RetainResult:
+        """Keep the blocks of `keys` held in the memory tier below the engine through eviction
+        pressure for `seconds` (a hint that they will come back), within the tenant's budget
+        (`StoreConfig.retain_share`); what does not fit or is not there is reported clipped
+        (`kvstore/retention.py`). Retaining again extends the deadline."""
         ...
 
     def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:

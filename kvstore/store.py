@@ -27,10 +27,11 @@ from kvstore.engine_api import BlockStore, LoadResult
 from kvstore.errors import ConfigError, LayoutMismatchError, StoreClosedError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
 from kvstore.keying import Keyer
-from kvstore.lifecycle import Lifecycle
+from kvstore.lifecycle import Lifecycle, in_tokens
 from kvstore.load_policy import LoadPolicy
 from kvstore.pool_api import PoolAllocator
 from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
+from kvstore.retention import RetainResult
 from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
@@ -44,24 +45,6 @@ from tiers.shared.blockbatch import BlockBatch, block_rows
 __all__ = ["CloseResult", "KVCacheStore", "LoadResult", "RetrieveResult", "StoreStats"]
 
 logger = logging.getLogger(__name__)
-
-
-def _in_tokens(blocks: Future[int], block_size: int) -> Future[int]:
-    """A future of `blocks`' result times `block_size` (its exception, if it raises)."""
-    tokens: Future[int] = Future()
-
-    def done(f: Future[int]) -> None:
-        if f.cancelled():
-            tokens.cancel()
-            return
-        exc = f.exception()
-        if exc is None:
-            tokens.set_result(f.result() * block_size)
-        else:
-            tokens.set_exception(exc)
-
-    blocks.add_done_callback(done)
-    return tokens
 
 
 class KVCacheStore:
@@ -267,6 +250,13 @@ class KVCacheStore:
         """
         return len(self.locate(tokens, extra_keys=extra_keys)) * self.config.block_size
 
+    def retain(self, tokens: object, seconds: float, *, extra_keys: ExtraKeys | None = None) -> RetainResult:
+        """Keep the cached full blocks of `tokens` through eviction pressure for `seconds`
+        (`blocks.retain`: within the tenant's budget; the rest reported clipped)."""
+        self.check_open()
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        return self._blocks.retain(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), seconds)
+
     def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> VerifyResult:
         """Compare `kv` (as `store` takes it), just computed for `tokens`, with what every tier
         holds for its full blocks; remove each block that differs anywhere from every tier
@@ -297,7 +287,7 @@ class KVCacheStore:
         """
         self.check_open()
         keys = self._keyer.token_keys(tokens, extra_keys, chain=chain)
-        return _in_tokens(self._blocks.prefetch(keys), self.config.block_size)
+        return in_tokens(self._blocks.prefetch(keys), self.config.block_size)
 
     async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event

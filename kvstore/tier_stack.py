@@ -180,6 +180,12 @@ class TierStack:
         """`kvstore/verify.py`'s check over every tier; its removals go out as changes."""
         return verify_blocks(self.tiers, lossy, keys, computed, namespace)
 
+    @_publishes
+    def discard(self, hashes: Sequence[BlockHash]) -> int:
+        """Remove the blocks from every tier (pinned ones stay: their holder releases them);
+        how many copies went."""
+        return sum(tier.discard(hashes) for tier in self.tiers)
+
     # -- writes ----------------------------------------------------------------------------
     @_publishes
     def put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:

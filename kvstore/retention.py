@@ -1,0 +1,113 @@
+"""Retention: a caller's hint that a prefix will come back (a session's context after a tool
+call), kept through eviction pressure for a while, within a budget per tenant.
+
+`retain` pins the given blocks in the store's memory tier below the engine (the CPU tier) until
+a deadline; eviction passes them over meanwhile. Each tenant (namespace and cache salt: a
+`BlockKey.tenant`) may hold at most `budget_blocks` retained blocks, so one client cannot pin
+the cache; what does not fit, or is not in that tier, is reported as clipped. Retaining a
+block again extends its deadline without charging it twice. Expired blocks are unpinned by
+`expire`, which the store calls on each write and retain (the caller holds the store's lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from tiers.base import Tier
+from tiers.keys import BlockHash, BlockKey
+
+MAX_RETAIN_S = 24 * 3600.0  # the longest a caller may ask a prefix to be kept
+
+
+class RetainResult(NamedTuple):
+    """What `retain` did: blocks now retained (newly or extended) and blocks it could not
+    retain (over the tenant's budget, or not in the memory tier)."""
+
+    num_retained: int
+    num_clipped: int
+
+
+class Retention:
+    """Retained blocks of one store's memory tier (see the module docstring)."""
+
+    def __init__(self, tier: Tier | None, budget_blocks: int) -> None:
+        self._tier = tier
+        self.budget_blocks = budget_blocks
+        self._until: dict[BlockHash, float] = {}
+        self._owner: dict[BlockHash, bytes] = {}
+        self._charged: dict[bytes, int] = {}
+        self._heap: list[tuple[float, BlockHash]] = []  # (deadline, block); stale entries skipped
+        self.num_clipped = 0
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def retain(self, keys: Sequence[BlockKey], seconds: float, now: float | None = None) -> RetainResult:
+        """Pin `keys`' blocks held in the memory tier until `now + seconds`, within each
+        tenant's budget; see the module docstring."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        until = now + seconds
+        retained = clipped = 0
+        for key in keys:
+            h = key.block_hash
+            if h in self._until:
+                if until > self._until[h]:
+                    self._until[h] = until
+                    heapq.heappush(self._heap, (until, h))
+                retained += 1
+                continue
+            tenant = key.tenant
+            if self._tier is None or self._charged.get(tenant, 0) >= self.budget_blocks or not self._tier.pin([h]):
+                clipped += 1
+                continue
+            self._until[h], self._owner[h] = until, tenant
+            self._charged[tenant] = self._charged.get(tenant, 0) + 1
+            heapq.heappush(self._heap, (until, h))
+            retained += 1
+        self.num_clipped += clipped
+        return RetainResult(retained, clipped)
+
+    def expire(self, now: float | None = None) -> int:
+        """Unpin the blocks whose deadline has passed; how many."""
+        now = time.monotonic() if now is None else now
+        done = 0
+        while self._heap and self._heap[0][0] <= now:
+            deadline, h = heapq.heappop(self._heap)
+            if self._until.get(h) != deadline:
+                continue  # extended since, or released
+            self._release(h)
+            done += 1
+        return done
+
+    def forget(self) -> None:
+        """Drop every retention without unpinning (the tier was cleared: its pins are gone)."""
+        self._until.clear()
+        self._owner.clear()
+        self._charged.clear()
+        self._heap.clear()
+
+    def release(self, hashes: Sequence[BlockHash]) -> int:
+        """Unpin the given blocks if retained (they are to be removed); how many were."""
+        held = [h for h in hashes if h in self._until]
+        for h in held:
+            self._release(h)
+        return len(held)
+
+    def release_all(self) -> None:
+        """Unpin every retained block (before the store closes)."""
+        for h in list(self._until):
+            self._release(h)
+        self._heap.clear()
+
+    def _release(self, h: BlockHash) -> None:
+        del self._until[h]
+        tenant = self._owner.pop(h)
+        self._charged[tenant] -= 1
+        if not self._charged[tenant]:
+            del self._charged[tenant]
+        if self._tier is not None:
+            self._tier.unpin([h])
