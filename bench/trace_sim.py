@@ -180,7 +180,12 @@ def parents_of(requests: Sequence[Sequence[int]]) -> dict[int, int | None]:
 
 
 def belady_hit_blocks(requests: Sequence[Sequence[int]], capacity_blocks: int) -> int:
-    """Block hits of the offline optimum: a cache of `capacity_blocks` that may refuse a block
+    """The offline optimum's block prefix hits over the whole trace (`belady_hits`)."""
+    return sum(belady_hits(requests, capacity_blocks))
+
+
+def belady_hits(requests: Sequence[Sequence[int]], capacity_blocks: int) -> list[int]:
+    """Block hits of each request under the offline optimum: a cache of `capacity_blocks` that may refuse a block
     (bypass) and evicts the block whose next use is furthest in the future (Belady's MIN).
 
     Model: each request reads its longest cached prefix (its hits), then every one of its
@@ -200,12 +205,15 @@ def belady_hit_blocks(requests: Sequence[Sequence[int]], capacity_blocks: int) -
         seen[flat[t]] = t
     cache: dict[int, int] = {}  # block -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
-    hits = t = 0
+    hits: list[int] = []
+    t = 0
     for ids in requests:
+        hit = 0
         for block in ids:
             if block not in cache:
                 break
-            hits += 1
+            hit += 1
+        hits.append(hit)
         for block in ids:
             nxt = next_use[t]
             t += 1

@@ -39,6 +39,7 @@ BENCHMARKS = {
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
     "peer": "bench.peer",
     "soak": "bench.soak",
+    "hints": "bench.hints",
 }
 COMMANDS = {
     "demo": "cli.demo",
@@ -79,6 +80,7 @@ _BENCH_SUMMARIES = {
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
     "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
     "soak": "Many clients on every tier while faults land at random; every hit checked bit-exact.",
+    "hints": "Sessions under a flood: retain hints against LRU and Belady on the same replay.",
 }
 
 

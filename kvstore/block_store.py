@@ -59,7 +59,8 @@ class TierBlockStore(BlockStore):
         self.block_size = config.block_size
         self.generation = 0  # clear() calls so far
         memory = next((t for t in stack.tiers if t.traits.memory and not t.traits.engine_memory), None)
-        self.retention = Retention(memory, int(config.retain_share * memory.capacity_blocks) if memory is not None else 0)
+        budget = int(config.retain_share * memory.capacity_blocks) if memory is not None else 0
+        self.retention = Retention(memory, budget)
         # Called with ("store" | "load", seconds) after each such call when set (the store's
         # `observe_latency` sets it too).
         self.observe_latency: Callable[[str, float], None] | None = None
