@@ -55,6 +55,7 @@ SAMPLES: dict[str, tuple[object, object]] = {
     "io_threads": (2, None),
     "result_buffer_bytes": (0, None),
     "load_policy": ("never", LoadPolicyMode.NEVER),
+    "retain_share": ("0.25", 0.25),
     "disk_read_bps": ("50MiB", 50 << 20),
     "events_endpoint": ("tcp://127.0.0.1:5591", None),
     "events_replay_endpoint": ("tcp://127.0.0.1:5599", None),
