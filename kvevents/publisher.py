@@ -94,7 +94,9 @@ class EventPublisher:
         self._peers = TokenBuckets(rate=0.2, burst=2, max_peers=1024)  # snapshots per peer
         self._overall = TokenBuckets(rate=1.0, burst=4, max_peers=1)  # snapshots in all
         self._replay_peers = TokenBuckets(rate=20.0, burst=50, max_peers=1024)  # buffered replays per peer
-        self._ctx: zmq.Context[Any] = zmq.Context() if config.curve else zmq.Context.instance()
+        # A context of its own: terminating it waits until the sockets are unbound, so a store
+        # reopened in this process can bind the same endpoint at once.
+        self._ctx: zmq.Context[Any] = zmq.Context()
         self._auth = config.curve.start_authenticator(self._ctx) if config.curve else None
         self._pub, self._rep = self._ctx.socket(zmq.XPUB), self._ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._rep):
@@ -326,8 +328,7 @@ class EventPublisher:
         self._rep.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        if self.config.curve:
-            self._ctx.term()
+        self._ctx.term()
 
     def close(self) -> None:
         """Send what is queued, stop the thread and unbind. Idempotent."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import xxhash
 
@@ -21,10 +22,14 @@ from kvstore.tier_stack import TierStack
 from tiers.keys import BlockKey
 
 
-def open_publisher(config: StoreConfig, seed: BlockHash, stack: TierStack) -> EventPublisher:
+def open_publisher(config: StoreConfig, seed: BlockHash, stack: TierStack, lock: threading.RLock) -> EventPublisher:
     """Start publishing `config.events_endpoint`: every change of the stack's tiers goes to
     the publisher from now on. Raises `ConfigError` if the endpoint cannot be bound (nothing
-    is wired then)."""
+    is wired then).
+
+    The publisher's own pull (for background writes) takes the changes only while no store
+    call holds `lock`: a call in progress may have recorded a demoted block's arrival below
+    before its parent's arrival above, and publishes both itself when it ends."""
     assert config.events_endpoint is not None
     tiers = stack.tiers
     media = {tier.kind: medium_of(tier.traits) for tier in tiers}
@@ -42,6 +47,13 @@ def open_publisher(config: StoreConfig, seed: BlockHash, stack: TierStack) -> Ev
                                   config.events_curve_cert, config.events_curve_clients,
                                   min(capacity + (1 << 16), 1 << 22), config.events_connect)
     stack.changes.publish()  # what opening the tiers did is in the warm state already
-    publisher = EventPublisher(pub_config, source, media, warm, poll=stack.changes.publish)
+    def pull() -> None:
+        if lock.acquire(blocking=False):
+            try:
+                stack.changes.publish()
+            finally:
+                lock.release()
+
+    publisher = EventPublisher(pub_config, source, media, warm, poll=pull)
     stack.changes.add_sink(publisher.publish)
     return publisher

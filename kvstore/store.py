@@ -82,7 +82,7 @@ class KVCacheStore:
             from kvstore.events_setup import open_publisher
 
             try:
-                self.events = open_publisher(config, self._seed, self._stack)
+                self.events = open_publisher(config, self._seed, self._stack, self._lock)
             except BaseException:
                 self._stack.close()
                 raise
