@@ -29,7 +29,8 @@ from tiers.plugins import Registry
 R = TypeVar("R", bound=type)
 
 # The built-in tiers' config modules, fastest first: their order is `TIERS.entries()`'s.
-BUILTIN_TIERS = ("tiers.pool.config", "tiers.cpu.config", "tiers.disk.config", "tiers.remote.config")
+BUILTIN_TIERS = ("tiers.pool.config", "tiers.cpu.config", "tiers.disk.config", "tiers.remote.config",
+                 "tiers.sharedfs.config")
 
 
 @dataclass(frozen=True)

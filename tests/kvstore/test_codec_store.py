@@ -28,8 +28,8 @@ from tiers.disk.index import pack_entry
 from tiers.disk.payload import payload_sum
 from tiers.disk.tier import LMDBTier, PayloadLocation, bytes_per_block
 from tiers.keys import BlockKey, TierKind
-from tiers.remote.record import RecordCodec, pack_record, parse_record
 from tiers.remote.tier import RemoteTier
+from tiers.shared.record import RecordCodec, pack_record, parse_record
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 BLOCK = 16

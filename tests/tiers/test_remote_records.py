@@ -1,4 +1,4 @@
-"""The remote tier's records (`tiers/remote/record.py`): every header field that decoding depends
+"""The remote tier's records (`tiers/shared/record.py`): every header field that decoding depends
 on is under the checksum, so a flipped bit anywhere in a record is a counted miss, never a hit
 with other bytes; records of the first format (whose checksum left the codec out) are never
 decoded; an encoding of another element dtype is a miss, not permuted bytes. Real
@@ -23,8 +23,8 @@ from tests.redis_fixtures import RedisServer, redis_server
 from tiers.codecs import CodecKind, CodecSpec
 from tiers.errors import CorruptRecordError, UnverifiableRecordError
 from tiers.keys import BlockHash, BlockKey, TierKind
-from tiers.remote.record import RecordCodec
 from tiers.remote.tier import RemoteTier
+from tiers.shared.record import RecordCodec
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
 BLOCK = 16

@@ -1,8 +1,9 @@
 """One contract suite, run against every registered built-in tier (the registry's, opened
 through its config), the CPU tier under every registered eviction policy.
 
-A tier shared by many hosts (`traits.shared`: the remote tier, against a real `redis-server`)
-is bounded by its server, not by a capacity of its own, and counts no blocks: the tests of
+A tier shared by many hosts (`traits.shared`: the remote tier, against a real `redis-server`;
+the shared-filesystem tier, on a real directory) is bounded by its server or by all its hosts
+together, not by a capacity of its own, and counts no blocks: the tests of
 eviction order and capacity are for the others."""
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tiers.keys import BlockKey
 from tiers.policies.eviction import EVICTION_POLICIES
 from tiers.pool.config import PoolTierConfig
 from tiers.remote.config import RemoteTierConfig
+from tiers.sharedfs.config import SharedFSTierConfig
 from tiers.tier_config import BUILTIN_TIERS, TIERS, TierConfig, TierContext
 
 SHAPE = LAYOUT.block_shape(BLOCK)
@@ -59,6 +61,7 @@ CONFIGS: dict[str, Config] = {
     "cpu": lambda tmp, n, url: CPUTierConfig(n * BLOCK_BYTES),
     "disk": lambda tmp, n, url: DiskTierConfig(str(tmp / "db"), n * bytes_per_block(BLOCK_BYTES), sync=False),
     "remote": lambda tmp, n, url: RemoteTierConfig(url, timeout_s=5),
+    "sharedfs": lambda tmp, n, url: SharedFSTierConfig(str(tmp / "shared"), n * (BLOCK_BYTES + 4096)),
 }
 BUILT_IN = [e.name for e in TIERS.entries() if e.config.__module__ in BUILTIN_TIERS]
 POLICIES = [e.name for e in EVICTION_POLICIES.entries() if e.config.__module__.startswith("tiers.")]  # built in
@@ -81,7 +84,7 @@ def redis_url() -> Iterator[str]:
 
 
 def test_every_built_in_tier_is_in_the_contract() -> None:
-    assert BUILT_IN == ["pool", "cpu", "disk", "remote"] and set(BUILT_IN) <= set(CONFIGS)
+    assert BUILT_IN == ["pool", "cpu", "disk", "remote", "sharedfs"] and set(BUILT_IN) <= set(CONFIGS)
     assert POLICIES == ["lru", "s3fifo", "arc", "lfu"]
 
 

@@ -4,7 +4,7 @@ Keys are `kvstrata:<namespace digest hex>:2.<generation>:<block hash hex>` (`tie
 so many models share a server and one namespace can be listed or dropped by prefix (SCAN,
 never KEYS); a clear changes the namespace's generation, so no reader finds an old block
 from then on, and deletes the old ones in bounded, resumable rounds (`tiers/remote/sweep.py`).
-Values are self-checking records (`tiers/remote/record.py`); one that fails any check is a
+Values are self-checking records (`tiers/shared/record.py`); one that fails any check is a
 miss and is deleted. Writes are queued and sent by a background thread in pipelined batches, parents
 before children (`tiers/remote/writer.py`): a caller that finds the queue full waits for room,
 and a write that must be dropped loses only a tail, never a block before kept ones. `flush()`
@@ -34,12 +34,12 @@ from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecor
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.client import Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
-from tiers.remote.record import RecordCodec
 from tiers.remote.stream import Op, ReplyTooLong, command
 from tiers.remote.sweep import Walk, sweep, unfinished
 from tiers.remote.url import SCHEMES, check_url, identity, redacted
 from tiers.remote.writer import Record, WriteQueue
 from tiers.shared.ratelimit import RateLimitedWarning
+from tiers.shared.record import RecordCodec
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
 """A self-checking block record: encoding, validation and the payload copy-out.
 
-The remote tier stores its values in this form (it began as the first disk format's record;
-the disk tier now keeps payloads in slot files and their checks in its index, `tiers/disk_*.py`).
+The remote tier stores its values in this form, the shared-filesystem tier its files (it began
+as the first disk format's record; the disk tier now keeps payloads in slot files and their
+checks in its index, `tiers/disk/`).
 
 Record (format 2) = b"KVS2" | u32 header length | u64 xxh3-64 | msgpack header | payload.
 The checksum covers every byte but its own: the magic, the header length, the header as
