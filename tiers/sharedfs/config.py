@@ -16,12 +16,14 @@ _RAW = RawConfig()
 MAX_BYTES = 1 << 50  # 1 PiB
 
 
-def _seconds(config: object, name: str, low: float, high: float) -> None:
-    """Set `config.name` to its value as a float in (low, high] seconds; `ConfigError` naming it otherwise."""
+def _seconds(config: object, name: str, high: float, *, zero: bool = False) -> None:
+    """Set `config.name` to its value as a float in (0, high] seconds ([0, high] with `zero`);
+    `ConfigError` naming it otherwise."""
     value = getattr(config, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and low < value <= high
-    if not ok:
-        raise ConfigError(f"SharedFSTierConfig.{name} must be in ({low:g}, {high:g}] seconds, got {value!r}")
+    number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else float("nan")
+    if not ((number >= 0) if zero else (number > 0)) or not number <= high:
+        raise ConfigError(f"SharedFSTierConfig.{name} must be in {'[' if zero else '('}0, {high:g}] seconds, "
+                          f"got {value!r}")
     object.__setattr__(config, name, float(value))
 
 
@@ -79,13 +81,13 @@ class SharedFSTierConfig(TierConfig):
         require_int("SharedFSTierConfig.capacity_bytes", self.capacity_bytes, 1, high=MAX_BYTES)
         object.__setattr__(self, "codec", codec_config(self.codec, "SharedFSTierConfig.codec"))
         require_int("SharedFSTierConfig.io_threads", self.io_threads, 1, high=256)
-        _seconds(self, "timeout_s", 0, 3600)
-        _seconds(self, "cooldown_s", 0, 3600)
-        _seconds(self, "touch_after_s", 0, 86400)
-        _seconds(self, "orphan_after_s", 0, 30 * 86400)
-        _seconds(self, "scan_interval_s", 0, 86400)
+        _seconds(self, "timeout_s", 3600)
+        _seconds(self, "cooldown_s", 3600, zero=True)
+        _seconds(self, "touch_after_s", 86400, zero=True)
+        _seconds(self, "orphan_after_s", 30 * 86400)
+        _seconds(self, "scan_interval_s", 86400, zero=True)
         require_int("SharedFSTierConfig.scan_max_entries", self.scan_max_entries, 1)
-        _seconds(self, "clear_budget_s", 0, 86400)
+        _seconds(self, "clear_budget_s", 86400)
         if self.share_id is not None and (not isinstance(self.share_id, str) or not self.share_id
                                           or not self.share_id.isprintable()):
             raise ConfigError(f"SharedFSTierConfig.share_id must be a non-empty printable string, "
