@@ -28,6 +28,7 @@ BENCHMARKS = {
     "micro": "bench.micro",
     "scale": "bench.scale",
     "remote": "bench.remote",
+    "shared-tiers": "bench.shared_tiers",
     "router": "bench.router",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
@@ -66,6 +67,7 @@ _BENCH_SUMMARIES = {
     "micro": "hashing + lookup cost + tiers + transfer.",
     "scale": "Lookup/store cost and index bytes from 10^3 to 10^6 blocks.",
     "remote": "The remote tier against a raw client on the same server.",
+    "shared-tiers": "Shared tiers (a shared directory, a server) against raw clients of the same bytes.",
     "router": "Router index memory and lookup latency at 10^6 blocks x 8 instances.",
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",

@@ -15,6 +15,8 @@ import os
 import time
 from typing import NamedTuple
 
+import numpy as np
+
 from tiers.keys import BlockHash
 from tiers.sharedfs import files
 
@@ -23,7 +25,7 @@ class Read(NamedTuple):
     """A file read whole: its bytes, and what identifies the version read (device, inode,
     size, mtime in ns), to remove exactly that version if it proves damaged."""
 
-    data: bytes
+    data: memoryview  # writable (uninitialized memory read into, not zeroed first)
     version: tuple[int, int, int, int]
     mtime: float
 
@@ -49,14 +51,14 @@ def read_file(path: str, limit: int) -> Read | None:
         version = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if st.st_size > limit:
             raise TooLong(version)
-        chunks, left = [], st.st_size + 1  # one byte more: a file grown since the fstat shows
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
+        buf = np.empty(st.st_size + 1, dtype=np.uint8).data  # one byte more: a file grown since shows
+        got = 0
+        while got < len(buf):
+            n = os.readv(fd, [buf[got:]])
+            if not n:
                 break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            got += n
+        data = buf[:got]
         return Read(data, version, st.st_mtime)
     finally:
         os.close(fd)

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -214,30 +215,35 @@ class SharedFSTier(Tier):
             self._record(ChangeKind.LEFT, [block_hash])
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        """Read windows of `2 x io_threads` files in parallel, copying each into its
+        """Read up to `2 x io_threads` files ahead in parallel, copying each into its
         destination in prefix order on the caller's thread; stop at the first miss (what is
-        still queued is cancelled; nothing is written into a destination after it)."""
+        still queued is cancelled; nothing is written into a destination past it)."""
         if not keys or not self._available():
             return 0
         deadline = time.monotonic() + self.timeout_s
-        window = 2 * self.io_threads
+        ahead: deque[Future[tuple[Payload, blockio.Read] | None]] = deque(
+            self._pool.submit(self._load, k) for k in keys[: 2 * self.io_threads])
+        queued = len(ahead)
         n = 0
-        for start in range(0, len(keys), window):
-            chunk = keys[start : start + window]
-            futures = [self._pool.submit(self._load, k) for k in chunk]
-            for i, got in enumerate(self._wait(futures, deadline, "read")):
+        try:
+            while ahead:
+                got = self._wait([ahead.popleft()], deadline, "read")[0]
                 if got is None:
-                    for rest in futures[i:]:
-                        rest.cancel()
                     return n
+                if queued < len(keys):
+                    ahead.append(self._pool.submit(self._load, keys[queued]))
+                    queued += 1
                 try:
-                    self.codec.copy_out(got[0], dsts[start + i])
+                    self.codec.copy_out(got[0], dsts[n])
                 except CorruptRecordError as exc:
-                    path = files.block_path(self.ns_dir, chunk[i].block_hash)
-                    self._damaged(path, got[1].version, str(exc), chunk[i].block_hash)
+                    self._damaged(files.block_path(self.ns_dir, keys[n].block_hash), got[1].version, str(exc),
+                                  keys[n].block_hash)
                     return n
                 n += 1
-        return n
+            return n
+        finally:
+            for rest in ahead:
+                rest.cancel()
 
     # -- writes ------------------------------------------------------------------------------
     def _write(self, key: BlockKey, record: bytearray) -> bool:
@@ -262,16 +268,15 @@ class SharedFSTier(Tier):
         if not self._available():
             self._dropped(len(keys), "the tier is paused after a call ran out of time")
             return 0
-        order = range(len(keys) - 1, -1, -1)
         seen: set[BlockHash] = set()
-        todo = []
-        for i in order:
+        todo, futures = [], []
+        for i in range(len(keys) - 1, -1, -1):  # each write starts as soon as its block is encoded
             if keys[i].block_hash not in seen:
                 seen.add(keys[i].block_hash)
-                todo.append((keys[i], self.codec.encode(keys[i], srcs[i])))
-        futures = [self._pool.submit(self._write, key, record) for key, record in todo]
+                todo.append(keys[i])
+                futures.append(self._pool.submit(self._write, keys[i], self.codec.encode(keys[i], srcs[i])))
         results = self._wait(futures, time.monotonic() + self.timeout_s, "write")
-        written = [key for (key, _), ok in zip(todo, results) if ok]
+        written = [key for key, ok in zip(todo, results) if ok]
         self._dropped(sum(1 for ok in results if ok is None), "filesystem faults or time out")
         self._record(ChangeKind.ENTERED, written)
         self._run(self.space.maintain, "eviction")
