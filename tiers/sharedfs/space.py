@@ -55,15 +55,21 @@ class Space:
         with self._lock:
             return sum(self._bytes.values())
 
+    def over_capacity(self) -> bool:
+        return self.used_bytes() > self.capacity_bytes
+
+    def scan_due(self) -> bool:
+        return time.monotonic() >= self._next_scan
+
     def maintain(self, *, force_scan: bool = False) -> None:
         """Scan if a round is due (or `force_scan`), then evict if over capacity; returns at
         once if another thread of this process is at it."""
         if not self._busy.acquire(blocking=False):
             return
         try:
-            if force_scan or time.monotonic() >= self._next_scan:
+            if force_scan or self.scan_due():
                 self.scan()
-            if self.used_bytes() > self.capacity_bytes:
+            if self.over_capacity():
                 self._evict()
         finally:
             self._busy.release()

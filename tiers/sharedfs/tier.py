@@ -279,7 +279,10 @@ class SharedFSTier(Tier):
         written = [key for key, ok in zip(todo, results) if ok]
         self._dropped(sum(1 for ok in results if ok is None), "filesystem faults or time out")
         self._record(ChangeKind.ENTERED, written)
-        self._run(self.space.maintain, "eviction")
+        if self.space.over_capacity():  # the writer makes room (bounded by its own call's timeout)
+            self._run(self.space.maintain, "eviction")
+        elif self.space.scan_due():  # a periodic scan runs in the background (its faults are counted)
+            self._pool.submit(self.space.maintain)
         return len(written)
 
     def _evicted(self, entry: files.Entry) -> None:
