@@ -90,7 +90,7 @@ class SharedFSTier(Tier):
         self.space = Space(self.root, capacity_bytes, scan_interval_s=scan_interval_s,
                            scan_max_entries=scan_max_entries, orphan_after_s=orphan_after_s,
                            on_removed=self._evicted, on_fault=self._fault)
-        self._run(self.space.scan, "the first scan")  # bounded: a hung mount does not hang the open
+        self._pool.submit(self.space.maintain, force_scan=True)  # the first scan, in the background
 
     # -- faults ------------------------------------------------------------------------------
     @property
