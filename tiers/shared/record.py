@@ -200,9 +200,6 @@ class RecordCodec:
         if payload.codec_id:
             self._codecs.reader(payload.codec_id, "record").decode(payload.data, dst)
             return
-        if not payload.data.readonly:  # torch copies strided destinations several times faster than NumPy
-            dst.copy_(torch.frombuffer(payload.data, dtype=torch.uint8).view(self._dtype).view(self._shape))
-            return
         src = np.frombuffer(payload.data, dtype=np.uint8)
         target = dst if dst.device.type == "cpu" else torch.empty(self._shape, dtype=self._dtype)
         try:
