@@ -259,3 +259,30 @@ def test_parallel_puts_from_threads_of_one_store(tmp_path: Path) -> None:
             assert check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK) == 8
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_record_written_from_the_blocks_own_memory_is_the_encoded_record(verify: bool) -> None:
+    """`encode_parts` (no copy of the payload) seals the very bytes `encode` does; a strided
+    block or another device goes through `encode`."""
+    from tiers.shared.record import RecordCodec
+
+    codec = RecordCodec(SHAPE, LAYOUT.dtype, verify_tokens=verify, namespace=NS)
+    k = key(5)._replace(parent=b"p" * 16, extras=b"")
+    parts = codec.encode_parts(k, block(5))
+    assert parts is not None and b"".join(bytes(p) for p in parts) == bytes(codec.encode(k, block(5)))
+    wide = torch.zeros(LAYOUT.block_shape(2 * BLOCK), dtype=LAYOUT.dtype)
+    assert codec.encode_parts(k, wide[:, :, :BLOCK]) is None
+
+
+def test_a_block_changed_while_it_is_written_is_a_miss_never_other_bytes(tier: SharedFSTier) -> None:
+    """The checksum is taken before the block's own memory is written out: bytes changed in
+    between (a caller reusing its buffer after a timed-out put) make a record that fails."""
+    src = block(3)
+    parts = tier.codec.encode_parts(key(3), src)
+    assert parts is not None
+    src.view(torch.int16)[0, 0, 0, 0, 0] += 1  # changed after sealing, before the write
+    from tiers.sharedfs import blockio
+
+    blockio.write_file(tier.ns_dir, key(3).block_hash, parts)
+    assert _get(tier, [3])[0] == 0 and tier.counters.num_corrupt == 1

@@ -171,6 +171,26 @@ class RecordCodec:
         _seal(buf, len(header))
         return buf
 
+    def encode_parts(self, key: BlockKey, src: torch.Tensor) -> tuple[bytearray, memoryview] | None:
+        """A raw record of a contiguous CPU block without copying its payload: (its sealed
+        prefix and header, the block's own bytes), written one after the other; None where
+        `encode` must be used (a codec, another device, dtype, shape or strides). The
+        checksum is taken now: a block changed before its bytes are written makes a record
+        that fails its check (a miss), never a sound record of other bytes."""
+        if self._writer is not None or src.device.type != "cpu" or src.dtype != self._dtype \
+                or list(src.shape) != self._shape or not src.is_contiguous():
+            return None
+        payload = src.view(torch.uint8).numpy().reshape(-1).data
+        header = self._header(key, None, self._block_bytes)
+        head = bytearray(_PREFIX.size + len(header))
+        head[_PREFIX.size :] = header
+        _PREFIX.pack_into(head, 0, _MAGIC, len(header), 0)
+        h = xxhash.xxh3_64(memoryview(head)[:_COVERED])
+        h.update(memoryview(head)[_PREFIX.size :])
+        h.update(payload)
+        _PREFIX.pack_into(head, 0, _MAGIC, len(header), h.intdigest())
+        return head, payload
+
     def decode(self, value: memoryview | bytes, key: BlockKey) -> Payload:
         """Validate a record as this tier's block `key` and return its payload; raise
         `CorruptRecordError` if damaged, `UnverifiableRecordError` if it is sound but this

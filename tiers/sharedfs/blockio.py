@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -89,8 +90,8 @@ def remove_version(path: str, version: tuple[int, int, int, int]) -> bool:
         return False
 
 
-def write_file(ns_dir: str, block_hash: BlockHash, data: bytes | bytearray | memoryview) -> None:
-    """Write `data` as the file of `block_hash`: to a temporary name in its leaf directory,
+def write_file(ns_dir: str, block_hash: BlockHash, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Write `parts`, one after the other, as the file of `block_hash`: to a temporary name in its leaf directory,
     renamed into place (creating the shard directories as needed, again if a clear removed
     them meanwhile). The temporary file is removed if the write fails."""
     leaf = files.leaf_dir(ns_dir, block_hash)
@@ -105,9 +106,10 @@ def write_file(ns_dir: str, block_hash: BlockHash, data: bytes | bytearray | mem
             continue
         try:
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                for part in parts:
+                    view = memoryview(part).cast("B")
+                    while view:
+                        view = view[os.write(fd, view):]
             finally:
                 os.close(fd)
             os.rename(tmp, files.block_path(ns_dir, block_hash))

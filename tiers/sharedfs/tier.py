@@ -246,23 +246,26 @@ class SharedFSTier(Tier):
                 rest.cancel()
 
     # -- writes ------------------------------------------------------------------------------
-    def _write(self, key: BlockKey, record: bytearray) -> bool:
+    def _write(self, key: BlockKey, parts: Sequence[bytearray | memoryview]) -> bool:
         """Write one encoded block unless its file is there already (then only touched)."""
         path = files.block_path(self.ns_dir, key.block_hash)
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            blockio.write_file(self.ns_dir, key.block_hash, record)
-            self.space.add(os.path.dirname(os.path.dirname(path)), len(record))
+            blockio.write_file(self.ns_dir, key.block_hash, parts)
+            self.space.add(os.path.dirname(os.path.dirname(path)), sum(memoryview(p).nbytes for p in parts))
             return True
         blockio.touch_if_older(path, st.st_mtime, self.touch_after_s)
         return False
 
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        """Encode every block (parents first: the reverse of the eviction order given) on the
-        caller's thread, so no tier thread reads a caller's tensor after `put` returns; write
-        them on the tier's threads; then evict if the directory is over capacity. A write that
-        fails is a counted drop; the call never raises for a filesystem fault."""
+        """Seal each block's record (parents first: the reverse of the eviction order given)
+        on the caller's thread and write it on the tier's threads; then evict if the directory
+        is over capacity. A raw contiguous CPU block is written from its own memory, its
+        checksum taken first (a write still running after a timeout that reads bytes changed
+        since makes a record that fails its check: a miss, never other bytes); others are
+        encoded into a record first. A write that fails is a counted drop; the call never
+        raises for a filesystem fault."""
         if not keys:
             return 0
         if not self._available():
@@ -274,7 +277,8 @@ class SharedFSTier(Tier):
             if keys[i].block_hash not in seen:
                 seen.add(keys[i].block_hash)
                 todo.append(keys[i])
-                futures.append(self._pool.submit(self._write, keys[i], self.codec.encode(keys[i], srcs[i])))
+                parts = self.codec.encode_parts(keys[i], srcs[i]) or (self.codec.encode(keys[i], srcs[i]),)
+                futures.append(self._pool.submit(self._write, keys[i], parts))
         results = self._wait(futures, time.monotonic() + self.timeout_s, "write")
         written = [key for key, ok in zip(todo, results) if ok]
         self._dropped(sum(1 for ok in results if ok is None), "filesystem faults or time out")
