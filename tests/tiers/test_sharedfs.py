@@ -204,7 +204,7 @@ def test_a_read_that_hangs_is_a_bounded_counted_miss(tmp_path: Path) -> None:
     """A FIFO where a block's file should be: opening it blocks until a writer comes, as a
     read of a hung NFS mount does. The call returns within its timeout, counts a fault and
     pauses the tier; the stuck thread is released at the end."""
-    t = _open(tmp_path / "shared", timeout_s=0.5, cooldown_s=60)
+    t = _open(tmp_path / "shared", timeout_s=2, cooldown_s=60)
     fifo = _path(t, 1)
     try:
         t.put([key(0)], [block(0)])
@@ -212,7 +212,7 @@ def test_a_read_that_hangs_is_a_bounded_counted_miss(tmp_path: Path) -> None:
         os.mkfifo(fifo)
         started = time.monotonic()
         n, _ = _get(t, [0, 1])
-        assert n == 1 and time.monotonic() - started < 5
+        assert n == 1 and time.monotonic() - started < 15
         assert t.num_timeouts == 1 and t.num_errors == 1
         assert _get(t, [0])[0] == 0, "paused after a call ran out of time: a miss at once"
         assert t.put([key(2)], [block(2)]) == 0 and t.num_write_drops == 1
