@@ -263,6 +263,10 @@ class AdmissionList(click.ParamType):
               help="replay on N hosts round-robin, with and without a shared remote tier (bench/fleet.py; "
                    "with --policy: simulated, the shared tier under each policy)")
 @click.option("--remote-url", default=None, help="with --fleet: the remote tier (default: a loopback redis-server)")
+@click.option("--shared-tier", "shared_tier", default=None, metavar="JSON",
+              help='with --fleet: any shared tier\'s config instead of the remote tier, e.g. {"type": "sharedfs", '
+                   '"path": "/mnt/kv", "capacity_bytes": 68719476736} (a sharedfs tier without a path: a temporary '
+                   'directory)')
 @click.option("--policy", "policies", type=Choices([*POLICY_CHOICES, "all"]), default=None,
               help="replay the eviction policies instead (comma list, or all), with Belady's optimum and LRU; "
                    "simulated over the shipped policy classes (bench/trace_policy.py)")
@@ -280,9 +284,9 @@ class AdmissionList(click.ParamType):
               help="with --policy: time the CPU tier under each policy against LRU in N interleaved rounds of a "
                    "real store (bench/trace_cost.py; --limit defaults to 2000 requests)")
 def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_x: int, disk_x: int, token_kib: int,
-            limit: int | None, fleet: int | None, remote_url: str | None, policies: list[str] | None,
-            admissions: list[str], lower_x: int, parents: bool, quota: bool, flood_x: int, seed: int,
-            cost_rounds: int | None) -> None:
+            limit: int | None, fleet: int | None, remote_url: str | None, shared_tier: str | None,
+            policies: list[str] | None, admissions: list[str], lower_x: int, parents: bool, quota: bool,
+            flood_x: int, seed: int, cost_rounds: int | None) -> None:
     if policies is not None:
         run_policy_mode(list(trace_paths), fractions, policies, admissions, lower_x, token_kib, limit, parents,
                         fleet, quota, flood_x, seed, cost_rounds)
@@ -294,15 +298,37 @@ def command(trace_paths: tuple[str, ...], fractions: list[Fraction] | None, cpu_
         from tiers.remote.tier import redacted
 
         raise click.UsageError(f"--remote-url {redacted(remote_url)!r} needs --fleet N")
+    shared = _shared_tier_option(shared_tier, fleet, remote_url)
     if fleet is not None:
         from bench.fleet import run_fleet
 
         requests = load_trace(trace_path, limit)
         unique = len({i for ids in requests for i in ids})
         pool = max(1, int(unique * fractions[0]))
-        write_results(f"fleet_{name}", run_fleet(requests, fleet, pool, cpu_x * pool, remote_url))
+        suffix = "" if shared is None else f"_{shared['type']}"
+        write_results(f"fleet_{name}{suffix}", run_fleet(requests, fleet, pool, cpu_x * pool, remote_url, shared))
         return
     write_results(f"trace_{name}", run(trace_path, fractions, cpu_x, disk_x, token_kib, limit))
+
+
+def _shared_tier_option(value: str | None, fleet: int | None, remote_url: str | None) -> dict[str, Any] | None:
+    """`--shared-tier`'s JSON as a tier config dict (checked: one clear error), or None."""
+    if value is None:
+        return None
+    if fleet is None or remote_url is not None:
+        raise click.UsageError("--shared-tier needs --fleet N, and takes the place of --remote-url")
+    try:
+        config = json.loads(value)
+    except ValueError:
+        config = None
+    if not isinstance(config, dict) or "type" not in config:
+        raise click.UsageError(f"--shared-tier {value!r}: a tier config as a JSON object with its \"type\"")
+    from tiers.tier_config import tier_config
+
+    probe = {**config, "path": config.get("path", "/tmp")} if config.get("type") == "sharedfs" else config
+    if not tier_config(probe, "--shared-tier").tier.traits.shared:
+        raise click.UsageError(f"--shared-tier {value!r}: the {config['type']!r} tier is not shared by hosts")
+    return config
 
 
 def run_policy_mode(trace_paths: list[str], fractions: list[Fraction] | None, policies: list[str],

@@ -29,6 +29,7 @@ BENCHMARKS = {
     "scale": "bench.scale",
     "remote": "bench.remote",
     "mooncake": "bench.mooncake_tier",
+    "shared-tiers": "bench.shared_tiers",
     "router": "bench.router",
     "vllm": "bench.vllm_longdoc",  # run with .venv-vllm's Python (see docs/vllm.md)
     "workload": "bench.workload",
@@ -70,6 +71,7 @@ _BENCH_SUMMARIES = {
     "scale": "Lookup/store cost and index bytes from 10^3 to 10^6 blocks.",
     "remote": "The remote tier against a raw client on the same server.",
     "mooncake": "The Mooncake tier against Mooncake's raw client on the same master (own master).",
+    "shared-tiers": "Shared tiers (a shared directory, a server) against raw clients of the same bytes.",
     "router": "Router index memory and lookup latency at 10^6 blocks x 8 instances.",
     "vllm": "Long-document QA through vLLM with and without the connector.",
     "workload": "The field's synthetic workloads through the reference runner.",

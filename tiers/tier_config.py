@@ -30,7 +30,8 @@ R = TypeVar("R", bound=type)
 
 # The built-in tiers' config modules, fastest first: their order is `TIERS.entries()`'s.
 BUILTIN_TIERS = ("tiers.pool.config", "tiers.cpu.config", "tiers.disk.config", "tiers.remote.config",
-                 "tiers.mooncake.config")
+                 "tiers.mooncake.config",
+                 "tiers.sharedfs.config")
 
 
 @dataclass(frozen=True)

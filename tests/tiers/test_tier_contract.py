@@ -2,8 +2,9 @@
 through its config), the CPU tier under every registered eviction policy.
 
 A tier shared by many hosts (`traits.shared`: the remote tier, against a real `redis-server`;
-the Mooncake tier, against a real `mooncake_master`)
-is bounded by its server, not by a capacity of its own, and counts no blocks: the tests of
+the Mooncake tier, against a real `mooncake_master`; the shared-filesystem tier, on a real
+directory) is bounded by its server or by all its hosts together, not by a capacity of its own,
+and counts no blocks: the tests of
 eviction order and capacity are for the others."""
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from tiers.keys import BlockKey
 from tiers.policies.eviction import EVICTION_POLICIES
 from tiers.pool.config import PoolTierConfig
 from tiers.remote.config import RemoteTierConfig
+from tiers.sharedfs.config import SharedFSTierConfig
 from tiers.tier_config import BUILTIN_TIERS, TIERS, TierConfig, TierContext, tier_config
 
 SHAPE = LAYOUT.block_shape(BLOCK)
@@ -63,6 +65,7 @@ CONFIGS: dict[str, Config] = {
     "disk": lambda tmp, n, url: DiskTierConfig(str(tmp / "db"), n * bytes_per_block(BLOCK_BYTES), sync=False),
     "remote": lambda tmp, n, url: RemoteTierConfig(url, timeout_s=5),
     "mooncake": lambda tmp, n, master: tier_config(master.tier(timeout_s=5)),
+    "sharedfs": lambda tmp, n, url: SharedFSTierConfig(str(tmp / "shared"), n * (BLOCK_BYTES + 4096)),
 }
 SERVERS = {"remote": "redis_url", "mooncake": "mooncake_server"}  # the fixture of a shared tier's server
 BUILT_IN = [e.name for e in TIERS.entries() if e.config.__module__ in BUILTIN_TIERS]
@@ -93,7 +96,7 @@ def mooncake_server() -> Iterator[MooncakeMaster]:
 
 
 def test_every_built_in_tier_is_in_the_contract() -> None:
-    assert BUILT_IN == ["pool", "cpu", "disk", "remote", "mooncake"] and set(BUILT_IN) <= set(CONFIGS)
+    assert BUILT_IN == ["pool", "cpu", "disk", "remote", "mooncake", "sharedfs"] and set(BUILT_IN) <= set(CONFIGS)
     assert POLICIES == ["lru", "s3fifo", "arc", "lfu"]
 
 

@@ -1,8 +1,9 @@
 """A self-checking block record: encoding, validation and the payload copy-out.
 
-The tiers on a server shared by many hosts (`remote`, `mooncake`) store their values in this
-form (it began as the first disk format's record; the disk tier now keeps payloads in slot
-files and their checks in its index, `tiers/disk/`).
+The tiers other hosts share store their values in this form: the servers' (`remote`,
+`mooncake`) as values, the shared-filesystem tier's as files (it began as the first disk
+format's record; the disk tier now keeps payloads in slot files and their checks in its index,
+`tiers/disk/`).
 
 Record (format 2) = b"KVS2" | u32 header length | u64 xxh3-64 | msgpack header | payload.
 The checksum covers every byte but its own: the magic, the header length, the header as
@@ -190,6 +191,26 @@ class RecordCodec:
             buf[off:] = encoded
         _seal(buf, len(header))
         return off + length
+
+    def encode_parts(self, key: BlockKey, src: torch.Tensor) -> tuple[bytearray, memoryview] | None:
+        """A raw record of a contiguous CPU block without copying its payload: (its sealed
+        prefix and header, the block's own bytes), written one after the other; None where
+        `encode` must be used (a codec, another device, dtype, shape or strides). The
+        checksum is taken now: a block changed before its bytes are written makes a record
+        that fails its check (a miss), never a sound record of other bytes."""
+        if self._writer is not None or src.device.type != "cpu" or src.dtype != self._dtype \
+                or list(src.shape) != self._shape or not src.is_contiguous():
+            return None
+        payload = src.view(torch.uint8).numpy().reshape(-1).data
+        header = self._header(key, None, self._block_bytes)
+        head = bytearray(_PREFIX.size + len(header))
+        head[_PREFIX.size :] = header
+        _PREFIX.pack_into(head, 0, _MAGIC, len(header), 0)
+        h = xxhash.xxh3_64(memoryview(head)[:_COVERED])
+        h.update(memoryview(head)[_PREFIX.size :])
+        h.update(payload)
+        _PREFIX.pack_into(head, 0, _MAGIC, len(header), h.intdigest())
+        return head, payload
 
     def decode(self, value: memoryview | bytes, key: BlockKey) -> Payload:
         """Validate a record as this tier's block `key` and return its payload; raise
