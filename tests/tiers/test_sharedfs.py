@@ -286,3 +286,30 @@ def test_a_block_changed_while_it_is_written_is_a_miss_never_other_bytes(tier: S
 
     blockio.write_file(tier.ns_dir, key(3).block_hash, parts)
     assert _get(tier, [3])[0] == 0 and tier.counters.num_corrupt == 1
+
+
+def test_events_announce_its_blocks_as_shared_naming_the_directory(tmp_path: Path) -> None:
+    """As the remote tier's: the shared trait makes its blocks SHARED for routers (every host
+    reads them), and the source names the directory, so routers tell which instances share it."""
+    from cli.ports import free_port_pair
+    from kvevents import wire_hash
+    from tests.kvstore.test_events import Reader, held
+
+    port = free_port_pair()
+    config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="sharedfs-events", events_endpoint=f"tcp://127.0.0.1:{port}",
+                         tiers=[{"type": "cpu", "capacity_bytes": 16 * LAYOUT.block_bytes(BLOCK)},
+                                {"type": "sharedfs", "path": str(tmp_path / "shared"), "capacity_bytes": 64 << 20}])
+    with KVCacheStore(config) as store:
+        reader = Reader(port)
+        try:
+            reader.welcomed()
+            t = tokens(3, 6)
+            store.store(t, make_kv(t, LAYOUT, BLOCK))
+            want = {wire_hash(h) for h in store.block_hashes(t)}
+            reader.until(lambda events: want <= held(events)["SHARED"])
+            assert want <= held(reader.events())["SHARED"] and want <= held(reader.events())["CPU"]
+            stored = [e for e in reader.events() if e["type"] == "BlockStored" and e["medium"] == "SHARED"]
+            assert stored and all(e["kvstrata"]["remote"].startswith("sharedfs:") for e in stored)
+            assert all(str((tmp_path / "shared").resolve()) in e["kvstrata"]["remote"] for e in stored)
+        finally:
+            reader.close()
