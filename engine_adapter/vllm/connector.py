@@ -57,6 +57,7 @@ from kvstore.tier_factory import known_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -179,6 +180,23 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ==============================  worker side  ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM's sleep mode (0.33's check at start-up): the worker follows it through
+        `unregister_kv_caches` / `restore_kv_caches`."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to free its KV memory (sleep): no copy touches it until
+        `restore_kv_caches`; meanwhile a step's loads and saves are skipped and counted."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM's KV memory is back (wake-up): the worker's views of it are rebuilt."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's store hits into vLLM's blocks (synchronously, before the forward)."""
