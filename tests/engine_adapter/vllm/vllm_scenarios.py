@@ -10,7 +10,9 @@ reset_between, max_tokens, connector (extra config dict or null), num_blocks, ma
 llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size (null: vLLM's
 choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
 module_path (how vLLM finds the connector: default "TierKVConnector" in
-"engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers).
+"engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers),
+asleep_rounds (round indices run with the worker's connector told vLLM's KV memory is gone:
+`unregister_kv_caches` before the round, `restore_kv_caches` after; one process only).
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ def run(spec: dict) -> dict:
     if isinstance(schedule, int):
         schedule = [list(range(len(spec["prompts"])))] * schedule
     rounds = []
-    for order in schedule:
+    asleep = set(spec.get("asleep_rounds") or ())
+    for round_index, order in enumerate(schedule):
+        if round_index in asleep:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().unregister_kv_caches()
         requests = []
         for index in order:
             prompt = spec["prompts"][index]
@@ -84,6 +91,8 @@ def run(spec: dict) -> dict:
                 }
             )
         rounds.append(requests)
+        if round_index in asleep:
+            get_kv_transfer_group().restore_kv_caches()
         if spec.get("reset_between"):
             llm.reset_prefix_cache()
     stats_path = (spec.get("connector") or {}).get("stats_path")
