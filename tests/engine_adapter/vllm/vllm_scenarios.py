@@ -95,10 +95,14 @@ def run(spec: dict) -> dict:
             get_kv_transfer_group().restore_kv_caches()
         if spec.get("reset_between"):
             llm.reset_prefix_cache()
+    drafts = 0  # tokens speculative decoding proposed (vLLM's metric; with its stats on)
+    if not kwargs.get("disable_log_stats", True):
+        drafts = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics()
+                     if m.name == "vllm:spec_decode_num_draft_tokens")
     stats_path = (spec.get("connector") or {}).get("stats_path")
     llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
-    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path)}
+    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts}
 
 
 if __name__ == "__main__":
