@@ -46,3 +46,24 @@ def test_ngram_speculative_decoding_with_the_connector(tmp_path: Path) -> None:
                          "connector": connector})["rounds"][0][0]
     assert cold["num_cached_tokens"] == 65 * BLOCK
     assert cold["output"] == plain["output"][39:40]
+
+
+def test_a_drafter_with_kv_is_refused_at_start_up(tmp_path: Path) -> None:
+    """A draft model keeps its KV in vLLM's cache beside the target's: the connector refuses to
+    start, naming the method."""
+    model = build_tiny_llama(tmp_path / "model")
+    draft = {"speculative_config": {"method": "draft_model", "model": model, "num_speculative_tokens": 2}}
+    with pytest.raises(AssertionError, match="kvstrata cannot serve speculative decoding with method 'draft_model'"):
+        run_scenario({"model": model, "prompts": [[5] * 40], "llm": draft,
+                      "connector": connector_config(tmp_path, load_policy="always")})
+
+
+def test_only_proposers_without_kv_pass() -> None:
+    from engine_adapter.vllm.groups import check_speculation
+    from kvstore.errors import ConfigError
+
+    for method in (None, "ngram", "suffix", "medusa"):
+        check_speculation(method)
+    for method in ("eagle", "eagle3", "draft_model", "deepseek_mtp", "custom_class"):
+        with pytest.raises(ConfigError, match=repr(method)):
+            check_speculation(method)
