@@ -132,10 +132,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             if several and not self.settings.async_loads:
                 logger.warning("kvstrata: async_loads is off but this model has several KV cache groups: its loads "
                                "run in the background anyway (vLLM can then recompute a failed one)")
+            kv_role = self._kv_transfer_config.kv_role  # a producer never loads, a consumer never saves
             self._scheduler = ConnectorScheduler(
                 primary_store, self.store_planner.block_size, self._stats,
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
-                async_only=several)
+                async_only=several, loads=kv_role != "kv_producer", saves=kv_role != "kv_consumer")
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
                     self.settings.disk_dir, len(kv_cache_config.kv_cache_groups))
 

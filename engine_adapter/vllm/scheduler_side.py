@@ -30,12 +30,15 @@ class ConnectorScheduler:
     `lookup` finds hits across every group and shard (default: `store` alone, one full
     attention group). With `async_only`, every load runs in the background, where vLLM can
     be told of a failed one (with several KV cache groups it cannot take failed block ids).
+    `loads` / `saves` off (vLLM's `kv_role`: a `kv_producer` never loads, a `kv_consumer`
+    never saves): no lookup is made, no save planned.
     """
 
     def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
                  async_saves: bool = True, async_loads: bool = True, lookup: GroupLookup | None = None,
-                 async_only: bool = False) -> None:
+                 async_only: bool = False, loads: bool = True, saves: bool = True) -> None:
         self.store = store
+        self.loads, self.saves = loads, saves
         self.lookup = lookup or GroupLookup([GroupRule(GroupKind.FULL, block_size)], [[store]], 0)
         self.async_only = async_only
         self.async_saves = async_saves
@@ -83,7 +86,7 @@ class ConnectorScheduler:
             self.stats.count("unkeyable_requests", 1)
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
-        may_load = not (skip() if callable(skip) else False)
+        may_load = self.loads and not (skip() if callable(skip) else False)
         self._kinds, self._chain = [], None
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
@@ -142,6 +145,8 @@ class ConnectorScheduler:
             return [list(g) for g in ids] if ids else [[] for _ in range(num_groups)]
 
         plan = self.planner.build(scheduled, block_ids_of)
+        if not self.saves:
+            plan.saves = []
         plan.num_prefill_tokens = sum(n for _, _, n in scheduled if n > 1)
         plan.finished, self._finished = self._finished, []
         plan.async_loads, self._async_loads = self._async_loads, []

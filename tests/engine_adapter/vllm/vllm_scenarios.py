@@ -11,8 +11,9 @@ llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size 
 choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
 module_path (how vLLM finds the connector: default "TierKVConnector" in
 "engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers),
-asleep_rounds (round indices run with the worker's connector told vLLM's KV memory is gone:
-`unregister_kv_caches` before the round, `restore_kv_caches` after; one process only).
+connector_role (vLLM's kv_role, default "kv_both"), asleep_rounds (round indices run with the
+worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before the round,
+`restore_kv_caches` after; one process only).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def run(spec: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=spec.get("connector_name", "TierKVConnector"),
             kv_connector_module_path=spec.get("module_path", "engine_adapter.vllm.connector"),
-            kv_role="kv_both",
+            kv_role=spec.get("connector_role", "kv_both"),
             kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy="recompute",
         )
