@@ -201,9 +201,11 @@ class ConnectorWorker:
             self.stats.write()
 
     def _load_one(self, load: BlockTransfer, chain: BlockChain | None) -> None:
-        if self._skip_asleep([load], errors=True):
+        with self._views_lock:
+            paged = self.paged
+        if paged is None and self._skip_asleep([load], errors=True):
             return
-        paged = self._paged()
+        paged = self._paged() if paged is None else paged
         bs = self.config.block_size
         n = len(load.block_ids)
         if n == 0:  # nothing of this group to load (its blocks are vLLM's own already)
