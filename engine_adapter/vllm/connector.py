@@ -252,9 +252,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = self._scheduler = None
 
     # ==============================  scheduler side  ==============================
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """kvstrata's hit beyond vLLM's own (None: ask again later: a consumer waiting for the
+        blocks a producer saved, `handoff.py`), and whether it loads in the background."""
         num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        self._note_hit_sources(request.request_id, num_computed_tokens, num_tokens)
+        if num_tokens is not None:
+            self._note_hit_sources(request.request_id, num_computed_tokens, num_tokens)
         return num_tokens, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -44,6 +44,8 @@ COUNTERS = {
     "save_new_blocks": "Saved blocks that were not in kvstrata yet.",
     "save_refused_blocks": "Blocks not saved because the store was full.",
     "save_failed_blocks": "Blocks whose background save failed.",
+    "handoff_timeouts": "Consumer requests that stopped waiting for the blocks a producer said it saved.",
+    "handoff_params_rejected": "Requests whose kv_transfer_params entry for kvstrata was malformed (ignored).",
     "sleep_skipped_blocks": "Blocks neither loaded nor saved because vLLM's KV memory was asleep (sleep mode).",
     "policy_skipped_blocks": "Cached blocks recomputed because the load policy measured loading them slower.",
     "policy_probes": "Hits loaded whole to measure the tiers again although the load policy would skip part.",

@@ -3,7 +3,7 @@
 Used by `tests/engine_adapter/vllm/test_vllm_connector.py`: every scenario gets its own process, as a real
 deployment would, so vLLM's process-global state never leaks between tests. Usage:
 `python tests/engine_adapter/vllm/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists, or
-`{"ids": [...], "cache_salt": "..."}`),
+`{"ids": [...], "cache_salt": "...", "kv_transfer_params": {...}}`),
 rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
 loras (name -> adapter directory; a prompt dict's "lora" names one),
 reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len,
@@ -81,14 +81,19 @@ def run(spec: dict) -> dict:
 
                 names = sorted(loras)
                 lora = LoRARequest(prompt["lora"], names.index(prompt["lora"]) + 1, loras[prompt["lora"]])
+            step_params = params
+            if isinstance(prompt, dict) and prompt.get("kv_transfer_params") is not None:
+                step_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                             extra_args={"kv_transfer_params": prompt["kv_transfer_params"]})
             t0 = time.perf_counter()
-            out = llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
+            out = llm.generate([request], step_params, use_tqdm=False, lora_request=lora)[0]
             requests.append(
                 {
                     "prompt": index,
                     "output": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "seconds": time.perf_counter() - t0,
+                    "kv_transfer_params": out.kv_transfer_params,
                 }
             )
         rounds.append(requests)
