@@ -57,6 +57,7 @@ from kvstore.tier_factory import known_tiers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -131,10 +132,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             if several and not self.settings.async_loads:
                 logger.warning("kvstrata: async_loads is off but this model has several KV cache groups: its loads "
                                "run in the background anyway (vLLM can then recompute a failed one)")
+            kv_role = self._kv_transfer_config.kv_role  # a producer never loads, a consumer never saves
             self._scheduler = ConnectorScheduler(
                 primary_store, self.store_planner.block_size, self._stats,
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
-                async_only=several)
+                async_only=several, loads=kv_role != "kv_producer", saves=kv_role != "kv_consumer")
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
                     self.settings.disk_dir, len(kv_cache_config.kv_cache_groups))
 
@@ -179,6 +181,23 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     # ==============================  worker side  ==============================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM's sleep mode (0.33's check at start-up): the worker follows it through
+        `unregister_kv_caches` / `restore_kv_caches`."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to free its KV memory (sleep): no copy touches it until
+        `restore_kv_caches`; meanwhile a step's loads and saves are skipped and counted."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM's KV memory is back (wake-up): the worker's views of it are rebuilt."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's store hits into vLLM's blocks (synchronously, before the forward)."""
@@ -233,9 +252,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = self._scheduler = None
 
     # ==============================  scheduler side  ==============================
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """kvstrata's hit beyond vLLM's own (None: ask again later: a consumer waiting for the
+        blocks a producer saved, `handoff.py`), and whether it loads in the background."""
         num_tokens, load_async = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        self._note_hit_sources(request.request_id, num_computed_tokens, num_tokens)
+        if num_tokens is not None:
+            self._note_hit_sources(request.request_id, num_computed_tokens, num_tokens)
         return num_tokens, load_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -79,6 +79,16 @@ class GroupedWorker:
         for worker in self.workers:
             worker.register_kv_caches(kv_caches)
 
+    def unregister_kv_caches(self) -> None:
+        """vLLM frees its KV memory (sleep): every group's worker drops its views of it."""
+        for worker in self.workers:
+            worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """vLLM's KV memory is back (wake-up): every group's worker rebuilds its views."""
+        for worker in self.workers:
+            worker.restore_kv_caches()
+
     @staticmethod
     def _part(plan: StepPlan, group: int, writer: bool) -> StepPlan:
         """This group's share of `plan`. Every group gets every background load (an empty

@@ -123,3 +123,20 @@ def rule_for(spec: Any, group_index: int) -> GroupRule:
         return GroupRule(GroupKind.STATE, spec.block_size)
     raise refuse("a kind of KV cache kvstrata does not know (served: full, MLA, sliding-window and chunked "
                  "attention, and Mamba/linear-attention state in 'align' mode)")
+
+
+# vLLM's speculative-decoding methods whose proposer keeps no KV in vLLM's KV cache: with
+# them the cache holds the target model's KV alone, which is a function of the prefix.
+KV_FREE_PROPOSERS = frozenset({"ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator"})
+
+
+def check_speculation(method: str | None) -> None:
+    """`ConfigError` naming `method` (vLLM's `speculative_config.method`; None: no speculative
+    decoding) unless its proposer keeps no KV in vLLM's KV cache."""
+    if method is None or method in KV_FREE_PROPOSERS:
+        return
+    raise ConfigError(
+        f"kvstrata cannot serve speculative decoding with method {method!r}: its drafter keeps KV in vLLM's KV "
+        "cache beside the target model's (an EAGLE or MTP drafter's even depends on the token after each "
+        "block), and kvstrata would store it under the target's keys; use a method without drafter KV "
+        f"({', '.join(sorted(KV_FREE_PROPOSERS))}) or run this engine without the connector")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.groups import GroupKind, GroupRule
+from engine_adapter.vllm.handoff import HandoffWaits, offer, promised
 from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
@@ -30,12 +31,16 @@ class ConnectorScheduler:
     `lookup` finds hits across every group and shard (default: `store` alone, one full
     attention group). With `async_only`, every load runs in the background, where vLLM can
     be told of a failed one (with several KV cache groups it cannot take failed block ids).
+    `loads` / `saves` off (vLLM's `kv_role`: a `kv_producer` never loads, a `kv_consumer`
+    never saves): no lookup is made, no save planned.
     """
 
     def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
                  async_saves: bool = True, async_loads: bool = True, lookup: GroupLookup | None = None,
-                 async_only: bool = False) -> None:
+                 async_only: bool = False, loads: bool = True, saves: bool = True) -> None:
         self.store = store
+        self.loads, self.saves = loads, saves
+        self.handoffs = HandoffWaits()  # consumers: requests waiting for a producer's blocks
         self.lookup = lookup or GroupLookup([GroupRule(GroupKind.FULL, block_size)], [[store]], 0)
         self.async_only = async_only
         self.async_saves = async_saves
@@ -71,7 +76,7 @@ class ConnectorScheduler:
         self._chain = self.lookup.primary_chain
         return self.lookup.cut(self.store.load_policy.blocks_to_load(self._kinds)) * self.block_size
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens kvstrata holds (and the load policy says to load) beyond vLLM's own
         `num_computed_tokens`, under the request's extra keys (salt, LoRA, multimodal inputs),
         and whether they load in the background (a disk or remote hit, with `async_loads`). A
@@ -83,12 +88,15 @@ class ConnectorScheduler:
             self.stats.count("unkeyable_requests", 1)
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
-        may_load = not (skip() if callable(skip) else False)
+        may_load = self.loads and not (skip() if callable(skip) else False)
         self._kinds, self._chain = [], None
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load,
         )
+        if may_load and keys.cacheable and self._waits_for_handoff(request, num_computed_tokens):
+            self.planner.forget(request.request_id)
+            return None, False
         # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
         to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
         slow = n > 0 and (self.async_only or (self.async_loads and any(
@@ -102,6 +110,24 @@ class ConnectorScheduler:
                 # In the background, with the keys the lookup hashed (if it ran).
                 self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys, chain=self._chain)
         return n, slow
+
+    def _waits_for_handoff(self, request: Request, num_computed_tokens: int) -> bool:
+        """Whether the request should be looked up again later: its `kv_transfer_params` promise
+        blocks a producer saved that the stores do not all hold yet (`handoff.py`)."""
+        want = promised(getattr(request, "kv_transfer_params", None))
+        if want is None:
+            return False
+        if want < 0:
+            self.stats.count("handoff_params_rejected", 1)
+            logger.warning("kvstrata: request %s: malformed kv_transfer_params[%r] ignored", request.request_id,
+                           "kvstrata")
+            return False
+        want = min(want, max(0, len(request.all_token_ids) - 1) // self.block_size)  # a hit leaves a token
+        held = max(num_computed_tokens // self.block_size, len(self._kinds))  # held, before the load policy
+        wait = self.handoffs.should_wait(request.request_id, held, want)
+        if wait is None:
+            self.stats.count("handoff_timeouts", 1)
+        return bool(wait)
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int,
                                  block_ids: Sequence[Sequence[int]] = ()) -> None:
@@ -142,6 +168,8 @@ class ConnectorScheduler:
             return [list(g) for g in ids] if ids else [[] for _ in range(num_groups)]
 
         plan = self.planner.build(scheduled, block_ids_of)
+        if not self.saves:
+            plan.saves = []
         plan.num_prefill_tokens = sum(n for _, _, n in scheduled if n > 1)
         plan.finished, self._finished = self._finished, []
         plan.async_loads, self._async_loads = self._async_loads, []
@@ -157,8 +185,12 @@ class ConnectorScheduler:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """vLLM may free the request's blocks at once (every save copied its blocks out of vLLM
         during the step that planned it), unless a background load may still be writing into
-        them: then True, and the worker reports the request when that load has ended."""
+        them: then True, and the worker reports the request when that load has ended. A
+        `kv_producer` offers the prompt blocks it saved to a consumer (`handoff.py`)."""
+        saved = self.planner.saved_blocks(request.request_id) if self.saves and not self.loads else 0
+        params = offer(min(saved, max(0, request.num_prompt_tokens - 1) // self.block_size))
         self.planner.forget(request.request_id)
+        self.handoffs.forget(request.request_id)
         self._prefetched.discard(request.request_id)
         self._async_wanted.discard(request.request_id)
         self._finished.append(request.request_id)
@@ -167,9 +199,9 @@ class ConnectorScheduler:
             # the worker reports it (finished_sending) once that load has ended.
             self._loading.discard(request.request_id)
             self._delayed.append(request.request_id)
-            return True, None
+            return True, params
         self._loading.discard(request.request_id)
-        return False, None
+        return False, params
 
     def hit_kinds(self, num_computed_tokens: int, num_tokens: int) -> list[TierKind]:
         """The tier of each block of the hit the last `get_num_new_matched_tokens` returned

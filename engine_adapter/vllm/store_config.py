@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from engine_adapter.vllm.groups import GroupRule, rule_for
+from engine_adapter.vllm.groups import GroupRule, check_speculation, rule_for
 from engine_adapter.vllm.paged_blocks import opaque_layout
 from engine_adapter.vllm.parallel import Place, Shard, every_worker, publish_layers, read_layers, shard_of
 from engine_adapter.vllm.settings import ConnectorSettings
@@ -185,6 +185,8 @@ class StorePlanner:
         groups = kv_cache_config.kv_cache_groups
         if not groups:
             raise ConfigError("kvstrata: vLLM gave the connector no KV cache group")
+        speculation = getattr(vllm_config, "speculative_config", None)
+        check_speculation(getattr(speculation, "method", None) if speculation is not None else None)
         for i, g in enumerate(groups):
             if getattr(g, "is_eagle_group", False):
                 raise ConfigError(f"kvstrata cannot serve KV cache group {i}: it holds a speculative-decoding draft "

@@ -200,6 +200,12 @@ class TransferPlanner:
         self._pending.pop(req_id, None)
         self._requests.pop(req_id, None)
 
+    def saved_blocks(self, req_id: str) -> int:
+        """The leading blocks of a tracked request the store holds or a planned save writes (0
+        for an untracked one)."""
+        state = self._requests.get(req_id)
+        return state.num_saved_blocks if state is not None else 0
+
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._requests
 

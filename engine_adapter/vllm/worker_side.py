@@ -13,6 +13,13 @@ their own (so vLLM may reuse its blocks at once: `request_finished` never delays
 one background thread writes them to the tiers, in order. A lookup in this process that
 misses a block still queued waits for that write (`PENDING`), so a request repeated at once
 still hits.
+
+Sleep (vLLM's sleep mode: `unregister_kv_caches` / `restore_kv_caches`): vLLM's KV memory
+goes away and comes back at the same addresses with other contents. Asleep, the worker holds
+no view of it: no copy reads or writes it (a background load still running then fills
+nothing: its blocks are load errors), and a step's loads and saves are skipped and counted
+(`sleep_skipped_blocks`; skipped loads are blocks vLLM recomputes). Restored, the views are
+rebuilt from the registered tensors.
 """
 
 from __future__ import annotations
@@ -91,6 +98,9 @@ class ConnectorWorker:
         self.num_blocks = num_blocks
         self.stats = stats
         self.paged: PagedKVBlocks | None = None
+        self._registered: dict[str, torch.Tensor] = {}  # this worker's layers, as vLLM registered them
+        self._asleep = False
+        self._views_lock = threading.Lock()  # held by every copy into vLLM's blocks and by sleep
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()  # requests whose load left blocks unloaded
         self._chains: dict[str, BlockChain] = {}  # loads (this thread)
@@ -119,8 +129,45 @@ class ConnectorWorker:
                 f"kvstrata: vLLM's blocks hold {paged.layer_block_bytes} bytes per layer; the "
                 f"KV cache spec promised {self.config.block_bytes // len(self.layer_names)}"
             )
-        self.paged = paged
+        with self._views_lock:
+            self.paged, self._asleep = paged, False
+            self._registered = {n: kv_caches[n] for n in self.layer_names}
         self.timer = ForwardTimer(kv_caches[self.layer_names[0]].device)
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM is about to free its KV memory (sleep): drop every view of it; from now on no
+        copy touches it until `restore_kv_caches`. Waits for a copy in progress; idempotent."""
+        with self._views_lock:
+            paged, self.paged, self._asleep = self.paged, None, bool(self._registered)
+        if paged is not None and paged.device.type != "cpu":  # copies queued on the device land first
+            torch.accelerator.synchronize(paged.device)
+
+    def restore_kv_caches(self) -> None:
+        """vLLM's KV memory is back (wake-up): rebuild the views from the registered tensors.
+        Idempotent; nothing to do if never unregistered."""
+        with self._views_lock:
+            if not self._asleep:
+                return
+        self.register_kv_caches(self._registered)
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
+    def _skip_asleep(self, transfers: Sequence[BlockTransfer], errors: bool) -> bool:
+        """While asleep: count `transfers` as skipped (as load errors too, if `errors`) and say
+        True; else False."""
+        if not self._asleep:
+            return False
+        n = sum(len(t.block_ids) for t in transfers)
+        if n:
+            self.stats.count("sleep_skipped_blocks", n)
+            if errors:
+                with self._load_lock:
+                    for t in transfers:
+                        self._load_errors.update(t.block_ids)
+                        self._failed_loads.add(t.req_id)
+        return True
 
     def _paged(self) -> PagedKVBlocks:
         if self.paged is None:
@@ -145,6 +192,8 @@ class ConnectorWorker:
                 self._loads_running.add(load.req_id)
         for load in plan.async_loads:
             self._loader.submit(self._load_job, load)
+        if self._skip_asleep(plan.loads, errors=True):
+            return
         with self.timer.loading():
             for load in plan.loads:
                 self._load_one(load, self._chain(load))
@@ -152,7 +201,11 @@ class ConnectorWorker:
             self.stats.write()
 
     def _load_one(self, load: BlockTransfer, chain: BlockChain | None) -> None:
-        paged = self._paged()
+        with self._views_lock:
+            paged = self.paged
+        if paged is None and self._skip_asleep([load], errors=True):
+            return
+        paged = self._paged() if paged is None else paged
         bs = self.config.block_size
         n = len(load.block_ids)
         if n == 0:  # nothing of this group to load (its blocks are vLLM's own already)
@@ -161,7 +214,12 @@ class ConnectorWorker:
         keys = self.store.keys(load.token_ids, extra_keys=load.extra_keys, chain=chain, first_block=load.first_block,
                                num_blocks=n)
         result = self.store.blocks.load(keys, list(staging))
-        paged.scatter(staging, load.block_ids[: result.num_blocks])
+        with self._views_lock:
+            current = self.paged  # vLLM's memory may have gone away meanwhile (sleep): then nothing is written
+            if current is None:
+                self._skip_asleep([load], errors=True)
+                return
+            current.scatter(staging, load.block_ids[: result.num_blocks])
         self.tier_shares.add(result.blocks_per_tier)
         for tier, count in result.blocks_per_tier.items():
             self.stats.count(f"load_tokens_{tier.value}", count * bs)
@@ -208,7 +266,7 @@ class ConnectorWorker:
         self._time_forward(plan)
         for req_id in plan.finished:
             self._save_chains.pop(req_id, None)
-        if not plan.saves:
+        if not plan.saves or self._skip_asleep(plan.saves, errors=False):
             return
         paged = self._paged()
         for save in plan.saves:

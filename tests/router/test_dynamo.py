@@ -170,3 +170,90 @@ def test_a_restarted_store_makes_dynamo_forget_what_its_disk_lost(indexer: Index
         for inst in made:
             if inst.proc.poll() is None:
                 inst.kill()
+
+
+# Media and localities NVIDIA Dynamo 1.6.1's indexer takes (measured against it: any other
+# medium, lower-case ones included, and locality "REMOTE" are dropped; vLLM 0.33 added
+# "STORAGE", which 1.6.1 counts in its disk tier). kvstrata sends no locality (None:
+# unspecified, which 1.6.1 takes as local).
+DYNAMO_161_MEDIA = frozenset({"GPU", "CPU", "DISK", "SHARED", "STORAGE", "EXTERNAL"})
+DYNAMO_161_LOCALITIES = frozenset({None, "LOCAL"})
+
+
+def kvstrata_media() -> set[str]:
+    """The medium of every tier there can be: a tier's medium follows from its traits alone
+    (`kvevents.wire.medium_of`), so every combination covers tiers added later too."""
+    from itertools import product
+
+    from kvevents.wire import medium_of
+    from tiers.base import TierTraits
+
+    return {medium_of(TierTraits(engine_memory=e, memory=m, persistent=p, shared=s))
+            for e, m, p, s in product((False, True), repeat=4)}
+
+
+def kvstrata_events(tokens: list[int], medium: str) -> list[dict[str, Any]]:
+    """The events kvstrata's wire format builds for `tokens`' blocks held in `medium`: stored,
+    removed, cleared."""
+    import numpy as np
+    import torch
+
+    from kvevents.wire import cleared_event, removed_event, stored_events
+    from kvstore import KVCacheStore, StoreConfig
+    from kvstore.config import KVLayout
+
+    store = KVCacheStore(StoreConfig(layout=KVLayout(1, 1, 8, torch.float16), block_size=BLOCK, cpu_bytes=1 << 20))
+    try:
+        keys = [k._replace(extras=b"") for k in store.keys(np.asarray(tokens, dtype=np.uint32))]
+        return [*stored_events([(k, medium) for k in keys], store.chain().seed, BLOCK, {}),
+                removed_event([keys[0].block_hash], medium, {}), cleared_event([medium], {})]
+    finally:
+        store.close()
+
+
+def test_every_tier_announces_a_medium_and_locality_dynamo_161_takes() -> None:
+    """Without Dynamo: every tier's medium is one 1.6.1 takes, and no event kvstrata builds
+    names a locality."""
+    assert kvstrata_media() <= DYNAMO_161_MEDIA
+    for medium in kvstrata_media():
+        for event in kvstrata_events(doc(1, 2), medium):
+            assert event.get("locality") in DYNAMO_161_LOCALITIES
+            assert event.get("medium", medium) in DYNAMO_161_MEDIA
+
+
+def test_dynamos_indexer_takes_the_events_of_every_tier(indexer: Indexer) -> None:
+    """The real 1.6.1 indexer indexes `BlockStored` events as kvstrata builds them in every
+    medium a tier can have; the same events with locality "REMOTE", or a medium it does not
+    know, are dropped (the check can fail)."""
+    import msgpack
+    import zmq
+
+    from kvevents.wire import encode_batch
+
+    port = free_port()
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        indexer.post("/register", {"instance_id": 9, "endpoint": f"tcp://127.0.0.1:{port}", "model_name": "m",
+                                   "block_size": BLOCK})
+        cases = [(medium, None) for medium in sorted(kvstrata_media())] + [("CPU", "REMOTE"), ("DISKS", None)]
+        events, docs = [], []
+        for i, (medium, locality) in enumerate(cases):
+            docs.append(doc(100 + i, 2))
+            stored = kvstrata_events(docs[-1], medium)[0]
+            assert stored["type"] == "BlockStored" and len(stored["block_hashes"]) == 2
+            if locality is not None:
+                stored["locality"] = locality
+            events.append(stored)
+        payload = encode_batch(events)
+        assert msgpack.unpackb(payload)[1] == events
+
+        def indexed() -> list[int]:
+            seq = time.time_ns() // 1000
+            sock.send_multipart([b"kv", seq.to_bytes(8, "big"), payload])  # until the subscription is up
+            return [indexer.query(tokens).get("9", {}).get("longest_matched", 0) for tokens in docs]
+
+        wait_for(lambda: all(indexed()[: len(kvstrata_media())]), "Dynamo to index every tier's events", timeout=30)
+        assert indexed() == [2 * BLOCK] * len(kvstrata_media()) + [0, 0]
+    finally:
+        sock.close(linger=0)

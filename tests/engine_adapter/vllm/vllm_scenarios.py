@@ -3,14 +3,17 @@
 Used by `tests/engine_adapter/vllm/test_vllm_connector.py`: every scenario gets its own process, as a real
 deployment would, so vLLM's process-global state never leaks between tests. Usage:
 `python tests/engine_adapter/vllm/vllm_scenarios.py '<json spec>'`, spec keys: model, prompts (token-id lists, or
-`{"ids": [...], "cache_salt": "..."}`),
+`{"ids": [...], "cache_salt": "...", "kv_transfer_params": {...}}`),
 rounds (an int: every prompt that many times; or lists of prompt indices, one per round),
 loras (name -> adapter directory; a prompt dict's "lora" names one),
 reset_between, max_tokens, connector (extra config dict or null), num_blocks, max_model_len,
 llm (more `LLM(...)` arguments, overriding the defaults: e.g. dtype, block_size (null: vLLM's
 choice), tensor_parallel_size, pipeline_parallel_size, enforce_eager), connector_name and
 module_path (how vLLM finds the connector: default "TierKVConnector" in
-"engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers).
+"engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers),
+connector_role (vLLM's kv_role, default "kv_both"), asleep_rounds (round indices run with the
+worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before the round,
+`restore_kv_caches` after; one process only).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def run(spec: dict) -> dict:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector=spec.get("connector_name", "TierKVConnector"),
             kv_connector_module_path=spec.get("module_path", "engine_adapter.vllm.connector"),
-            kv_role="kv_both",
+            kv_role=spec.get("connector_role", "kv_both"),
             kv_connector_extra_config=spec["connector"],
             kv_load_failure_policy="recompute",
         )
@@ -58,7 +61,12 @@ def run(spec: dict) -> dict:
     if isinstance(schedule, int):
         schedule = [list(range(len(spec["prompts"])))] * schedule
     rounds = []
-    for order in schedule:
+    asleep = set(spec.get("asleep_rounds") or ())
+    for round_index, order in enumerate(schedule):
+        if round_index in asleep:
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+            get_kv_transfer_group().unregister_kv_caches()
         requests = []
         for index in order:
             prompt = spec["prompts"][index]
@@ -73,23 +81,34 @@ def run(spec: dict) -> dict:
 
                 names = sorted(loras)
                 lora = LoRARequest(prompt["lora"], names.index(prompt["lora"]) + 1, loras[prompt["lora"]])
+            step_params = params
+            if isinstance(prompt, dict) and prompt.get("kv_transfer_params") is not None:
+                step_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0,
+                                             extra_args={"kv_transfer_params": prompt["kv_transfer_params"]})
             t0 = time.perf_counter()
-            out = llm.generate([request], params, use_tqdm=False, lora_request=lora)[0]
+            out = llm.generate([request], step_params, use_tqdm=False, lora_request=lora)[0]
             requests.append(
                 {
                     "prompt": index,
                     "output": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens or 0,
                     "seconds": time.perf_counter() - t0,
+                    "kv_transfer_params": out.kv_transfer_params,
                 }
             )
         rounds.append(requests)
+        if round_index in asleep:
+            get_kv_transfer_group().restore_kv_caches()
         if spec.get("reset_between"):
             llm.reset_prefix_cache()
+    drafts = 0  # tokens speculative decoding proposed (vLLM's metric; with its stats on)
+    if not kwargs.get("disable_log_stats", True):
+        drafts = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics()
+                     if m.name == "vllm:spec_decode_num_draft_tokens")
     stats_path = (spec.get("connector") or {}).get("stats_path")
     llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
-    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path)}
+    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts}
 
 
 if __name__ == "__main__":
