@@ -27,6 +27,8 @@ def promised(params: object) -> int | None:
     if not isinstance(params, dict) or KEY not in params:
         return None
     entry = params[KEY]
+    if isinstance(entry, dict) and "blocks" not in entry:
+        return None  # hints only (`hints.py`)
     blocks = entry.get("blocks") if isinstance(entry, dict) else None
     if isinstance(blocks, int) and not isinstance(blocks, bool) and 0 <= blocks <= MAX_BLOCKS:
         return blocks

