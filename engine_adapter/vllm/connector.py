@@ -136,6 +136,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = ConnectorScheduler(
                 primary_store, self.store_planner.block_size, self._stats,
                 async_saves=self.settings.async_saves, async_loads=self.settings.async_loads, lookup=lookup,
+                verify_fraction=self.settings.verify_fraction,
                 async_only=several, loads=kv_role != "kv_producer", saves=kv_role != "kv_consumer")
         logger.info("kvstrata connector (%s) over %s: %d KV cache group(s)", role.name,
                     self.settings.disk_dir, len(kv_cache_config.kv_cache_groups))

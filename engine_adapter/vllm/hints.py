@@ -5,6 +5,8 @@
     {"kvstrata": {"retain_s": 600}}     keep this request's blocks in the CPU tier through
                                         eviction pressure for 600 s (within the tenant's budget,
                                         `retain_share`; what does not fit is counted clipped)
+    {"kvstrata": {"verify": true}}      compute a hit instead of loading it, and compare the
+                                        computed KV with every tier's copy (verify mode)
 
 Every hint is checked; a bad one (an unknown name, a wrong type, a value out of range) is
 rejected alone, counted and warned about, and the others still apply. The response's
@@ -21,7 +23,7 @@ from typing import Any
 from engine_adapter.vllm.handoff import KEY
 from kvstore.retention import MAX_RETAIN_S
 
-NAMES = ("store", "load", "retain_s")
+NAMES = ("store", "load", "retain_s", "verify")
 NOT_HINTS = ("blocks",)  # other entries of kvstrata's params (the handoff's)
 
 
@@ -32,6 +34,7 @@ class Hints:
     store: bool = True
     load: bool = True
     retain_s: float | None = None
+    verify: bool = False
     accepted: tuple[str, ...] = ()
     rejected: dict[str, str] = field(default_factory=dict)  # name -> why
 
@@ -60,7 +63,7 @@ def parse(params: object) -> Hints:
             continue
         if name not in NAMES:
             rejected[str(name)[:64]] = f"unknown hint (known: {', '.join(NAMES)})"
-        elif name in ("store", "load"):
+        elif name in ("store", "load", "verify"):
             if isinstance(value, bool):
                 values[name] = value
                 accepted.append(name)

@@ -4,6 +4,7 @@ which blocks the worker loads (before the forward pass) and saves (after it)."""
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,8 +40,11 @@ class ConnectorScheduler:
 
     def __init__(self, store: KVCacheStore, block_size: int, stats: ConnectorStats, *,
                  async_saves: bool = True, async_loads: bool = True, lookup: GroupLookup | None = None,
-                 async_only: bool = False, loads: bool = True, saves: bool = True) -> None:
+                 async_only: bool = False, loads: bool = True, saves: bool = True,
+                 verify_fraction: float = 0.0) -> None:
         self.store = store
+        self.verify_fraction = verify_fraction
+        self._sample = random.Random()  # which hits are verified (not a secret: any stream does)
         self.loads, self.saves = loads, saves
         self.handoffs = HandoffWaits()  # consumers: requests waiting for a producer's blocks
         self._hints: dict[str, Hints] = {}  # per request until it finishes (`hints.py`)
@@ -102,6 +106,10 @@ class ConnectorScheduler:
         if may_load and keys.cacheable and self._waits_for_handoff(request, num_computed_tokens):
             self.planner.forget(request.request_id)
             return None, False
+        if n > 0 and hints.store and (hints.verify or self._sample.random() < self.verify_fraction):
+            self.planner.verify(request.request_id)  # computed instead, then compared with the tiers
+            self.stats.count("verify_requests", 1)
+            return 0, False
         # Blocks to load from disk or a remote tier: vLLM waits for them outside its steps.
         to_load = self._kinds[num_computed_tokens // self.block_size : (num_computed_tokens + n) // self.block_size]
         slow = n > 0 and (self.async_only or (self.async_loads and any(

@@ -40,6 +40,7 @@ from kvstore.settings import (
     number_from_text,
     parse_bool,
     parse_bytes,
+    parse_float,
     parse_optional_int,
     parse_path,
     parse_str,
@@ -198,6 +199,10 @@ class ConnectorSettings(EnvSettings):
             `metrics` extra); None: none served.
         metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
             other hosts scrape it: the metrics carry no token ids and no authentication).
+        verify_fraction: the share of requests with a kvstrata hit that are verified instead:
+            reported to vLLM as misses, computed, and their computed KV compared with every
+            tier's copy as it is saved (a copy that differs is removed everywhere and counted);
+            0 to 1, default 0. A request's `"verify": true` hint asks for it too.
         library: the library settings given (`StoreConfig` fields by name, as `StoreConfig`
             normalized them), with the connector's defaults (`CONNECTOR_DEFAULTS`) where not.
     """
@@ -211,6 +216,7 @@ class ConnectorSettings(EnvSettings):
     async_loads: bool = True
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    verify_fraction: float = 0.0
     library: Mapping[str, object] = field(default_factory=dict, repr=False, metadata={"setting": False})
 
     def __post_init__(self) -> None:
@@ -220,6 +226,7 @@ class ConnectorSettings(EnvSettings):
         for name in ("async_saves", "async_loads"):
             set_(self, name, parse_bool(name, getattr(self, name)))
         set_(self, "metrics_port", parse_optional_int("metrics_port", self.metrics_port, 1, 65535))
+        set_(self, "verify_fraction", parse_float("verify_fraction", self.verify_fraction, 0.0, 1.0))
         host = parse_str("metrics_host", self.metrics_host, empty=False)
         if any(c.isspace() for c in host):
             raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")

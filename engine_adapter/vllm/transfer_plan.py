@@ -42,6 +42,7 @@ class BlockTransfer:
     groups: tuple[GroupBlocks, ...]
     extra_keys: ExtraKeys | None = None
     retain_s: float | None = None  # a save: keep its blocks this long (the request's `retain_s` hint)
+    verify: bool = False  # a save of KV computed to verify: compare it with the tiers' copies first
 
     def _only(self) -> GroupBlocks:
         if len(self.groups) != 1:
@@ -94,6 +95,7 @@ class _Request:
     cacheable: bool = True  # False: nothing of it is saved (it cannot be keyed safely)
     repeat_hit: int = 0  # the longest hit, in blocks, a repeat of its prompt can take
     retain_s: float | None = None  # its saves are retained this long (a hint)
+    verify: bool = False  # its hit was computed instead: its saves are compared with the tiers first
 
 
 def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ...], step_end: int) -> bool:
@@ -132,6 +134,7 @@ class TransferPlanner:
         self._lookup = lookup
         # req_id -> (local computed, store hit, extra keys, cacheable)
         self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool, float | None]] = {}
+        self._verify: set[str] = set()  # pending requests whose hit is computed and verified
         self._requests: dict[str, _Request] = {}
 
     def num_new_matched_tokens(
@@ -156,6 +159,15 @@ class TransferPlanner:
         self._pending[req_id] = (num_computed, hit, extra_keys, cacheable and may_save, retain_s)
         return max(0, hit - num_computed)
 
+    def verify(self, req_id: str) -> None:
+        """The pending request's hit is not loaded but computed, and its saves, from the
+        blocks vLLM did not have, are compared with the tiers' copies (verify mode)."""
+        pending = self._pending.get(req_id)
+        if pending is not None:
+            num_computed, _, extra_keys, cacheable, retain_s = pending
+            self._pending[req_id] = (num_computed, num_computed, extra_keys, cacheable, retain_s)
+            self._verify.add(req_id)
+
     def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
         """Start tracking a request the engine scheduled; plan its load if it has one.
 
@@ -179,7 +191,9 @@ class TransferPlanner:
                 )
             load = (num_computed // b, end // b)
         self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable,
-                                          repeat_hit=max(0, len(token_ids) - 1) // b, retain_s=retain_s)
+                                          repeat_hit=max(0, len(token_ids) - 1) // b, retain_s=retain_s,
+                                          verify=req_id in self._verify)
+        self._verify.discard(req_id)
 
     def take_load(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> BlockTransfer | None:
         """The load `on_alloc` recorded for `req_id`, into `block_ids` (the request's engine
@@ -202,6 +216,7 @@ class TransferPlanner:
     def forget(self, req_id: str) -> None:
         """Stop tracking a request (finished or preempted); unknown ids are ignored."""
         self._pending.pop(req_id, None)
+        self._verify.discard(req_id)
         self._requests.pop(req_id, None)
 
     def saved_blocks(self, req_id: str) -> int:
@@ -254,7 +269,9 @@ class TransferPlanner:
         hit_ends = (done, min(done, state.repeat_hit))
         save = self._transfer(state, block_ids, done, lambda rule: (
             range(state.num_saved_blocks, done), functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)))
-        return save if state.retain_s is None else dataclasses.replace(save, retain_s=state.retain_s)
+        if state.retain_s is None and not state.verify:
+            return save
+        return dataclasses.replace(save, retain_s=state.retain_s, verify=state.verify)
 
     def _transfer(self, state: _Request, block_ids: Sequence[Sequence[int]], end: int,
                   wanted: Callable[[GroupRule], tuple[range, Callable[[int, int], bool]]]) -> BlockTransfer:

@@ -323,6 +323,10 @@ class ConnectorWorker:
                                num_blocks=len(save.block_ids))
 
     def _write(self, save: BlockTransfer, staging: torch.Tensor, keys: Sequence[BlockKey]) -> None:
+        if save.verify:  # KV just computed for a hit: every tier's copy must be these bytes
+            checked = self.store.blocks.verify(keys, list(staging))
+            self.stats.count("verify_checked_blocks", checked.num_checked)
+            self.stats.count("verify_mismatch_blocks", sum(len(i) for i in checked.mismatches.values()))
         try:
             written = self.store.blocks.save(keys, list(staging)).num_new
         except DiskFullError as exc:  # a cache: a refused write is a later miss

@@ -58,3 +58,24 @@ def test_a_retained_session_survives_a_flood_that_evicts_an_unhinted_one(tmp_pat
     assert again[1]["num_cached_tokens"] == 0  # the unhinted session was evicted
     assert stat_sum(result["stats"], "retained_blocks") == 6
     assert stat_sum(result["stats"], "retain_clipped_blocks") == 0
+
+
+def test_a_verified_hit_is_computed_compared_and_kept_when_right(tmp_path: Path) -> None:
+    """Verify mode: a hit sampled for verification (here by the request's `verify` hint) is
+    reported to vLLM as a miss, computed, and its KV compared with the tiers' copies as it is
+    saved; vLLM computes the same KV for the same prompt, so no copy is flagged (no false
+    alarm) and the blocks still serve the next request."""
+    model = build_tiny_llama(tmp_path / "model")
+    ids = prompt(41, 6 * BLOCK + 5)
+    result = run_scenario({
+        "model": model, "rounds": [[0], [1], [0]], "reset_between": True,
+        "prompts": [ids, _hinted(ids, verify=True)],
+        "connector": connector_config(tmp_path / "c", load_policy="always")})
+    first, verified, served = (r[0] for r in result["rounds"])
+    assert verified["num_cached_tokens"] == 0 and verified["output"] == first["output"]  # computed, same answer
+    assert verified["kv_transfer_params"] == {"kvstrata": {"hints": {"accepted": ["verify"], "rejected": {}}}}
+    assert served["num_cached_tokens"] == 6 * BLOCK  # kept: nothing was wrong
+    stats = result["stats"]
+    assert stat_sum(stats, "verify_requests") == 1
+    assert stat_sum(stats, "verify_checked_blocks") >= 6  # each held block, in each tier holding it
+    assert stat_sum(stats, "verify_mismatch_blocks") == 0
