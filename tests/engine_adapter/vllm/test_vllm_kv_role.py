@@ -60,3 +60,32 @@ def test_the_handoff_a_producer_offers_is_waited_for_by_a_consumer(tmp_path: Pat
     stats = consumer["stats"]
     assert stat_sum(stats, "handoff_timeouts") == 1 and stat_sum(stats, "handoff_params_rejected") == 1
     assert consumer["rounds"][0][0]["kv_transfer_params"] is None  # a consumer offers nothing
+
+
+def test_prefill_and_decode_engines_hand_off_through_a_real_redis_server(tmp_path: Path) -> None:
+    """Disaggregated prefill/decode through the remote tier: the producer (its own disk) saves a
+    long prompt to a real `redis-server` and offers its blocks; the consumer (another disk,
+    the same server) is served them and computes only what follows. Prints the consumer's time
+    for the handed-off prompt against the same engine computing a prompt of the same length."""
+    from tests.redis_fixtures import redis_server
+
+    model = build_tiny_llama(tmp_path / "model")
+    handed, warm, fresh = prompt(6, 31 * BLOCK + 5), prompt(7, 31 * BLOCK + 5), prompt(8, 31 * BLOCK + 5)
+    with redis_server() as server:
+        produced = run_scenario({
+            "model": model, "prompts": [handed], "max_tokens": 1, "connector_role": "kv_producer",
+            "connector": connector_config(tmp_path / "p", load_policy="always", cpu_bytes=0,
+                                          remote_url=server.url)})["rounds"][0][0]
+        assert produced["kv_transfer_params"] == {"kvstrata": {"blocks": 31}}
+        consumer = run_scenario({
+            "model": model, "connector_role": "kv_consumer", "rounds": 1, "max_tokens": 1,
+            "prompts": [warm, {"ids": handed, "kv_transfer_params": produced["kv_transfer_params"]}, fresh],
+            "connector": connector_config(tmp_path / "c", load_policy="always", cpu_bytes=0,
+                                          remote_url=server.url)})
+    _, served, computed = consumer["rounds"][0]  # the first warms the engine up
+    assert served["num_cached_tokens"] == 31 * BLOCK and served["output"] == produced["output"]
+    assert computed["num_cached_tokens"] == 0
+    assert stat_sum(consumer["stats"], "load_tokens_remote") == 31 * BLOCK  # from the server, not a disk
+    assert stat_sum(consumer["stats"], "handoff_timeouts") == 0
+    print(f"\nconsumer TTFT, {len(handed)}-token prompt: handed off {served['seconds'] * 1e3:.0f} ms, "
+          f"computed {computed['seconds'] * 1e3:.0f} ms")
