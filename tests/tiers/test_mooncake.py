@@ -124,7 +124,7 @@ def test_namespaces_never_see_each_other(master: MooncakeMaster) -> None:
             assert a2.lookup(t) == 0 and a2.retrieve(t).num_tokens == 0
 
 
-@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key"])
+@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key", "longer-than-a-lane"])
 def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, raw: Any, damage: str) -> None:
     t, other = _tokens(4, 2), _tokens(4, 3)
     with _store(master.tier(), namespace=f"damage-{damage}", cpu_blocks=0) as store:
@@ -136,6 +136,8 @@ def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, 
         assert len(value) > LAYOUT.block_bytes(BLOCK)
         if damage == "garbage":
             bad = b"not a record at all" * 7
+        elif damage == "longer-than-a-lane":  # no record of this layout is: never read
+            bad = b"x" * (3 << 20)
         elif damage == "flip-payload":
             bad = value[:-5] + bytes([value[-5] ^ 0x10]) + value[-4:]
         else:  # a sound record of another block under this key
@@ -264,3 +266,25 @@ def test_without_the_extra_opening_is_one_error_naming_it(master: MooncakeMaster
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match=r"kvstrata\[mooncake\]"):
         _store(master.tier())
+
+
+def test_a_record_longer_than_its_first_slot_is_read_not_removed(master: MooncakeMaster) -> None:
+    """A writer with KV events carries each block's extras in its records (a long LoRA name
+    here): a reader without events, or with them, reads them whole, never takes them for
+    damaged ones (it did: counted corrupt and removed)."""
+    from cli.ports import free_port_pair
+    from kvstore.hashing import ExtraKeys
+
+    extras = ExtraKeys(lora_id="adapter-" + "x" * 6000)
+    t = _tokens(6, 7)
+    config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="mooncake-extras", tiers=[master.tier()],
+                         events_endpoint=f"tcp://127.0.0.1:{free_port_pair()}")
+    with KVCacheStore(config) as writer:
+        writer.store(t, make_kv(t, LAYOUT, BLOCK), extra_keys=extras)
+        with _store(master.tier(), namespace="mooncake-extras", cpu_blocks=0) as reader:
+            for store in (reader, writer):
+                res = store.retrieve(t, extra_keys=extras)
+                assert res.num_tokens == len(t) and res.blocks_per_tier == {MOONCAKE: 6}
+                check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+                assert _mooncake(store).stats().num_corrupt == 0 and _mooncake(store).num_errors == 0
+            assert reader.lookup(t, extra_keys=extras) == len(t)
