@@ -288,3 +288,31 @@ def test_a_record_longer_than_its_first_slot_is_read_not_removed(master: Mooncak
                 check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
                 assert _mooncake(store).stats().num_corrupt == 0 and _mooncake(store).num_errors == 0
             assert reader.lookup(t, extra_keys=extras) == len(t)
+
+
+def test_a_client_kept_for_an_abandoned_call_is_reused_once_the_call_returns() -> None:
+    """A tier closed while a call that passed its deadline still runs keeps its client and
+    transfer buffer aside; once the call returns, the next tier of that setup takes them (they
+    were kept until exit: a buffer of `buffer_bytes` lost at each such close)."""
+    with mooncake_master() as master:
+        store = _store(master.tier(timeout_s=0.3), cpu_blocks=0)
+        t = _tokens(2, 8)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+        lanes = _mooncake(store)._conn.lanes
+        master.pause()
+        try:
+            assert store.retrieve(t).num_tokens == 0  # abandoned: the call holds its lane
+            assert lanes.num_free < 2
+            store.close()
+        finally:
+            master.resume()
+        deadline = time.monotonic() + 30
+        while lanes.num_free < 2:
+            assert time.monotonic() < deadline, "the abandoned call did not return once the master ran on"
+            time.sleep(0.1)
+        with _store(master.tier(timeout_s=0.3), cpu_blocks=0) as again:
+            assert _mooncake(again)._conn.lanes is lanes, "the client and buffer kept aside were never reused"
+            res = again.retrieve(t)
+            assert res.num_tokens == len(t)
+            check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+

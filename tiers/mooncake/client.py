@@ -103,32 +103,49 @@ class _Idle:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
-        self._kept: list[tuple[Any, Lanes]] = []  # lanes held by abandoned calls: never reused
+        # lanes held by abandoned calls: reused once every lane is free again
+        self._held: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
+        self._kept: list[tuple[Any, Lanes]] = []  # clients that failed their setup: never reused
         os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
         """In a forked child: the parent's clients are not this process's; they are neither
         reused nor closed (only kept referenced: their destructor would close them)."""
         self._lock = threading.Lock()
-        _ORPHANS.extend([*(c for found in self._idle.values() for c in found), *self._kept])
-        self._idle, self._kept = {}, []
+        _ORPHANS.extend([*(c for pool in (self._idle, self._held) for found in pool.values() for c in found),
+                         *self._kept])
+        self._idle, self._held, self._kept = {}, {}, []
 
     def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
+        """An idle client of `key` with its buffer, one whose abandoned calls have all returned
+        since, or None."""
         with self._lock:
             found = self._idle.get(key)
-            return found.pop() if found else None
+            if found:
+                return found.pop()
+            held = self._held.get(key, [])
+            for i, (_, lanes) in enumerate(held):
+                if lanes.num_free == NUM_LANES:
+                    return held.pop(i)
+            return None
 
     def give(self, key: tuple[ClientParams, int], client: Any, lanes: Lanes) -> None:
         with self._lock:
-            if lanes.num_free == NUM_LANES:
-                self._idle.setdefault(key, []).append((client, lanes))
-            else:
-                self._kept.append((client, lanes))
+            pool = self._idle if lanes.num_free == NUM_LANES else self._held
+            pool.setdefault(key, []).append((client, lanes))
+
+    def keep(self, client: Any, lanes: Lanes) -> None:
+        """A client that is never handed to a tier (its setup failed): closed at exit."""
+        with self._lock:
+            self._kept.append((client, lanes))
 
     def close_all(self) -> None:
         with self._lock:
-            clients = [c for found in self._idle.values() for c, _ in found] + [c for c, _ in self._kept]
+            clients = [c for pool in (self._idle, self._held) for found in pool.values() for c, _ in found]
+            clients += [c for c, _ in self._kept]
             self._idle.clear()
+            self._held.clear()
+            self._kept.clear()
         for client in clients:
             with contextlib.suppress(Exception):
                 client.close()
@@ -177,7 +194,7 @@ class Connection:
             raise Fault(f"setup returned {rc}")
         rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
         if rc != 0:
-            _IDLE.give(self._key, client, Lanes(NUM_LANES, 0))  # never reused: closed at exit
+            _IDLE.keep(client, self.lanes)  # never reused: closed at exit
             raise Fault(f"register_buffer returned {rc}")
         return client
 
