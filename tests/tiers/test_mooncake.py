@@ -316,3 +316,69 @@ def test_a_client_kept_for_an_abandoned_call_is_reused_once_the_call_returns() -
             assert res.num_tokens == len(t)
             check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
 
+
+_HUNG_OPEN = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
+    from tests.tiers.test_mooncake import _mooncake, _store, _tokens
+    from tiers.mooncake.client import close_idle
+    started = time.monotonic()
+    store = _store(json.loads(sys.argv[1]), cpu_blocks=0)
+    t = _tokens(2, 9)
+    store.store(t, make_kv(t, LAYOUT, BLOCK))
+    print(json.dumps({"open_s": time.monotonic() - started, "hits": store.lookup(t),
+                      "errors": _mooncake(store).num_errors}), flush=True)
+    sys.stdin.readline()  # the master runs on
+    deadline = time.monotonic() + 30
+    while store.lookup(t) < len(t) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+    print(json.dumps({"hits": store.lookup(t)}), flush=True)
+    store.close()
+    close_idle()
+    """
+)
+
+
+def test_a_hung_master_at_open_is_a_bounded_miss_not_a_hung_process() -> None:
+    """A master that accepts connections but answers nothing (stopped: the kernel still
+    accepts) made Mooncake's setup hold the interpreter's lock for good: the whole process
+    hung. The tier asks the master for an answer before a setup, so it is a counted fault,
+    and it sets up once the master runs on."""
+    import json
+
+    with mooncake_master() as master:
+        master.pause()
+        child = subprocess.Popen([sys.executable, "-c", _HUNG_OPEN, json.dumps(master.tier(setup_timeout_s=3.0,
+                                                                                            cooldown_s=0.2)),
+                                  str(ROOT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            first = _line_within(child, 60)
+            assert first is not None, "opening a tier against a hung master hung the process"
+            opened = json.loads(first)
+            assert opened["open_s"] < 30 and opened["hits"] == 0 and opened["errors"] > 0, opened
+            master.resume()
+            child.stdin.write("\n")
+            child.stdin.flush()
+            second = _line_within(child, 90)
+            assert second is not None and json.loads(second)["hits"] == 2 * BLOCK, second
+            assert child.wait(60) == 0
+        finally:
+            master.resume()
+            child.kill()
+            child.wait(10)
+
+
+def _line_within(child: subprocess.Popen[str], timeout_s: float) -> str | None:
+    """The next line `child` prints, or None if none comes within `timeout_s`."""
+    import threading
+
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(child.stdout.readline() if child.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return got[0] if got and got[0] else None

@@ -36,7 +36,9 @@ logger = logging.getLogger("tiers.mooncake.tier")
 R = TypeVar("R")
 NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
 NUM_WORKERS = 4
-PROBE_S = 2.0  # a connect to the master before a setup, at most
+PROBE_S = 2.0  # each step of a probe of the master before a setup, at most
+_NOT_AN_RPC = bytes(64)  # a bad RPC header: a live master closes the connection
+_HTTP_PROBE = b"GET / HTTP/1.0\r\n\r\n"
 EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
          "apt-get install libibverbs1)")
 
@@ -199,21 +201,25 @@ class Connection:
         return client
 
     def _probe(self) -> None:
-        """Connect to the master and an HTTP metadata server (plain sockets, within
-        `setup_timeout_s`); `CallFailed` if one does not answer. Mooncake's `setup` holds the
-        interpreter's lock while it retries a master that is down (for minutes), so no worker
-        could bound it: it is only called once both answer."""
+        """Ask the master and an HTTP metadata server for an answer (plain sockets, each step
+        within `setup_timeout_s`, `PROBE_S` at most); `CallFailed` if one gives none. Mooncake's
+        `setup` holds the interpreter's lock while it waits on a master that is down or hung
+        (minutes), so no worker could bound it: it is only called once both answer. A connect
+        alone is no answer (the kernel accepts for a stopped process): the master is sent bytes
+        that are no RPC, which it answers by closing; the HTTP server, a request."""
         host, _, port = self.params.master.rpartition(":")
-        ends = [(host.strip("[]"), int(port))]
+        ends = [(host.strip("[]"), int(port), _NOT_AN_RPC)]
         url = urllib.parse.urlsplit(self.params.metadata_server)
         with contextlib.suppress(ValueError):
             if url.scheme in ("http", "https") and url.hostname:
-                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80)))
-        for end in ends:
+                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80), _HTTP_PROBE))
+        for end_host, end_port, ask in ends:
             try:
-                socket.create_connection(end, timeout=min(self._setup_timeout_s, PROBE_S)).close()
+                with socket.create_connection((end_host, end_port), timeout=min(self._setup_timeout_s, PROBE_S)) as s:
+                    s.sendall(ask)
+                    s.recv(1)  # bytes, or b"" (closed): an answer
             except OSError as exc:
-                raise CallFailed(f"{end[0]}:{end[1]} does not answer ({exc})") from None
+                raise CallFailed(f"{end_host}:{end_port} does not answer ({exc})") from None
 
     def _connected(self) -> Any:
         """The client, set up first (within `setup_timeout_s`) if there is none yet; after a
