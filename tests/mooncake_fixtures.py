@@ -84,6 +84,16 @@ class MooncakeMaster:
                 raise RuntimeError(f"mooncake_master did not start on {self.master}")
             time.sleep(0.05)
 
+    def pause(self) -> None:
+        """Stop the master (SIGSTOP): its connections stay open and nothing answers, as a hung host."""
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused master run on (SIGCONT)."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
+
     def kill(self) -> None:
         """Kill the master at once (SIGKILL), as a crash would."""
         if self._proc is not None and self._proc.poll() is None:

@@ -124,7 +124,7 @@ def test_namespaces_never_see_each_other(master: MooncakeMaster) -> None:
             assert a2.lookup(t) == 0 and a2.retrieve(t).num_tokens == 0
 
 
-@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key"])
+@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key", "longer-than-a-lane"])
 def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, raw: Any, damage: str) -> None:
     t, other = _tokens(4, 2), _tokens(4, 3)
     with _store(master.tier(), namespace=f"damage-{damage}", cpu_blocks=0) as store:
@@ -136,6 +136,8 @@ def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, 
         assert len(value) > LAYOUT.block_bytes(BLOCK)
         if damage == "garbage":
             bad = b"not a record at all" * 7
+        elif damage == "longer-than-a-lane":  # no record of this layout is: never read
+            bad = b"x" * (3 << 20)
         elif damage == "flip-payload":
             bad = value[:-5] + bytes([value[-5] ^ 0x10]) + value[-4:]
         else:  # a sound record of another block under this key
@@ -264,3 +266,119 @@ def test_without_the_extra_opening_is_one_error_naming_it(master: MooncakeMaster
     monkeypatch.setitem(sys.modules, "mooncake.store", None)  # as if the extra were not installed
     with pytest.raises(ConfigError, match=r"kvstrata\[mooncake\]"):
         _store(master.tier())
+
+
+def test_a_record_longer_than_its_first_slot_is_read_not_removed(master: MooncakeMaster) -> None:
+    """A writer with KV events carries each block's extras in its records (a long LoRA name
+    here): a reader without events, or with them, reads them whole, never takes them for
+    damaged ones (it did: counted corrupt and removed)."""
+    from cli.ports import free_port_pair
+    from kvstore.hashing import ExtraKeys
+
+    extras = ExtraKeys(lora_id="adapter-" + "x" * 6000)
+    t = _tokens(6, 7)
+    config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="mooncake-extras", tiers=[master.tier()],
+                         events_endpoint=f"tcp://127.0.0.1:{free_port_pair()}")
+    with KVCacheStore(config) as writer:
+        writer.store(t, make_kv(t, LAYOUT, BLOCK), extra_keys=extras)
+        with _store(master.tier(), namespace="mooncake-extras", cpu_blocks=0) as reader:
+            for store in (reader, writer):
+                res = store.retrieve(t, extra_keys=extras)
+                assert res.num_tokens == len(t) and res.blocks_per_tier == {MOONCAKE: 6}
+                check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+                assert _mooncake(store).stats().num_corrupt == 0 and _mooncake(store).num_errors == 0
+            assert reader.lookup(t, extra_keys=extras) == len(t)
+
+
+def test_a_client_kept_for_an_abandoned_call_is_reused_once_the_call_returns() -> None:
+    """A tier closed while a call that passed its deadline still runs keeps its client and
+    transfer buffer aside; once the call returns, the next tier of that setup takes them (they
+    were kept until exit: a buffer of `buffer_bytes` lost at each such close)."""
+    with mooncake_master() as master:
+        store = _store(master.tier(timeout_s=0.3), cpu_blocks=0)
+        t = _tokens(2, 8)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+        lanes = _mooncake(store)._conn.lanes
+        master.pause()
+        try:
+            assert store.retrieve(t).num_tokens == 0  # abandoned: the call holds its lane
+            assert lanes.num_free < 2
+            store.close()
+        finally:
+            master.resume()
+        deadline = time.monotonic() + 30
+        while lanes.num_free < 2:
+            assert time.monotonic() < deadline, "the abandoned call did not return once the master ran on"
+            time.sleep(0.1)
+        with _store(master.tier(timeout_s=0.3), cpu_blocks=0) as again:
+            assert _mooncake(again)._conn.lanes is lanes, "the client and buffer kept aside were never reused"
+            res = again.retrieve(t)
+            assert res.num_tokens == len(t)
+            check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)
+
+
+_HUNG_OPEN = textwrap.dedent(
+    """
+    import json, sys, time
+    sys.path.insert(0, sys.argv[2])
+    from tests.reliability.kvgen import BLOCK, LAYOUT, make_kv
+    from tests.tiers.test_mooncake import _mooncake, _store, _tokens
+    from tiers.mooncake.client import close_idle
+    started = time.monotonic()
+    store = _store(json.loads(sys.argv[1]), cpu_blocks=0)
+    t = _tokens(2, 9)
+    store.store(t, make_kv(t, LAYOUT, BLOCK))
+    print(json.dumps({"open_s": time.monotonic() - started, "hits": store.lookup(t),
+                      "errors": _mooncake(store).num_errors}), flush=True)
+    sys.stdin.readline()  # the master runs on
+    deadline = time.monotonic() + 30
+    while store.lookup(t) < len(t) and time.monotonic() < deadline:
+        time.sleep(0.3)
+        store.store(t, make_kv(t, LAYOUT, BLOCK))
+    print(json.dumps({"hits": store.lookup(t)}), flush=True)
+    store.close()
+    close_idle()
+    """
+)
+
+
+def test_a_hung_master_at_open_is_a_bounded_miss_not_a_hung_process() -> None:
+    """A master that accepts connections but answers nothing (stopped: the kernel still
+    accepts) made Mooncake's setup hold the interpreter's lock for good: the whole process
+    hung. The tier asks the master for an answer before a setup, so it is a counted fault,
+    and it sets up once the master runs on."""
+    import json
+
+    with mooncake_master() as master:
+        master.pause()
+        child = subprocess.Popen([sys.executable, "-c", _HUNG_OPEN, json.dumps(master.tier(setup_timeout_s=3.0,
+                                                                                            cooldown_s=0.2)),
+                                  str(ROOT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 text=True)
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            first = _line_within(child, 60)
+            assert first is not None, "opening a tier against a hung master hung the process"
+            opened = json.loads(first)
+            assert opened["open_s"] < 30 and opened["hits"] == 0 and opened["errors"] > 0, opened
+            master.resume()
+            child.stdin.write("\n")
+            child.stdin.flush()
+            second = _line_within(child, 90)
+            assert second is not None and json.loads(second)["hits"] == 2 * BLOCK, second
+            assert child.wait(60) == 0
+        finally:
+            master.resume()
+            child.kill()
+            child.wait(10)
+
+
+def _line_within(child: subprocess.Popen[str], timeout_s: float) -> str | None:
+    """The next line `child` prints, or None if none comes within `timeout_s`."""
+    import threading
+
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(child.stdout.readline() if child.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return got[0] if got and got[0] else None

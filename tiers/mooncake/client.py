@@ -36,7 +36,9 @@ logger = logging.getLogger("tiers.mooncake.tier")
 R = TypeVar("R")
 NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
 NUM_WORKERS = 4
-PROBE_S = 2.0  # a connect to the master before a setup, at most
+PROBE_S = 2.0  # each step of a probe of the master before a setup, at most
+_NOT_AN_RPC = bytes(64)  # a bad RPC header: a live master closes the connection
+_HTTP_PROBE = b"GET / HTTP/1.0\r\n\r\n"
 EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
          "apt-get install libibverbs1)")
 
@@ -103,32 +105,49 @@ class _Idle:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
-        self._kept: list[tuple[Any, Lanes]] = []  # lanes held by abandoned calls: never reused
+        # lanes held by abandoned calls: reused once every lane is free again
+        self._held: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
+        self._kept: list[tuple[Any, Lanes]] = []  # clients that failed their setup: never reused
         os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
         """In a forked child: the parent's clients are not this process's; they are neither
         reused nor closed (only kept referenced: their destructor would close them)."""
         self._lock = threading.Lock()
-        _ORPHANS.extend([*(c for found in self._idle.values() for c in found), *self._kept])
-        self._idle, self._kept = {}, []
+        _ORPHANS.extend([*(c for pool in (self._idle, self._held) for found in pool.values() for c in found),
+                         *self._kept])
+        self._idle, self._held, self._kept = {}, {}, []
 
     def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
+        """An idle client of `key` with its buffer, one whose abandoned calls have all returned
+        since, or None."""
         with self._lock:
             found = self._idle.get(key)
-            return found.pop() if found else None
+            if found:
+                return found.pop()
+            held = self._held.get(key, [])
+            for i, (_, lanes) in enumerate(held):
+                if lanes.num_free == NUM_LANES:
+                    return held.pop(i)
+            return None
 
     def give(self, key: tuple[ClientParams, int], client: Any, lanes: Lanes) -> None:
         with self._lock:
-            if lanes.num_free == NUM_LANES:
-                self._idle.setdefault(key, []).append((client, lanes))
-            else:
-                self._kept.append((client, lanes))
+            pool = self._idle if lanes.num_free == NUM_LANES else self._held
+            pool.setdefault(key, []).append((client, lanes))
+
+    def keep(self, client: Any, lanes: Lanes) -> None:
+        """A client that is never handed to a tier (its setup failed): closed at exit."""
+        with self._lock:
+            self._kept.append((client, lanes))
 
     def close_all(self) -> None:
         with self._lock:
-            clients = [c for found in self._idle.values() for c, _ in found] + [c for c, _ in self._kept]
+            clients = [c for pool in (self._idle, self._held) for found in pool.values() for c, _ in found]
+            clients += [c for c, _ in self._kept]
             self._idle.clear()
+            self._held.clear()
+            self._kept.clear()
         for client in clients:
             with contextlib.suppress(Exception):
                 client.close()
@@ -177,26 +196,30 @@ class Connection:
             raise Fault(f"setup returned {rc}")
         rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
         if rc != 0:
-            _IDLE.give(self._key, client, Lanes(NUM_LANES, 0))  # never reused: closed at exit
+            _IDLE.keep(client, self.lanes)  # never reused: closed at exit
             raise Fault(f"register_buffer returned {rc}")
         return client
 
     def _probe(self) -> None:
-        """Connect to the master and an HTTP metadata server (plain sockets, within
-        `setup_timeout_s`); `CallFailed` if one does not answer. Mooncake's `setup` holds the
-        interpreter's lock while it retries a master that is down (for minutes), so no worker
-        could bound it: it is only called once both answer."""
+        """Ask the master and an HTTP metadata server for an answer (plain sockets, each step
+        within `setup_timeout_s`, `PROBE_S` at most); `CallFailed` if one gives none. Mooncake's
+        `setup` holds the interpreter's lock while it waits on a master that is down or hung
+        (minutes), so no worker could bound it: it is only called once both answer. A connect
+        alone is no answer (the kernel accepts for a stopped process): the master is sent bytes
+        that are no RPC, which it answers by closing; the HTTP server, a request."""
         host, _, port = self.params.master.rpartition(":")
-        ends = [(host.strip("[]"), int(port))]
+        ends = [(host.strip("[]"), int(port), _NOT_AN_RPC)]
         url = urllib.parse.urlsplit(self.params.metadata_server)
         with contextlib.suppress(ValueError):
             if url.scheme in ("http", "https") and url.hostname:
-                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80)))
-        for end in ends:
+                ends.append((url.hostname, url.port or (443 if url.scheme == "https" else 80), _HTTP_PROBE))
+        for end_host, end_port, ask in ends:
             try:
-                socket.create_connection(end, timeout=min(self._setup_timeout_s, PROBE_S)).close()
+                with socket.create_connection((end_host, end_port), timeout=min(self._setup_timeout_s, PROBE_S)) as s:
+                    s.sendall(ask)
+                    s.recv(1)  # bytes, or b"" (closed): an answer
             except OSError as exc:
-                raise CallFailed(f"{end[0]}:{end[1]} does not answer ({exc})") from None
+                raise CallFailed(f"{end_host}:{end_port} does not answer ({exc})") from None
 
     def _connected(self) -> Any:
         """The client, set up first (within `setup_timeout_s`) if there is none yet; after a

@@ -41,7 +41,7 @@ MOONCAKE = TierKind("mooncake")
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 TOO_SMALL = -600  # a record longer than the slot a reader gave it (longer than this layout's)
 _GEN_SLOT = 4096  # the generation's part of a lane (records start after it)
-_HEADER_BYTES = 4096  # a record's header beyond its token ids, at most
+_HEADER_BYTES = 4096  # a record's header beyond its token ids and extras, at most
 
 
 class MooncakeTier(Tier):
@@ -104,8 +104,10 @@ class MooncakeTier(Tier):
         return Occupancy(0, self.capacity_blocks, 0, 0)
 
     def _slot(self, key: BlockKey) -> int:
-        """The bytes a reader gives `key`'s record: the longest record of this layout."""
-        return self.codec.block_bytes + _HEADER_BYTES + len(key.tokens)
+        """The bytes a reader gives `key`'s record first: the longest record of this layout
+        with `key`'s token ids and extras (a longer one is read again alone, see `_read`)."""
+        described = len(key.tokens) + len(key.extras or b"") + len(key.parent or b"")
+        return self.codec.block_bytes + _HEADER_BYTES + described
 
     # -- the generation --------------------------------------------------------------------------
     def _server_generation(self, client: Any, lease: Lease) -> str:
@@ -163,12 +165,17 @@ class MooncakeTier(Tier):
         if lease is None:
             return 0, True
         try:
-            offsets, end = [], _GEN_SLOT
+            room = len(lease.view) - _GEN_SLOT  # the most one record can take of the lane
+            offsets: list[int] = []
+            sizes: list[int] = []
+            end = _GEN_SLOT
             for k in keys:
-                if end + self._slot(k) > len(lease.view):
+                size = self._slot(k) if offsets else min(self._slot(k), room)
+                if end + size > len(lease.view):
                     break
                 offsets.append(end)
-                end += self._slot(k)
+                sizes.append(size)
+                end += size
             if not offsets:
                 self._damaged("a block larger than the transfer buffer's lane (buffer_bytes too small)")
                 return 0, True
@@ -177,8 +184,13 @@ class MooncakeTier(Tier):
             def native(client: Any) -> list[int]:
                 gen = self._server_generation(client, lease)
                 codes = list(client.batch_get_into([self._keys.key(gen, k.block_hash) for k in batch],
-                                                   [lease.address + o for o in offsets],
-                                                   [self._slot(k) for k in batch]))
+                                                   [lease.address + o for o in offsets], sizes))
+                cut = next((i for i, code in enumerate(codes) if code < 0), len(codes))
+                if cut < len(codes) and codes[cut] == TOO_SMALL and sizes[cut] < room:
+                    # longer than its slot (the writer's key carried extras this one lacks, or many):
+                    # the batch ends before it, and it is read again alone, with the whole lane
+                    codes = codes[:cut] if cut else list(client.batch_get_into(
+                        [self._keys.key(gen, batch[0].block_hash)], [lease.address + _GEN_SLOT], [room]))
                 if self._server_generation(client, lease) != gen:  # a clear ran meanwhile: serve none of it
                     return [NOT_FOUND] * len(codes)
                 return codes
@@ -186,10 +198,11 @@ class MooncakeTier(Tier):
             codes = self._conn.run(self.reads, "read", end, native, lease)
             if codes is None:
                 return 0, True
+            batch = batch[: len(codes)]
             n, damaged = 0, []
             for key, dst, off, code in zip(batch, dsts, offsets, codes):
                 if code == TOO_SMALL:
-                    self._damaged("a value too long for this layout")
+                    self._damaged("a value longer than the transfer buffer's lane: not a record of this layout")
                     damaged.append(key.block_hash)
                 if code < 0:
                     if code not in (NOT_FOUND, TOO_SMALL):
