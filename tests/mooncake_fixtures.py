@@ -75,7 +75,7 @@ class MooncakeMaster:
             [self._binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", "--enable_http_metadata_server=true",
              f"--http_metadata_server_port={self.http_port}", "--http_metadata_server_host=127.0.0.1",
              f"--metrics_port={self.metrics_port}", "--metrics_host=127.0.0.1", "--enable_metric_reporting=false",
-             "--default_kv_lease_ttl=100", "--client_ttl=2"],
+             "--default_kv_lease_ttl=1000", "--client_ttl=10"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
         end = time.monotonic() + STARTUP_S
         while not (_listening(self.port) and _listening(self.http_port)):
