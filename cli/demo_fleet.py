@@ -20,6 +20,7 @@ import time
 import urllib.request
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -90,11 +91,27 @@ class Fleet:
             proc.join(timeout=60)
 
 
-def _lookup(url: str, prompt: list[int]) -> str:
+def _ask_router(url: str, prompt: list[int]) -> dict[str, Any]:
     req = urllib.request.Request(url + "/lookup", data=json.dumps({"token_ids": prompt}).encode(), method="POST")
     with urllib.request.urlopen(req, timeout=10) as resp:
-        best: str = json.loads(resp.read())["best"]
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def _lookup(url: str, prompt: list[int]) -> str:
+    best: str = _ask_router(url, prompt)["best"]
     return best
+
+
+def _wait_indexed(url: str, prompt: list[int], engine: str, tokens: int) -> None:
+    """Until the router knows `engine` holds the first `tokens` of `prompt` (its KV events have
+    arrived), at most 10 s: the next placement is then decided on what the engines hold."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        matched = _ask_router(url, prompt)["instances"].get(engine, {}).get("matched_tokens", 0)
+        if matched >= tokens:
+            return
+        time.sleep(0.02)
 
 
 def _wait_synced(url: str, n: int) -> None:
@@ -127,7 +144,8 @@ def serve(placement: str, prompts: list[list[int]], n: int, root: Path, doc_toke
             index = fleet.names.index(_lookup(router.url, prompt)) if router is not None else i % n
             reply = fleet.ask(index, prompt)
             out.append({**reply, "engine": fleet.names[index]})
-            time.sleep(0.05)  # the same pause in both placements: events reach the router
+            if router is not None:  # its events have reached the router (a fixed pause was too short under load)
+                _wait_indexed(router.url, prompt, fleet.names[index], doc_tokens // BLOCK_SIZE * BLOCK_SIZE)
         return out
     finally:
         if router is not None:
