@@ -177,6 +177,29 @@ class Soak:
             pass
 
     def run(self, faults: bool) -> None:
+        """Run the soak to its end; whatever happens, every process it started is gone after."""
+        try:
+            self._run(faults)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Kill what is still running, stop the servers and the router, unmount the tmpfs."""
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        self.router.stop()
+        if self.server:
+            self.link.close()
+            self.server.stop()
+        if self.cluster:
+            self.cluster.stop()
+        if self.tmpfs:
+            subprocess.run(["umount", "-l", str(self.dir / "disk")], check=False)
+            self.tmpfs = False
+
+    def _run(self, faults: bool) -> None:
         for i in range(len(self.specs)):
             self.start(i)
         next_fault = time.monotonic() + self.rng.expovariate(1 / MEAN_FAULT_INTERVAL_S)
@@ -191,7 +214,12 @@ class Soak:
             if faults and time.monotonic() >= next_fault and time.monotonic() < self.end - 5:
                 if not deck:  # every kind once per round, in a random order: each lands, even in a short soak
                     deck = self.rng.sample(FAULTS, len(FAULTS))
-                self.inject(deck.pop())
+                fault = deck.pop()
+                try:
+                    self.inject(fault)
+                except Exception as exc:  # e.g. a server that did not come back in time: counted, the soak goes on
+                    self.faults[f"fault_failed_{fault}"] += 1
+                    print(f"kvstrata bench soak: fault {fault} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 next_fault = time.monotonic() + self.rng.expovariate(1 / MEAN_FAULT_INTERVAL_S)
             time.sleep(0.1)
         self.router_off = self._router_agrees()
@@ -210,14 +238,6 @@ class Soak:
         except subprocess.TimeoutExpired:
             self.faults["hung_at_end"] += 1
             probe.kill()  # type: ignore[union-attr]
-        self.router.stop()
-        if self.server:
-            self.link.close()
-            self.server.stop()
-        if self.cluster:
-            self.cluster.stop()
-        if self.tmpfs:
-            subprocess.run(["umount", "-l", str(self.dir / "disk")], check=False)
 
     def _router_agrees(self) -> dict[str, list[int]]:
         """Once engine 0 has written what it holds (after its last operation), the prompts on
