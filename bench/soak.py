@@ -19,6 +19,7 @@ disagree with its calls; the same seed draws the same workload and sequence of f
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import sys
 import tempfile
@@ -71,10 +72,15 @@ def summarize(stats_files: list[str], seconds: float) -> dict[str, Any]:
 
 def run(minutes: float, seed: int, clients: int, threads: int, remote: bool, cluster: bool, faults: bool) -> int:
     seconds = minutes * 60
-    with tempfile.TemporaryDirectory(prefix="kvstrata-soak-") as tmp:
-        soak = Soak(Path(tmp), seed, clients, threads, seconds, remote, cluster)
-        soak.run(faults)
-        result = summarize(soak.stats, seconds)
+    # SIGTERM ends the soak as Ctrl-C does: through its cleanup (no engine or server left behind)
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvstrata-soak-") as tmp:
+            soak = Soak(Path(tmp), seed, clients, threads, seconds, remote, cluster)
+            soak.run(faults)
+            result = summarize(soak.stats, seconds)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     raw = {k: v for k, v in result["errors"].items() if not k.startswith("error_")}
     print_table(f"soak, {minutes:g} min, seed {seed}: {clients} engines x {threads} threads + durability probe",
                 ["operation", "count", "tokens hit", "p50 ms", "p99 ms", "max ms"],
