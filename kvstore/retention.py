@@ -4,7 +4,8 @@ call), kept through eviction pressure for a while, within a budget per tenant.
 `retain` pins the given blocks in the store's memory tier below the engine (the CPU tier) until
 a deadline; eviction passes them over meanwhile. Each tenant (namespace and cache salt: a
 `BlockKey.tenant`) may hold at most `budget_blocks` retained blocks, so one client cannot pin
-the cache; what does not fit, or is not in that tier, is reported as clipped. Retaining a
+the cache, and all together at most `TOTAL_SHARE` of the tier, so unhinted work keeps room;
+what does not fit, or is not in that tier, is reported as clipped. Retaining a
 block again extends its deadline without charging it twice. Expired blocks are unpinned by
 `expire`, which the store calls on each write and retain (the caller holds the store's lock).
 """
@@ -20,6 +21,7 @@ from tiers.base import Tier
 from tiers.keys import BlockHash, BlockKey
 
 MAX_RETAIN_S = 24 * 3600.0  # the longest a caller may ask a prefix to be kept
+TOTAL_SHARE = 0.75  # all tenants together retain at most this share of the tier: unhinted work keeps room
 
 
 class RetainResult(NamedTuple):
@@ -36,6 +38,7 @@ class Retention:
     def __init__(self, tier: Tier | None, budget_blocks: int) -> None:
         self._tier = tier
         self.budget_blocks = budget_blocks
+        self.total_blocks = int(TOTAL_SHARE * tier.capacity_blocks) if tier is not None else 0
         self._until: dict[BlockHash, float] = {}
         self._owner: dict[BlockHash, bytes] = {}
         self._charged: dict[bytes, int] = {}
@@ -61,7 +64,8 @@ class Retention:
                 retained += 1
                 continue
             tenant = key.tenant
-            if self._tier is None or self._charged.get(tenant, 0) >= self.budget_blocks or not self._tier.pin([h]):
+            if self._tier is None or self._charged.get(tenant, 0) >= self.budget_blocks \
+                    or len(self._until) >= self.total_blocks or not self._tier.pin([h]):
                 clipped += 1
                 continue
             self._until[h], self._owner[h] = until, tenant

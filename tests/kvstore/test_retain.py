@@ -66,6 +66,18 @@ def test_one_tenant_cannot_pin_more_than_its_share_and_the_rest_is_clipped(tmp_p
         store.check_integrity()
 
 
+def test_all_tenants_together_keep_a_quarter_of_the_tier_free(tmp_path: Path) -> None:
+    with _store(tmp_path, retain_share=1.0) as store:  # each tenant alone could take it all
+        for i, salt in enumerate(("a", "b", "c")):
+            tokens = list(range(i * 1000, i * 1000 + 12 * BLOCK))
+            store.store(tokens, make_kv(len(tokens)), extra_keys=ExtraKeys(cache_salt=salt))
+            store.retain(tokens, 60, extra_keys=ExtraKeys(cache_salt=salt))
+        assert len(store.blocks.retention) == CPU_BLOCKS * 3 // 4  # type: ignore[attr-defined]
+        _flood(store, 4)
+        assert store.locate(list(range(103_000, 103_000 + 8 * BLOCK)))[0] is TierKind.CPU  # room for the rest
+        store.check_integrity()
+
+
 def test_clear_forgets_retention_and_a_prefix_stored_again_can_be_retained(tmp_path: Path) -> None:
     session = list(range(8 * BLOCK))
     with _store(tmp_path) as store:
