@@ -146,8 +146,8 @@ def measure(n: int, payload_mib: float = 0.0, evict_blocks: int | None = None, r
 
             hit_ns, miss_ns = per_block(last), per_block(miss)
             ne = evict_blocks if evict_blocks is not None else min(n, 10 * batch)
-            evict_s, _ = _store(store, ne, batch, kv, rng)
-            held = store.lookup(last)
+            evict_s, newest = _store(store, ne, batch, kv, rng)
+            held = store.lookup(newest) == len(newest)
         mdb_bytes, slot_bytes = _disk_bytes(tmp)
         opened = _child_open(tmp, n, payload_mib, traced=False)
         traced = _child_open(tmp, n, payload_mib, traced=True)
@@ -156,7 +156,7 @@ def measure(n: int, payload_mib: float = 0.0, evict_blocks: int | None = None, r
             "store_ns_per_block": store_s / n * 1e9, "store_gbps": n * layout.block_bytes(BLOCK) / store_s / 1e9,
             "lookup_hit_ns_per_block": hit_ns, "lookup_miss_ns_per_block": miss_ns,
             "evict_store_ns_per_block": evict_s / ne * 1e9, "evicted_blocks": ne,
-            "last_prompt_held_after_evicting": held,
+            "newest_prompt_held_after_evicting": held,
             "open_s": opened["open_s"], "open_s_per_million": opened["open_s"] / n * 1e6,
             "open_cpu_s": opened["open_cpu_s"], "open_cpu_s_per_million": opened["open_cpu_s"] / n * 1e6,
             "raw_cursor_s": opened["raw_cursor_s"], "open_vs_raw_cursor": opened["open_s"] / opened["raw_cursor_s"],
