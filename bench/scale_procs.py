@@ -3,7 +3,9 @@
 Each of P processes stores its own prompts (`--mib` MiB of `--block-kib` KiB blocks, 8
 blocks a prompt), then retrieves its own and the next process's (a lookup before each
 store and each retrieve), then times `--lookups` lookups of every process's prompts; one
-untimed pass checks the bytes of one own and one other prompt. Two configurations: one disk
+untimed pass checks the bytes of one own and one other prompt. Counted: prompts read back
+short (misses), the tier's faults (dropped writes, server errors, damage) that explain
+them, and prompts with other bytes (`wrong`: must be 0). Two configurations: one disk
 tier directory (durability `none`, page cache dropped before reads), and one `redis-server`
 remote tier (the bench starts it). Baselines with the same number of processes, in the same
 run, before each tier run (interleaved per P): P processes writing and reading the same
@@ -74,7 +76,7 @@ def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, 
     mine = [(p, i) for i in range(prompts)]
     read = mine + [((p + 1) % nproc, i) for i in range(prompts)] if nproc > 1 else mine
     lat: list[float] = []
-    wrong = 0
+    short = wrong = 0  # prompts read back shorter than stored (misses); checked prompts with other bytes
     store = _store(kind, target, layout, nbytes * prompts * nproc) if role == "tier" else None
     client = None
     if role == "raw" and kind == "redis":
@@ -115,20 +117,21 @@ def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, 
     for q, i in read:
         if store is not None:
             lookup(q, i)
-            wrong += store.retrieve(_tokens(q, i), out=out).num_tokens != PROMPT_BLOCKS * BLOCK
+            short += store.retrieve(_tokens(q, i), out=out).num_tokens != PROMPT_BLOCKS * BLOCK
         elif client is not None:
             pipe = client.pipeline(transaction=False)
             for b in range(PROMPT_BLOCKS):
                 pipe.get(f"raw:{q}:{i}:{b}")
-            wrong += sum(v is None or len(v) != nbytes // PROMPT_BLOCKS for v in pipe.execute())
+            short += sum(v is None or len(v) != nbytes // PROMPT_BLOCKS for v in pipe.execute())
         else:
             rfd = fd if q == p else os.open(os.path.join(target, f"raw-{q}.bin"), os.O_RDONLY)
-            wrong += os.preadv(rfd, [out.view(torch.uint8).reshape(-1).numpy()], i * nbytes) != nbytes
+            short += os.preadv(rfd, [out.view(torch.uint8).reshape(-1).numpy()], i * nbytes) != nbytes
             if rfd != fd:
                 os.close(rfd)
     r1 = time.perf_counter()
     barrier.wait()
     lookup_lat: list[float] = []
+    faults = 0
     if store is not None:
         lat_io, lat = lat, []
         for j in range(lookups):
@@ -136,14 +139,19 @@ def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, 
         lookup_lat, lat = lat, lat_io
         for q, i in {read[0], read[-1]}:  # untimed: the bytes themselves, own and another's
             res = store.retrieve(_tokens(q, i), out=out)
-            wrong += res.num_tokens != PROMPT_BLOCKS * BLOCK or not bool((out == _value(q, i)).all())
+            n = res.num_tokens
+            wrong += n > 0 and not bool((out[:, :, :n] == _value(q, i)).all())
+        tier = store.tiers[-1]  # type: ignore[attr-defined]
+        faults = int(getattr(tier, "num_write_drops", 0)) + int(getattr(tier, "num_errors", 0)) \
+            + tier.counters.num_corrupt
         store.close()
     if client is not None:
         client.close()
     if fd >= 0:
         os.close(fd)
     queue.put({"p": p, "w0": w0, "w1": w1, "r0": r0, "r1": r1, "written": nbytes * len(mine),
-               "read": nbytes * len(read), "lookup_s": lookup_lat, "io_lookup_s": lat, "wrong": wrong})
+               "read": nbytes * len(read), "lookup_s": lookup_lat, "io_lookup_s": lat, "short": short,
+               "wrong": wrong, "faults": faults})
 
 
 def _run(kind: str, role: str, target: str, nproc: int, prompts: int, block_kib: int, lookups: int
@@ -167,7 +175,8 @@ def _run(kind: str, role: str, target: str, nproc: int, prompts: int, block_kib:
            "read_gbps": sum(r["read"] for r in rows) / r_span / 1e9,
            "per_process_write_gbps": per_proc, "write_spread_min_over_max": min(per_proc) / max(per_proc),
            "starved": sum(x < STARVED_BELOW * med for x in per_proc),
-           "wrong": sum(r["wrong"] for r in rows)}
+           "short": sum(r["short"] for r in rows), "wrong": sum(r["wrong"] for r in rows),
+           "faults": sum(r["faults"] for r in rows)}
     if lat:
         res["lookup_p50_us"] = lat[len(lat) // 2] * 1e6
         res["lookup_p99_us"] = lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e6
@@ -214,11 +223,12 @@ def run(kinds: Sequence[str], counts: Sequence[int], mib: int, block_kib: int, l
                                 "no_writer_starved": res["tier"]["starved"] == 0}
     rows = [[k, r["tier"]["write_gbps"], r["raw"]["write_gbps"], r["write_vs_raw"], r["tier"]["read_gbps"],
              r["raw"]["read_gbps"], r["read_vs_raw"], r["tier"]["lookup_p50_us"], r["tier"]["lookup_p99_us"],
-             r["lookup_p99_vs_one_process"], r["tier"]["write_spread_min_over_max"], r["tier"]["wrong"]]
+             r["lookup_p99_vs_one_process"], r["tier"]["write_spread_min_over_max"], r["tier"]["short"],
+             r["tier"]["faults"], r["tier"]["wrong"]]
             for k, r in results.items()]
     print_table(f"Processes on one host ({block_kib} KiB blocks, {mib} MiB stored per process)",
                 ["tier/procs", "store GB/s", "raw GB/s", "ratio", "read GB/s", "raw GB/s", "ratio", "lookup p50 us",
-                 "p99 us", "p99 vs 1", "write min/max", "wrong"], rows)
+                 "p99 us", "p99 vs 1", "write min/max", "short", "faults", "wrong"], rows)
     return {"block_kib": block_kib, "mib_per_process": mib, "prompt_blocks": PROMPT_BLOCKS,
             "goals": {"vs_raw": GOAL_VS_RAW, "lookup_p99_ratio": GOAL_P99_RATIO}, "cpu_count": os.cpu_count(),
             "load_average": os.getloadavg(), "results": results}
@@ -231,7 +241,7 @@ def run(kinds: Sequence[str], counts: Sequence[int], mib: int, block_kib: int, l
               show_default=True)
 @click.option("--mib", type=click.IntRange(min=1), default=32, show_default=True, help="MiB stored per process.")
 @click.option("--block-kib", type=click.IntRange(min=64), default=1024, show_default=True)
-@click.option("--lookups", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--lookups", type=click.IntRange(min=1), default=1000, show_default=True)
 def command(kinds: tuple[str, ...], counts: tuple[int, ...], mib: int, block_kib: int, lookups: int) -> None:
     write_results("procs", run(kinds, sorted(counts), mib, block_kib, lookups))
 
