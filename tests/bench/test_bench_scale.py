@@ -40,7 +40,9 @@ def test_bench_scale_disk_writes_figures_and_ratios(tmp_path: Path, monkeypatch:
     big = res["tiny/600"]
     for key in ("store_ns_per_block", "evict_store_ns_per_block", "open_cpu_s_per_million"):
         assert big[f"{key}_vs_smallest"] == pytest.approx(big[key] / small[key])
-    assert res["0.0625MiB/6"]["block_bytes"] == 64 << 10
+    pay = res["0.0625MiB/6"]
+    assert pay["block_bytes"] == 64 << 10 and pay["raw_write_gbps"] > 0
+    assert pay["store_vs_raw_write"] == pytest.approx(pay["store_gbps"] / pay["raw_write_gbps"])
     assert list(work.iterdir()) == []  # every filled directory removed
     assert "open/raw cursor" in capsys.readouterr().out
 

@@ -242,7 +242,7 @@ class Index:
         cursor = txn.cursor(db=self.index)
         if not cursor.last():
             return set()
-        to_end = cursor.key().startswith(tag)  # the last namespace: no per-key test needed
+        to_end = bytes(cursor.key()).startswith(tag)  # the last namespace: no per-key test needed
         if not cursor.set_range(tag):
             return set()
         keys = cursor.iternext(values=False)
