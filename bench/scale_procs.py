@@ -1,7 +1,7 @@
 """`kvstrata bench procs`: 1, 2, 4, 8 processes on one host sharing one tier.
 
-Each of P processes stores its own prompts (`--mib` MiB of `--block-kib` KiB blocks, 8
-blocks a prompt), then retrieves its own and the next process's (a lookup before each
+Each of P processes, after one untimed prompt of warm-up, stores its own prompts (`--mib`
+MiB of `--block-kib` KiB blocks, 8 blocks a prompt), then retrieves its own and the next process's (a lookup before each
 store and each retrieve), then times `--lookups` lookups of every process's prompts; one
 untimed pass checks the bytes of one own and one other prompt. Counted: prompts read back
 short (misses), the tier's faults (dropped writes, server errors, damage) that explain
@@ -66,6 +66,21 @@ def _drop(path: str) -> None:
             drop_file_cache(os.path.join(path, name))
 
 
+def _warm_up(store: KVCacheStore | None, client: Any, fd: int, p: int, kv: torch.Tensor, out: torch.Tensor) -> None:
+    """One prompt stored and read back by the path about to be timed, outside the timed prompts."""
+    kv.fill_(1.0)
+    if store is not None:
+        store.store(_tokens(p, 10**6), kv)
+        store.retrieve(_tokens(p, 10**6), out=out)
+    elif client is not None:
+        client.set(f"raw:warm:{p}", kv.view(torch.uint8).reshape(-1).numpy().tobytes())
+        client.get(f"raw:warm:{p}")
+    else:
+        buf = kv.view(torch.uint8).reshape(-1).numpy()
+        os.pwrite(fd, buf, 1 << 40)  # far past the timed prompts (a sparse file)
+        os.preadv(fd, [out.view(torch.uint8).reshape(-1).numpy()], 1 << 40)
+
+
 def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, block_kib: int, lookups: int,
            barrier: Any, queue: Any) -> None:
     """One process: write, (cache dropped), read, lookups; puts its timings on `queue`."""
@@ -92,6 +107,7 @@ def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, 
         lat.append(time.perf_counter() - t0)
         return n
 
+    _warm_up(store, client, fd, p, kv, out)  # first-call costs (buffers, connections, files) untimed
     barrier.wait()
     w0 = time.perf_counter()
     for q, i in mine:
