@@ -66,7 +66,8 @@ def _drop(path: str) -> None:
             drop_file_cache(os.path.join(path, name))
 
 
-def _warm_up(store: KVCacheStore | None, client: Any, fd: int, p: int, kv: torch.Tensor, out: torch.Tensor) -> None:
+def _warm_up(store: KVCacheStore | None, client: Any, fd: int, p: int, kv: torch.Tensor, out: torch.Tensor,
+             past: int) -> None:
     """One prompt stored and read back by the path about to be timed, outside the timed prompts."""
     kv.fill_(1.0)
     if store is not None:
@@ -77,8 +78,8 @@ def _warm_up(store: KVCacheStore | None, client: Any, fd: int, p: int, kv: torch
         client.get(f"raw:warm:{p}")
     else:
         buf = kv.view(torch.uint8).reshape(-1).numpy()
-        os.pwrite(fd, buf, 1 << 40)  # far past the timed prompts (a sparse file)
-        os.preadv(fd, [out.view(torch.uint8).reshape(-1).numpy()], 1 << 40)
+        os.pwrite(fd, buf, past)  # past the timed prompts
+        os.preadv(fd, [out.view(torch.uint8).reshape(-1).numpy()], past)
 
 
 def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, block_kib: int, lookups: int,
@@ -107,7 +108,7 @@ def worker(kind: str, role: str, target: str, p: int, nproc: int, prompts: int, 
         lat.append(time.perf_counter() - t0)
         return n
 
-    _warm_up(store, client, fd, p, kv, out)  # first-call costs (buffers, connections, files) untimed
+    _warm_up(store, client, fd, p, kv, out, prompts * nbytes)  # first-call costs (buffers, connections, files) untimed
     barrier.wait()
     w0 = time.perf_counter()
     for q, i in mine:
