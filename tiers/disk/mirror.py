@@ -57,8 +57,7 @@ class Mirror:
         self._seq = seq
 
     def _rebuild(self, txn: lmdb.Transaction) -> None:
-        n = len(self._tag)
-        self.hashes = {BlockHash(key[n:]) for key in self._index.keys_of(txn, self._tag)}
+        self.hashes = self._index.hashes_of(txn, self._tag)  # type: ignore[assignment]  # BlockHash is bytes
         self.num_rebuilds += 1
 
     def _apply(self, removed: list[bytes], added: list[bytes]) -> None:
@@ -93,8 +92,7 @@ class Mirror:
             if self._index.get_u64(txn, b"seq") < self._seq:
                 return
             self._catch_up(txn)
-            n = len(self._tag)
-            held = {BlockHash(key[n:]) for key in self._index.keys_of(txn, self._tag)}
+            held = self._index.hashes_of(txn, self._tag)
             if held != self.hashes:
                 raise RuntimeError(f"disk tier: in-memory index has {len(self.hashes)} blocks, the index "
                                    f"{len(held)} (a bug)")
