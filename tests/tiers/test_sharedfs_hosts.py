@@ -117,7 +117,14 @@ def test_hosts_evicting_at_once_keep_the_directory_near_capacity_and_foreign_fil
     assert all(r["drops"] == 0 and r["errors"] == 0 for r in results), results
     assert sum(r["evicted"] for r in results) > 0
     used = sum(e.size for e in _kvstrata_files(root) if e.block_hash is not None)
-    assert 0.3 * capacity <= used <= 1.5 * capacity, (used, capacity)
+    # In flight each host overshoots by what the others wrote since its last scan (no host
+    # holds a lock the others wait on): bounded, not exact.
+    assert 0.3 * capacity <= used <= 2.0 * capacity, (used, capacity)
+    assert all(p.exists() for p in foreign), "eviction removed a file kvstrata did not write"
+    with open_store(str(root), local=False, capacity_bytes=capacity) as store:
+        shared_tier(store).space.maintain(force_scan=True)  # any host's next scan brings it back under
+    used = sum(e.size for e in _kvstrata_files(root) if e.block_hash is not None)
+    assert 0.3 * capacity <= used <= capacity, (used, capacity)
     assert all(p.exists() for p in foreign), "eviction removed a file kvstrata did not write"
     with open_store(str(root), local=False) as store:
         store.clear()
