@@ -65,3 +65,10 @@ def save_plot(fig: Any, ax: Any, path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment, with this checkout first on `PYTHONPATH`: a child process
+    started with `python -m bench...` or `-m cli.main` imports the same kvstrata."""
+    paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}

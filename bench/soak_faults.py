@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -13,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from bench.common import child_env
 from bench.soak_proxy import FaultyLink
 from bench.soak_router import RouterWatch
 from cli.ports import free_port_pair
@@ -70,8 +70,7 @@ class Soak:
                     stats=str(self.dir / f"stats-{i}-{len(self.stats)}.json"))
         self._last_stats[i] = len(self.stats)
         self.stats.append(spec["stats"])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                        os.environ.get("PYTHONPATH")]))}
+        env = child_env()
         with (self.dir / f"stderr-{i}.log").open("ab") as err:  # the child keeps its own copy
             self.procs[i] = subprocess.Popen([sys.executable, "-m", "bench.soak_client", json.dumps(spec)], env=env,
                                              stdout=subprocess.DEVNULL, stderr=err)

@@ -9,7 +9,6 @@ it must equal the store's own `lookup` of every prompt.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from bench.common import child_env
 from cli.ports import free_port
 
 INSTANCE = "engine-0"
@@ -36,8 +36,7 @@ class RouterWatch:
     def start(self) -> None:
         """Start the router (again); its state comes back from the publisher's welcome."""
         endpoints = f"tcp://127.0.0.1:{self.events_port},tcp://127.0.0.1:{self.events_port + 1}"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                        os.environ.get("PYTHONPATH")]))}
+        env = child_env()
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "router", "--port", str(self.port),
                                           "--subscribe", f"{INSTANCE}={endpoints}"], env=env,
