@@ -121,7 +121,7 @@ def _one(store: KVCacheStore, op: str, tokens: np.ndarray, tag: str, extra: Extr
             figures.count("wrong_blocks")
         return n
     if op == "prefetch":
-        return store.prefetch(tokens, extra_keys=extra).result(timeout=LATE_S * 3)
+        return store.prefetch(tokens, extra_keys=extra).result(timeout=LATE_S * 3).num_in_memory * BLOCK
     if op == "clear":
         store.clear()
         return 0

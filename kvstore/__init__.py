@@ -13,6 +13,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
+from kvstore.prefetch import MAX_PREFETCH_BLOCKS, PrefetchResult, PrefetchStatus
 from kvstore.results import ClearResult
 from kvstore.store import CloseResult, KVCacheStore, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
@@ -21,6 +22,7 @@ from tiers.disk.durability import DiskSync
 __version__ = "0.1.0"
 
 __all__ = [
+    "MAX_PREFETCH_BLOCKS",
     "BlockChange",
     "BlockEvent",
     "BlockHash",
@@ -44,6 +46,8 @@ __all__ = [
     "LoadResult",
     "LookupResult",
     "MultiModalInput",
+    "PrefetchResult",
+    "PrefetchStatus",
     "RetrieveResult",
     "SaveResult",
     "StoreClosedError",

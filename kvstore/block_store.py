@@ -10,6 +10,7 @@ store is open) it is given at construction; it reads nothing of the store's.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -22,6 +23,7 @@ from kvstore.engine_api import BlockStore, Destinations, EventBatch, LoadResult,
 from kvstore.errors import InvalidInputError, StoreClosedError
 from kvstore.keying import ChainKeys, key_hashes
 from kvstore.lifecycle import Lifecycle
+from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD, PrefetchResult, PrefetchSlots, PrefetchStatus, check_max_blocks
 from kvstore.results import ClearResult, StoreCounters
 from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
 from kvstore.tier_stack import TierStack
@@ -30,6 +32,9 @@ from kvstore.validate import check_block_tensors
 from kvstore.verify import VerifyResult
 from tiers.keys import BlockKey
 from tiers.shared.blockbatch import BlockBatch
+from tiers.shared.ratelimit import RateLimitedWarning
+
+logger = logging.getLogger(__name__)
 
 
 def check_keys(keys: object) -> Sequence[BlockKey]:
@@ -64,6 +69,8 @@ class TierBlockStore(BlockStore):
         # Called with ("store" | "load", seconds) after each such call when set (the store's
         # `observe_latency` sets it too).
         self.observe_latency: Callable[[str, float], None] | None = None
+        self._prefetches = PrefetchSlots(PREFETCH_QUEUE_PER_THREAD * config.io_threads)
+        self._warn = RateLimitedWarning(logger)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
         self._check_open()
@@ -158,32 +165,74 @@ class TierBlockStore(BlockStore):
                 c.verify_mismatches[kind] = c.verify_mismatches.get(kind, 0) + len(idx)
             return result
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> Future[int]:
+    def prefetch(self, keys: Sequence[BlockKey], *, max_blocks: int | None = None) -> Future[PrefetchResult]:
         self._check_open()
-        built = list(check_keys(keys))  # here: the caller may change its tokens once this returns
-        return self._work.submit(self._prefetch, built)
+        cap = check_max_blocks(max_blocks)
+        keys = check_keys(keys)
+        built = list(keys[:cap])  # here: the caller may change its tokens once this returns
+        capped = len(keys) - len(built)
+        with self._lock:
+            self.counters.num_prefetch_calls += 1
+        if not self._prefetches.take():  # too many waiting: a hint, never a pile of work
+            with self._lock:
+                self.counters.num_prefetch_dropped += 1
+            self._warn(f"prefetch dropped: {self._prefetches.limit} prefetches already wait or run "
+                       "(counted in num_prefetch_dropped)")
+            dropped: Future[PrefetchResult] = Future()
+            dropped.set_result(PrefetchResult(PrefetchStatus.DROPPED, num_capped=capped))
+            return dropped
+        try:
+            return self._work.submit(self._prefetch, built, capped)
+        except BaseException:
+            self._prefetches.give()
+            raise
 
-    def _prefetch(self, keys: list[BlockKey]) -> int:
+    def _prefetch(self, keys: list[BlockKey], capped: int) -> PrefetchResult:
+        try:
+            result = self._prefetch_now(keys, capped)
+        except StoreClosedError:  # close() began: a queued or running prefetch moves nothing
+            result = PrefetchResult(PrefetchStatus.CLOSED, num_capped=capped)
+        except Exception as exc:  # a fault is a counted miss, never a raised future
+            with self._lock:
+                self.counters.num_prefetch_failed += 1
+            self._warn(f"prefetch failed ({type(exc).__name__}: {exc}); counted in num_prefetch_failed")
+            result = PrefetchResult(PrefetchStatus.FAULT, num_capped=capped)
+        finally:
+            self._prefetches.give()
+        return result
+
+    def _prefetch_now(self, keys: list[BlockKey], capped: int) -> PrefetchResult:
         hashes = key_hashes(keys)
         work, stack = self._work, self._stack
-        try:
-            with work.outside():
+        closed = PrefetchResult(PrefetchStatus.CLOSED, num_capped=capped)
+        with work.outside():
+            with self._lock:
+                if work.closing:
+                    return closed
+                generation = self.generation  # what the reads below see; a clear() later voids them
+                plan = stack.plan_prefetch(hashes, reserved=len(self.retention))
+            status, got = PrefetchStatus.DONE, 0
+            if plan is not None and plan.positions:
+                buffer = BlockBatch(torch.empty((len(plan.positions), *self._config.block_shape),
+                                                dtype=self._config.layout.dtype))
+                got, counts = stack.read_prefetch(keys, plan, buffer, lambda: work.closing)
                 with self._lock:
                     if work.closing:
-                        return 0
-                    generation = self.generation  # what the reads below see; a clear() later voids them
-                    plan = stack.plan_prefetch(hashes)
-                if plan is not None:
-                    buffer = BlockBatch(torch.empty((len(plan.positions), *self._config.block_shape),
-                                                    dtype=self._config.layout.dtype))
-                    got, counts = stack.read_prefetch(keys, plan, buffer, lambda: work.closing)
-                    with self._lock:
-                        if got and generation == self.generation and not work.closing:
-                            stack.insert_prefetched(keys, plan, buffer, got, counts)
-                with self._lock:
-                    return 0 if work.closing else stack.leading_in_memory(hashes)
-        except StoreClosedError:  # close() began: a queued or running prefetch resolves to 0
-            return 0
+                        return closed
+                    if generation != self.generation:
+                        status, got = PrefetchStatus.CLEARED, 0
+                    elif got and not stack.insert_prefetched(keys, plan, buffer, got, counts):
+                        status, got = PrefetchStatus.FULL, 0
+            with self._lock:
+                if work.closing:
+                    return closed
+                planned = len(plan.positions) if plan is not None else 0
+                failed = planned - got if status is PrefetchStatus.DONE else 0
+                c = self.counters
+                c.num_prefetch_promoted += got
+                c.num_prefetch_failed += failed
+                return PrefetchResult(status, plan.num_held if plan else 0, plan.num_already if plan else 0, got,
+                                      failed, plan.num_unfit if plan else 0, capped, stack.leading_in_memory(hashes))
 
     def take_events(self) -> EventBatch:
         with self._lock:

@@ -25,6 +25,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from kvstore.prefetch import PrefetchResult
 from kvstore.retention import RetainResult
 from kvstore.verify import VerifyResult
 from tiers.keys import BlockHash, BlockKey, TierKind
@@ -129,12 +130,14 @@ class BlockStore(Protocol):
         make room (reads keep working)."""
         ...
 
-    def prefetch(self, keys: Sequence[BlockKey]) -> Future[int]:
-        """In the background, bring the longest held prefix of `keys` from tiers outside
-        memory (disk, remote) into the slowest memory tier. The future resolves to the
-        number of leading blocks then held in memory tiers; to 0 if `close()` found it
+    def prefetch(self, keys: Sequence[BlockKey], *, max_blocks: int | None = None) -> Future[PrefetchResult]:
+        """In the background, bring the longest held prefix of `keys` (its first `max_blocks`
+        at most; default `MAX_PREFETCH_BLOCKS`) from tiers outside memory (disk, remote)
+        into the slowest memory tier, never evicting retained blocks nor the prefix's own.
+        The future resolves to a `PrefetchResult`, never an exception (a fault is a counted
+        miss); `DROPPED` at once if too many prefetches wait; `CLOSED` if `close()` found it
         queued or running (never cancelled). The slow reads run without the store's lock;
-        nothing is inserted if a `clear()` ran meanwhile."""
+        nothing is inserted if a `clear()` ran meanwhile (`kvstore/prefetch.py`)."""
         ...
 
     def retain(self, keys: Sequence[BlockKey], seconds: float) -> RetainResult:

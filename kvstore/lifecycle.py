@@ -91,20 +91,3 @@ class Lifecycle:
             while self._num_outside:
                 self._cond.wait()
 
-
-def in_tokens(blocks: Future[int], block_size: int) -> Future[int]:
-    """A future of `blocks`' result times `block_size` (its exception, if it raises)."""
-    tokens: Future[int] = Future()
-
-    def done(f: Future[int]) -> None:
-        if f.cancelled():
-            tokens.cancel()
-            return
-        exc = f.exception()
-        if exc is None:
-            tokens.set_result(f.result() * block_size)
-        else:
-            tokens.set_exception(exc)
-
-    blocks.add_done_callback(done)
-    return tokens

@@ -62,6 +62,10 @@ class StoreCounters:
     num_tokens_hit: int = 0
     num_verified_blocks: int = 0
     verify_mismatches: dict[TierKind, int] = field(default_factory=dict)
+    num_prefetch_calls: int = 0
+    num_prefetch_dropped: int = 0  # not run: too many prefetches waited
+    num_prefetch_promoted: int = 0  # blocks prefetches read from slow tiers into memory
+    num_prefetch_failed: int = 0  # blocks planned but not read (gone, damaged), and prefetches a fault ended
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class StoreStats:
     tiers: tuple[TierStats, ...]
     num_verified_blocks: int = 0  # (block, tier) pairs verify mode compared
     verify_mismatches: Mapping[TierKind, int] = field(default_factory=dict)  # blocks found differing, per tier
+    num_prefetch_calls: int = 0
+    num_prefetch_dropped: int = 0  # prefetches not run: too many waited (`kvstore/prefetch.py`)
+    num_prefetch_promoted: int = 0  # blocks prefetches read from slow tiers into memory
+    num_prefetch_failed: int = 0  # blocks prefetches planned but could not read, and prefetches a fault ended
 
     @property
     def hit_ratio(self) -> float:

@@ -27,9 +27,10 @@ from kvstore.engine_api import BlockStore, LoadResult
 from kvstore.errors import ConfigError, LayoutMismatchError, StoreClosedError
 from kvstore.hashing import BlockChain, BlockHash, ExtraKeys, namespace_seed
 from kvstore.keying import Keyer
-from kvstore.lifecycle import Lifecycle, in_tokens
+from kvstore.lifecycle import Lifecycle
 from kvstore.load_policy import LoadPolicy
 from kvstore.pool_api import PoolAllocator
+from kvstore.prefetch import PrefetchResult, check_max_blocks
 from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.retention import RetainResult
 from kvstore.tier_factory import build_tiers, engine_pool
@@ -275,19 +276,24 @@ class KVCacheStore:
 
     # -- background work: prefetch and the asyncio API ---------------------------------------
     def prefetch(self, tokens: object, *, extra_keys: ExtraKeys | None = None,
-                 chain: BlockChain | None = None) -> Future[int]:
-        """Bring the longest cached prefix of `tokens` from tiers outside memory (disk, remote)
-        into the slowest memory tier (the CPU tier; the pool without one), in the background.
-        The future resolves to the leading tokens then held in memory tiers (`chain`: as in `block_hashes`).
+                 chain: BlockChain | None = None, max_blocks: int | None = None) -> Future[PrefetchResult]:
+        """Bring the longest cached prefix of `tokens` (its first `max_blocks` blocks at most;
+        default `MAX_PREFETCH_BLOCKS`) from tiers outside memory (disk, remote) into the
+        slowest memory tier (the CPU tier; the pool without one), in the background, never
+        evicting retained blocks. The future resolves to a `PrefetchResult` (in blocks; never
+        an exception): what memory held already, what it promoted, what it could not read.
 
         Bad input raises here, at once, as does `StoreClosedError` once `close()` has begun.
-        The slow reads run without the store's lock (other calls proceed meanwhile); only the
-        final insert takes it, and inserts nothing if `clear()` ran since the reads began. A
-        prefetch that `close()` finds queued or running resolves to 0 (never cancelled).
+        A prefetch beyond the bound on waiting ones is dropped and counted (the future is
+        then already resolved). The slow reads run without the store's lock (other calls
+        proceed meanwhile); only the final insert takes it, and inserts nothing if `clear()`
+        ran since the reads began. A prefetch that `close()` finds queued or running
+        resolves as `CLOSED` (never cancelled). See `kvstore/prefetch.py`.
         """
         self.check_open()
+        cap = check_max_blocks(max_blocks)
         keys = self._keyer.token_keys(tokens, extra_keys, chain=chain)
-        return in_tokens(self._blocks.prefetch(keys), self.config.block_size)
+        return self._blocks.prefetch(keys, max_blocks=cap)
 
     async def astore(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> int:
         """`store` on the store's I/O threads (`StoreConfig.io_threads` at a time), for event
@@ -317,7 +323,8 @@ class KVCacheStore:
             return StoreStats(c.num_store_calls, c.num_retrieve_calls, c.num_lookup_calls, c.num_blocks_stored,
                               c.num_tokens_requested, c.num_tokens_hit, self._stack.num_promotion_failures,
                               tuple(t.stats() for t in self._stack.tiers), c.num_verified_blocks,
-                              dict(c.verify_mismatches))
+                              dict(c.verify_mismatches), c.num_prefetch_calls, c.num_prefetch_dropped,
+                              c.num_prefetch_promoted, c.num_prefetch_failed)
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""

@@ -74,11 +74,15 @@ class _Below:
 
 class Prefetch(NamedTuple):
     """A prefetch's plan: the prefix positions to read, the index of the tier each comes
-    from, and the memory tier they go to."""
+    from, the memory tier they go to; the held prefix's length, how many of its blocks memory
+    tiers hold already, and how many more there were than the memory tier has room for."""
 
     positions: list[int]
     sources: list[int]
     target: int
+    num_held: int = 0
+    num_already: int = 0
+    num_unfit: int = 0
 
 
 class TierStack:
@@ -259,15 +263,21 @@ class TierStack:
         return self.tiers[self._index[kind]]
 
     # -- prefetch: slow tiers into memory ----------------------------------------------------
-    def plan_prefetch(self, hashes: Sequence[BlockHash]) -> Prefetch | None:
+    def plan_prefetch(self, hashes: Sequence[BlockHash], reserved: int = 0) -> Prefetch | None:
         """Which blocks of the cached prefix to read from tiers outside memory, and into which
-        memory tier (the slowest one); None if nothing needs reading or no tier is memory."""
+        memory tier (the slowest one); None if no tier is memory. Plans no more than that
+        tier can take beside `reserved` blocks (retained ones) and the prefix's blocks it
+        holds already, so the insert never evicts those. Changes nothing."""
         memory = [i for i, t in enumerate(self.tiers) if t.traits.memory]
         if not memory:
             return None
         plan = self.plan_lookup(hashes)
         fetch = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
-        return Prefetch(fetch, [plan[p] for p in fetch], memory[-1]) if fetch else None
+        already = len(plan) - len(fetch)
+        room = max(0, self.tiers[memory[-1]].capacity_blocks - reserved - already)
+        unfit = max(0, len(fetch) - room)
+        fetch = fetch[:room]
+        return Prefetch(fetch, [plan[p] for p in fetch], memory[-1], len(plan), already, unfit)
 
     @_publishes
     def read_prefetch(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],

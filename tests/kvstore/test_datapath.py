@@ -61,11 +61,12 @@ def test_prefetch_brings_a_disk_prefix_into_memory(tmp_path: Path) -> None:
         store.store(tokens, kv)
     with KVCacheStore(_config(tmp_path / "d")) as store:  # reopened: everything on disk
         assert store.retrieve(tokens[:BLOCK]).blocks_per_tier == {TierKind.DISK: 1}  # block 0 now in memory too
-        assert store.prefetch(tokens).result(timeout=30) == 10 * BLOCK
+        got = store.prefetch(tokens).result(timeout=30)
+        assert (got.num_held, got.num_already, got.num_promoted, got.num_in_memory) == (10, 1, 9, 10), got
         assert sum(store.prefetched_blocks.values()) == 9
         res = store.retrieve(tokens)
         assert res.blocks_per_tier == {TierKind.CPU: 10} and torch.equal(res.kv, kv)
-        assert store.prefetch(list(range(5000, 5000 + 3 * BLOCK))).result(timeout=30) == 0  # nothing cached
+        assert store.prefetch(list(range(5000, 5000 + 3 * BLOCK))).result(timeout=30).num_in_memory == 0  # none cached
         with pytest.raises(InvalidTokensError):
             store.prefetch([1.5])  # bad input raises at once, not in the future
         store.check_integrity()

@@ -169,7 +169,7 @@ def test_prefetch_brings_engine_keyed_blocks_from_disk_into_memory(make_store: F
     keys = store.engine_keys(PAGES)
     store.blocks.save(keys, _blocks(6, seed=8))  # 6 blocks into 4 CPU slots: the tail goes to disk
     assert store.blocks.lookup(keys).tiers == [TierKind.CPU] * 4 + [TierKind.DISK] * 2
-    assert store.blocks.prefetch(keys[4:]).result(timeout=30) == 2
+    assert store.blocks.prefetch(keys[4:]).result(timeout=30).num_in_memory == 2
     assert store.blocks.lookup(keys[4:]).tiers == [TierKind.CPU] * 2
     assert store.prefetched_blocks == {TierKind.DISK: 2}
 

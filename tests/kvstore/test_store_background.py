@@ -16,7 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvstore import CloseResult, InvalidInputError, KVCacheStore, StoreClosedError, StoreConfig
+from kvstore import (
+    CloseResult,
+    InvalidInputError,
+    KVCacheStore,
+    PrefetchResult,
+    PrefetchStatus,
+    StoreClosedError,
+    StoreConfig,
+)
 from tests.conftest import BLOCK, LAYOUT, make_kv
 
 TOKENS = list(range(4 * BLOCK))
@@ -78,9 +86,9 @@ def on_disk(tmp_path: Path) -> Iterator[Callable[..., KVCacheStore]]:
         store.close()
 
 
-def _wait_until_refused(store: KVCacheStore) -> tuple[bool, list[Future[int]]]:
+def _wait_until_refused(store: KVCacheStore) -> tuple[bool, list[Future[PrefetchResult]]]:
     """Call prefetch until it raises StoreClosedError (close() has begun); the futures it gave."""
-    accepted: list[Future[int]] = []
+    accepted: list[Future[PrefetchResult]] = []
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
         try:
@@ -100,7 +108,8 @@ def test_clear_voids_a_prefetch_whose_read_began_before_it(on_disk: Callable[...
     assert gate.entered.wait(WAIT_S)
     store.clear()
     gate.release()
-    assert prefetch.result(WAIT_S) == 0  # nothing was inserted, so nothing is in memory
+    result = prefetch.result(WAIT_S)
+    assert result.status is PrefetchStatus.CLEARED and result.num_promoted == 0 and result.num_in_memory == 0
     assert not store.prefetched_blocks and store.lookup(TOKENS) == 0
     new = make_kv(len(TOKENS), seed=2)
     store.store(TOKENS, new)
@@ -124,7 +133,7 @@ def test_an_astore_queued_before_clear_stores_nothing(on_disk: Callable[..., KVC
         return await task
 
     assert asyncio.run(queue_then_clear()) == 0
-    assert blocker.result(WAIT_S) == 0
+    assert blocker.result(WAIT_S).status is PrefetchStatus.CLEARED
     assert store.lookup(other) == 0 and store.lookup(TOKENS) == 0
 
 
@@ -146,8 +155,8 @@ def test_store_with_an_older_generation_stores_nothing(on_disk: Callable[..., KV
 
 def test_close_resolves_queued_background_calls_without_cancelling_them(
         on_disk: Callable[..., KVCacheStore]) -> None:
-    """Queued when close() begins: a prefetch resolves to 0, an asyncio call raises
-    StoreClosedError (not CancelledError); the running prefetch resolves to 0 too."""
+    """Queued when close() begins: a prefetch resolves as CLOSED, an asyncio call raises
+    StoreClosedError (not CancelledError); the running prefetch resolves as CLOSED too."""
     store = on_disk(io_threads=1)
     gate = DiskGate(store)
     running = store.prefetch(TOKENS)
@@ -176,7 +185,7 @@ def test_close_resolves_queued_background_calls_without_cancelling_them(
     waiter.join(WAIT_S)
     loop.close()
     assert not closer.is_alive() and not waiter.is_alive()
-    assert [f.result(WAIT_S) for f in [running, *queued]] == [0, 0, 0, 0]
+    assert [f.result(WAIT_S).status for f in [running, *queued]] == [PrefetchStatus.CLOSED] * 4
     assert isinstance(waiter.result, StoreClosedError), repr(waiter.result)  # type: ignore[attr-defined]
 
 
@@ -214,7 +223,8 @@ def test_calls_while_close_waits_are_refused_and_no_thread_is_left(
             closer.join(WAIT_S)
     assert not any(closer.is_alive() for closer in closers)
     assert io_left == [[]] * num_closers, f"I/O threads alive when close() returned: {io_left}"
-    assert running.result(WAIT_S) == 0 and all(f.result(WAIT_S) == 0 for f in accepted)
+    assert running.result(WAIT_S).status is PrefetchStatus.CLOSED
+    assert all(f.result(WAIT_S).status in (PrefetchStatus.CLOSED, PrefetchStatus.DROPPED) for f in accepted)
     left = [t.name for t in set(threading.enumerate()) - before]
     assert left == [], f"threads still running after close(): {left}"
     assert store.close() == CloseResult(0, 0)

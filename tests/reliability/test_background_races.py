@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cli.redis_servers import redis_server
-from kvstore import KVCacheStore, StoreClosedError
+from kvstore import KVCacheStore, PrefetchResult, PrefetchStatus, StoreClosedError
 
 from .budget import BUDGET
 from .conftest import Figures
@@ -136,7 +136,7 @@ class Run:
     def __init__(self, store: KVCacheStore) -> None:
         self.store = store
         self.clears = Clears()
-        self.futures: list[tuple[int, Future[int]]] = []
+        self.futures: list[tuple[int, Future[PrefetchResult]]] = []
         self.errors: list[BaseException] = []
         self.num_ops = self.num_checked = self.num_refused = 0
 
@@ -181,9 +181,10 @@ class Run:
         n = await task
         assert n % B == 0 and n <= len(PROMPTS[prompt])
 
-    def _check_prefetch(self, prompt: int, future: Future[int]) -> None:
-        n = future.result(WAIT_S)  # never raises, never hangs
-        assert isinstance(n, int) and n % B == 0 and 0 <= n <= len(PROMPTS[prompt]), n
+    def _check_prefetch(self, prompt: int, future: Future[PrefetchResult]) -> None:
+        result = future.result(WAIT_S)  # never raises, never hangs
+        assert isinstance(result, PrefetchResult) and result.status is not PrefetchStatus.FAULT, result
+        assert 0 <= result.num_in_memory <= len(PROMPTS[prompt]) // B, result
 
     def thread(self, program: list[tuple[str, int]], start: threading.Barrier) -> None:
         try:
