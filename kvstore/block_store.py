@@ -182,10 +182,12 @@ class TierBlockStore(BlockStore):
             dropped.set_result(PrefetchResult(PrefetchStatus.DROPPED, num_capped=capped))
             return dropped
         try:
-            return self._work.submit(self._prefetch, built, capped)
+            future = self._work.submit(self._prefetch, built, capped)
         except BaseException:
             self._prefetches.give()
             raise
+        future.add_done_callback(lambda _: self._prefetches.give())  # run, or cancelled by the caller while queued
+        return future
 
     def _prefetch(self, keys: list[BlockKey], capped: int) -> PrefetchResult:
         try:
@@ -197,8 +199,6 @@ class TierBlockStore(BlockStore):
                 self.counters.num_prefetch_failed += 1
             self._warn(f"prefetch failed ({type(exc).__name__}: {exc}); counted in num_prefetch_failed")
             result = PrefetchResult(PrefetchStatus.FAULT, num_capped=capped)
-        finally:
-            self._prefetches.give()
         return result
 
     def _prefetch_now(self, keys: list[BlockKey], capped: int) -> PrefetchResult:

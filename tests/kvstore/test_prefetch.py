@@ -141,6 +141,20 @@ def test_a_full_queue_drops_and_counts_the_next_prefetch(tmp_path: Path) -> None
         assert (stats.num_prefetch_calls, stats.num_prefetch_dropped) == (limit + 2, 1)
 
 
+def test_a_prefetch_the_caller_cancels_while_queued_gives_its_place_back(tmp_path: Path) -> None:
+    tokens = list(range(4 * BLOCK))
+    with _on_disk(tmp_path / "d", tokens, make_kv(len(tokens), seed=4), io_threads=1) as store:
+        gate = DiskGate(store)
+        running = store.prefetch(tokens)
+        assert gate.entered.wait(WAIT_S)
+        queued = [store.prefetch(tokens) for _ in range(PREFETCH_QUEUE_PER_THREAD - 1)]
+        assert all(f.cancel() for f in queued)  # never run: each gives its place back
+        more = [store.prefetch(tokens) for _ in range(PREFETCH_QUEUE_PER_THREAD - 1)]
+        gate.release()
+        assert all(f.result(WAIT_S).status is PrefetchStatus.DONE for f in [running, *more])
+        assert store.stats().num_prefetch_dropped == 0
+
+
 def test_work_is_bounded_by_the_cap_and_the_cpu_tiers_room_beside_retained_blocks(tmp_path: Path) -> None:
     """`max_blocks` cuts the keys looked at; the CPU tier (8 blocks, 4 retained) takes only
     what fits beside its retained blocks, which stay; a bad cap is one clear error."""
