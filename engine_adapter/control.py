@@ -106,6 +106,31 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def parse_endpoint(name: str, text: object) -> tuple[str, int]:
+    """`HOST:PORT` (`[V6]:PORT` for an IPv6 address) as (host, port); `ConfigError` naming `name`."""
+    if not isinstance(text, str) or ":" not in text:
+        raise ConfigError(f"{name} must be HOST:PORT, got {str(text)[:80]!r}")
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or any(c.isspace() or c in "/[]@" for c in host) or not port.isascii() or not port.isdigit() \
+            or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name} must be HOST:PORT with a port in [1, 65535], got {text[:80]!r}")
+    return host, int(port)
+
+
+def read_token(name: str, path: str) -> str:
+    """The bearer token in the file `path` (its first line, at least 16 characters);
+    `ConfigError` naming `name` and the file, never the token."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name} {path!r} cannot be read: {exc}") from None
+    if len(token) < 16:
+        raise ConfigError(f"{name} {path!r} holds no token of at least 16 characters")
+    return token
+
+
 class RateLimit:
     """A token bucket: `rate` requests a second, bursts of `burst`. Call from one thread."""
 

@@ -39,6 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from engine_adapter.control import ControlListener
+from engine_adapter.vllm.control_setup import open_control
 from engine_adapter.vllm.engine_metrics import KVStrataPromMetrics, KVStrataStats, hit_sources
 from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.group_worker import GroupedWorker
@@ -102,6 +104,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: ConnectorScheduler | None = None
         self._hit_sources: dict[str, dict[CacheHitSource, int]] = {}  # request -> its hit by source
         self._place = Place(1, 0, 1, 0)
+        self._control: ControlListener | None = None  # `control_endpoint`'s listener (worker side)
         self._rates_sent: WorkerRates | None = None  # the worker's last report to the scheduler
         self._rates: RatesBook | None = None  # the scheduler's record of them (workers elsewhere)
         # With several KV cache groups vLLM takes no failed block ids: every load runs in the
@@ -118,6 +121,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.store_config = primary.config
             if self.settings.metrics_port is not None and place.rank == 0:  # one server per port
                 serve_metrics(primary, self.settings.metrics_port, self.settings.metrics_host)
+            try:
+                self._control = open_control(self.settings, [store for _, store in opened],
+                                             len(self.store_planner.places), self._stats.count)
+            except ConfigError:
+                self.shutdown()  # the stores this refused connector opened
+                raise
             self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
                                          async_saves=self.settings.async_saves, fail_whole_requests=several)
         else:
@@ -243,6 +252,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         """Release the stores (the last user of each in this process flushes and closes it)."""
+        if self._control is not None:  # no prefetch starts once the stores close
+            self._control.close()
+            self._control = None
         if self._worker is not None:
             self._worker.flush()  # queued saves land before the stores close
         if self._store_keys:

@@ -28,6 +28,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from engine_adapter.control import is_loopback, parse_endpoint
 from kvstore.config import KVLayout, StoreConfig
 from kvstore.errors import ConfigError
 from kvstore.settings import (
@@ -199,6 +200,13 @@ class ConnectorSettings(EnvSettings):
             `metrics` extra); None: none served.
         metrics_host: the address `metrics_port` binds (loopback by default; "0.0.0.0" to let
             other hosts scrape it: the metrics carry no token ids and no authentication).
+        control_endpoint: serve `POST /prefetch` on this `HOST:PORT` (docs/vllm.md): warm the
+            CPU tier with a prompt's cached prefix before its request arrives; loopback unless
+            `control_token_file` is given; one worker and one KV cache group only. None: no
+            listener.
+        control_token_file: a file whose first line (at least 16 characters) is the bearer
+            token every `control_endpoint` request must carry; needed on an address other
+            hosts can reach.
         verify_fraction: the share of requests with a kvstrata hit that are verified instead:
             reported to vLLM as misses, computed, and their computed KV compared with every
             tier's copy as it is saved (a copy that differs is removed everywhere and counted);
@@ -217,6 +225,8 @@ class ConnectorSettings(EnvSettings):
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     verify_fraction: float = 0.0
+    control_endpoint: str | None = None
+    control_token_file: str | None = None
     library: Mapping[str, object] = field(default_factory=dict, repr=False, metadata={"setting": False})
 
     def __post_init__(self) -> None:
@@ -230,6 +240,12 @@ class ConnectorSettings(EnvSettings):
         host = parse_str("metrics_host", self.metrics_host, empty=False)
         if any(c.isspace() for c in host):
             raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")
+        if self.control_endpoint is not None:
+            host, _ = parse_endpoint("control_endpoint", parse_str("control_endpoint", self.control_endpoint))
+            if not is_loopback(host) and self.control_token_file is None:
+                raise ConfigError(f"control_endpoint {self.control_endpoint!r} is reachable from other hosts: give "
+                                  "control_token_file (docs/security.md), or listen on loopback")
+        set_(self, "control_token_file", parse_path("control_token_file", self.control_token_file))
         if not isinstance(self.library, Mapping):
             raise ConfigError(f"ConnectorSettings.library must be a mapping, got {shown(self.library)}")
         keys = library_keys()

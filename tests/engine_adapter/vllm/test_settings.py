@@ -93,7 +93,7 @@ def as_text(value: object) -> str:
 def test_the_keys_are_the_connectors_own_and_every_store_config_field_but_the_derived() -> None:
     own = {f.name for f in ConnectorSettings.own_fields()}
     assert own == {"namespace", "stats_path", "async_saves", "async_loads", "metrics_port", "metrics_host",
-                   "verify_fraction"}
+                   "verify_fraction", "control_endpoint", "control_token_file"}
     fields = {f.name for f in dataclasses.fields(StoreConfig)}
     assert set(library_keys()) == fields - set(DERIVED) - {"namespace"}  # namespace: derived, plus the user's text
     assert set(ConnectorSettings.keys()) == own | set(library_keys())
@@ -244,3 +244,14 @@ def test_a_password_in_the_tiers_is_never_shown() -> None:
     settings = ConnectorSettings.from_sources({"tiers": [{"type": "remote", "url": url}]}, {})
     for shown in (str(bad_json.value), str(bad_url.value), repr(settings), repr(group_config(settings, derived()))):
         assert "s3cret-pw" not in shown, shown
+
+
+def test_control_endpoint_is_host_port_and_loopback_unless_a_token_file_is_given() -> None:
+    assert ConnectorSettings.from_sources({"control_endpoint": "127.0.0.1:8200"}).control_endpoint == "127.0.0.1:8200"
+    for bad in ("8200", "127.0.0.1:", "127.0.0.1:0", "127.0.0.1:70000", "host name:80", ":80", 8200):
+        with pytest.raises(ConfigError, match="control_endpoint"):
+            ConnectorSettings.from_sources({"control_endpoint": bad})
+    with pytest.raises(ConfigError, match="reachable from other hosts: give control_token_file"):
+        ConnectorSettings.from_sources({"control_endpoint": "0.0.0.0:8200"})
+    given = ConnectorSettings.from_sources({"control_endpoint": "[::]:8200", "control_token_file": "/run/token"})
+    assert given.control_token_file == "/run/token"
