@@ -13,7 +13,10 @@ module_path (how vLLM finds the connector: default "TierKVConnector" in
 "engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers),
 connector_role (vLLM's kv_role, default "kv_both"), asleep_rounds (round indices run with the
 worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before the round,
-`restore_kv_caches` after; one process only).
+`restore_kv_caches` after; one process only), prefetch (`{"before_round": R, "url": URL,
+"bodies": [...]}`: each body POSTed to the connector's control listener before round R; a
+body's "prompt": i stands for prompt i's token ids (and cache salt); the answers are in the
+result's "prefetches" as [status, body]).
 """
 
 from __future__ import annotations
@@ -62,7 +65,10 @@ def run(spec: dict) -> dict:
         schedule = [list(range(len(spec["prompts"])))] * schedule
     rounds = []
     asleep = set(spec.get("asleep_rounds") or ())
+    prefetches: list = []
     for round_index, order in enumerate(schedule):
+        if (spec.get("prefetch") or {}).get("before_round") == round_index:
+            prefetches = _prefetch(spec["prefetch"], spec["prompts"])
         if round_index in asleep:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
@@ -108,7 +114,31 @@ def run(spec: dict) -> dict:
     stats_path = (spec.get("connector") or {}).get("stats_path")
     llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
-    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts}
+    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts,
+            "prefetches": prefetches}
+
+
+def _prefetch(spec: dict, prompts: list) -> list:
+    """POST each of `spec`'s bodies to the control listener; [[status, answer], ...]."""
+    import urllib.error
+    import urllib.request
+
+    answers = []
+    for body in spec["bodies"]:
+        body = dict(body)
+        if "prompt" in body:
+            prompt = prompts[body.pop("prompt")]
+            body["prompt_token_ids"] = prompt["ids"] if isinstance(prompt, dict) else prompt
+            if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+                body["cache_salt"] = prompt["cache_salt"]
+        req = urllib.request.Request(spec["url"], data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                answers.append([resp.status, json.loads(resp.read())])
+        except urllib.error.HTTPError as exc:
+            answers.append([exc.code, json.loads(exc.read())])
+    return answers
 
 
 if __name__ == "__main__":
