@@ -2,8 +2,9 @@
 
 Follows the KV events (vLLM's format) of kvstrata stores and vLLM engines, and answers POST
 /lookup: which instance holds the longest cached prefix of a request, and in which tiers.
-Instances come from --subscribe and from POST /register. Also POST /unregister, GET
-/healthz, /instances, /metrics.
+Instances come from --subscribe and from POST /register. POST /prefetch forwards a prefetch
+to the instance /lookup would choose, at its control URL (--control, or /register's
+control_url). Also POST /unregister, GET /healthz, /instances, /metrics.
 """
 
 from __future__ import annotations
@@ -50,17 +51,22 @@ class Weights(ParamType):
 @click.option("--max-sources", type=click.IntRange(1, 4096), default=Limits().max_sources, show_default=True)
 @click.option("--max-blocks", type=click.IntRange(1), default=Limits().max_blocks_per_slot, show_default=True,
               help="blocks indexed per source (and per shared remote tier)")
+@click.option("--control", multiple=True, metavar="NAME=http://HOST:PORT",
+              help="an instance's control listener (its connector's control_endpoint), where POST /prefetch "
+                   "forwards; repeat for each")
 @click.option("--token-file", type=click.Path(dir_okay=False), default=None,
               help="a file holding the bearer token every request but GET /healthz must carry")
 @click.option("--curve-cert", type=click.Path(dir_okay=False), default=None,
               help="the router's secret ZeroMQ certificate, for publishers that require CURVE")
 @click.option("--curve-server", type=click.Path(dir_okay=False), default=None,
               help="the publishers' public ZeroMQ certificate (for every --subscribe)")
-def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tuple[float, float, float, float],
+def command(port: int, host: str, subscribe: tuple[str, ...], control: tuple[str, ...],
+            tier_weights: tuple[float, float, float, float],
             load_weight: float, stale_after: float, forget_after: float, max_sources: int, max_blocks: int,
             token_file: str | None, curve_cert: str | None, curve_server: str | None) -> None:
     from kvevents import CurveClient, load_public
     from router.config import RouterConfig, read_token
+    from router.prefetch import parse_control
     from router.service import serve
 
     try:
@@ -73,7 +79,8 @@ def command(port: int, host: str, subscribe: tuple[str, ...], tier_weights: tupl
             limits=Limits(max_sources=max_sources, max_blocks_per_slot=max_blocks, stale_after_s=stale_after,
                           forget_after_s=forget_after),
             curve=CurveClient.from_file(curve_cert) if curve_cert else None,
-            curve_server_key=load_public(curve_server, "--curve-server") if curve_server else None, token=token)
+            curve_server_key=load_public(curve_server, "--curve-server") if curve_server else None, token=token,
+            controls=tuple(parse_control(c) for c in control))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

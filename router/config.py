@@ -9,6 +9,7 @@ from kvevents import CurveClient, check_endpoint, check_public_key
 from kvstore.errors import ConfigError
 from router.fleet import Limits
 from router.lookup import Scoring
+from router.prefetch import check_control_url
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,10 @@ class RouterConfig:
         curve: the router's own CURVE keys, for publishers that require them.
         curve_server_key: the publishers' CURVE public key where a subscription names none.
         token: the bearer token every request but `GET /healthz` must carry (None: none
-            needed; then `/register` and `/unregister` answer only on a loopback address).
+            needed; then `/register` and `/unregister` answer only on a loopback address);
+            `POST /prefetch` forwards it to the instances' control listeners.
+        controls: (instance name, `http://HOST:PORT`) of instances' control listeners, where
+            `POST /prefetch` forwards (more come with `/register`'s `control_url`).
     """
 
     subscriptions: tuple[Subscription, ...] = ()
@@ -64,6 +68,7 @@ class RouterConfig:
     curve: CurveClient | None = None
     curve_server_key: bytes | None = None
     token: str | None = field(default=None, repr=False)
+    controls: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.limits.stale_after_s < 3600:
@@ -76,6 +81,8 @@ class RouterConfig:
             raise ConfigError("publisher CURVE keys are given but the router has no keys of its own: give --curve-cert")
         if self.token is not None and (not isinstance(self.token, str) or len(self.token) < 16):
             raise ConfigError("the router's token must be at least 16 characters")
+        object.__setattr__(self, "controls", tuple((name, check_control_url(url, f"control URL of {name!r}"))
+                                                   for name, url in self.controls))
 
     def authorized(self, header: str | None) -> bool:
         """Whether an `Authorization` header carries the token (compared in constant time).

@@ -48,6 +48,13 @@ class RouterCollector:
             ("kvstrata_router_replays", "Replays requested.", fleet.num_replays),
             ("kvstrata_router_restarts", "Publisher restarts seen.", fleet.num_restarts),
             ("kvstrata_router_forgotten", "Sources forgotten after a long silence.", fleet.num_forgotten),
+            ("kvstrata_router_prefetch_forwarded", "Prefetches forwarded to an instance that answered.",
+             r.forwarder.num_forwarded),
+            ("kvstrata_router_prefetch_failed", "Prefetches whose instance failed (502).", r.forwarder.num_failed),
+            ("kvstrata_router_prefetch_timeouts", "Prefetches whose instance did not answer in time (504).",
+             r.forwarder.num_timeouts),
+            ("kvstrata_router_prefetch_no_control", "Prefetches with no instance, or no control URL for it.",
+             r.forwarder.num_no_control),
             ("kvstrata_router_throttled", "Messages dropped over their source's budget (bytes, or restarts "
              "and clears, a second).", fleet.num_throttled),
         ):

@@ -1,4 +1,4 @@
-"""`kvstrata router`'s HTTP service (aiohttp): `POST /lookup`, `POST /register`,
+"""`kvstrata router`'s HTTP service (aiohttp): `POST /lookup`, `POST /prefetch`, `POST /register`,
 `POST /unregister`, `GET /healthz`, `/instances`, `/metrics` (docs/routing.md).
 
 With a token configured every request but `GET /healthz` must carry `Authorization: Bearer
@@ -22,12 +22,13 @@ from router.fleet import FleetFull, FleetView
 from router.index import TIERS
 from router.lookup import BadRequest, Chooser, parse_body, parse_query, text_field
 from router.metrics import LatencyHistogram, RouterCollector
+from router.prefetch import Forwarder, check_control_url, prefetch_wait
 
 logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 _OPEN = {"/healthz"}
-_ROUTES = {"/lookup": "POST", "/register": "POST", "/unregister": "POST", "/healthz": "GET", "/instances": "GET",
-           "/metrics": "GET"}
+_ROUTES = {"/lookup": "POST", "/prefetch": "POST", "/register": "POST", "/unregister": "POST", "/healthz": "GET",
+           "/instances": "GET", "/metrics": "GET"}
 
 
 def need_aiohttp() -> Any:
@@ -81,6 +82,8 @@ class Router:
         self.num_bad_requests = self.num_unauthorized = 0
         self.subscriber: Any = None
         self._registry: Any = None
+        self.controls = dict(config.controls)  # instance name -> its control URL (`router/prefetch.py`)
+        self.forwarder = Forwarder(config.token)
         for sub in config.subscriptions:
             self.fleet.add(sub.endpoint, sub.name, replay=sub.replay, model=sub.model,
                            curve_server_key=sub.curve_server_key)
@@ -95,10 +98,31 @@ class Router:
         answer["server_time_us"] = round(server_s * 1e6, 1)
         return web.json_response(answer)
 
+    async def prefetch(self, request: Any) -> Any:
+        """Choose the instance as `/lookup` would and forward the prefetch to its control URL."""
+        web = need_aiohttp()
+        body = parse_body(await request.read())
+        wait_s = prefetch_wait(body)
+        query = parse_query(body)
+        if query.lora is not None:
+            raise BadRequest("lora_id: a LoRA request cannot be prefetched (its adapter's path and id enter the keys)")
+        best = self.chooser.answer(query)["best"]
+        url = self.controls.get(best) if best is not None else None
+        if url is None:
+            self.forwarder.num_no_control += 1
+            why = "no instance to choose" if best is None else f"instance {best!r} has no control URL"
+            return web.json_response({"error": why, "instance": best}, status=404 if best is None else 409)
+        status, answer = await self.forwarder.forward(url, query, wait_s)
+        out = {"instance": best, "forwarded_to": f"{url}/prefetch"}
+        if status in (502, 504):
+            return web.json_response({**out, "error": answer}, status=status)
+        return web.json_response({**out, "instance_status": status, "instance_answer": answer})
+
     async def register(self, request: Any) -> Any:
         web = need_aiohttp()
         body = parse_body(await request.read())
-        known = {"instance_id", "endpoint", "replay_endpoint", "model_name", "block_size", "server_public_key"}
+        known = {"instance_id", "endpoint", "replay_endpoint", "model_name", "block_size", "server_public_key",
+                 "control_url"}
         if not isinstance(body, dict) or not isinstance(body.get("endpoint"), str) or set(body) - known:
             raise BadRequest(f"register takes a JSON object with 'endpoint' and optionally {sorted(known)}")
         name, key = body.get("instance_id"), text_field(body, "server_public_key")
@@ -108,6 +132,7 @@ class Router:
             sub = Subscription(body["endpoint"], str(name or ""), body.get("replay_endpoint"),
                                text_field(body, "model_name"), None if key is None else key.encode())
             RouterConfig(subscriptions=(sub,), curve=self.config.curve, limits=self.config.limits)
+            control = None if body.get("control_url") is None else check_control_url(body["control_url"])
         except ConfigError as exc:
             raise BadRequest(str(exc)) from None
         try:
@@ -117,6 +142,8 @@ class Router:
             return web.json_response({"error": str(exc)}, status=429)
         src.last_seen = time.monotonic()  # the silence that forgets it counts from now
         self.subscriber.follow(src)
+        if control is not None:
+            self.controls[sub.name] = control
         return web.json_response({"registered": sub.endpoint, "instance_id": sub.name})
 
     async def unregister(self, request: Any) -> Any:
@@ -130,6 +157,7 @@ class Router:
         for endpoint in gone:
             self.subscriber.drop(endpoint)
             self.fleet.remove(endpoint)
+        self._forget_controls()
         return web.json_response({"unregistered": gone}, status=200 if gone else 404)
 
     async def healthz(self, request: Any) -> Any:
@@ -240,17 +268,27 @@ class Router:
         for src in self.fleet.sources.values():
             self.subscriber.follow(src)
         self._sweeper = asyncio.ensure_future(self._sweep())
+        await self.forwarder.start()
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(1.0)
             for src in self.fleet.sweep(time.monotonic()):
                 self.subscriber.drop(src.endpoint)
+            self._forget_controls()
+
+    def _forget_controls(self) -> None:
+        """Drop the control URLs `/register` gave for instances the router no longer knows
+        (those of `--control` stay): they are bounded by the fleet."""
+        known = self.fleet.instances()
+        for name in [n for n in self.controls if n not in known and n not in dict(self.config.controls)]:
+            del self.controls[name]
 
     async def _stop(self, _: Any) -> None:
         self._sweeper.cancel()
         await asyncio.gather(self._sweeper, return_exceptions=True)
         await self.subscriber.close()
+        await self.forwarder.close()
 
 
 async def _run(router: Router, host: str, port: int, started: Any = None) -> Any:

@@ -313,7 +313,8 @@ def test_malformed_requests_get_a_clear_4xx_and_the_router_lives_on(fleet: Any, 
 
 def test_bad_command_lines_are_one_line_errors() -> None:
     cases = [(["--subscribe", "http://x"], "--subscribe"), (["--port", "0"], "--port"),
-             (["--host", "0.0.0.0"], "--token-file")]
+             (["--host", "0.0.0.0"], "--token-file"), (["--control", "a=https://h:1"], "--control"),
+             (["--control", "http://h:1"], "--control")]
     for args, message in cases:
         proc = subprocess.run([sys.executable, "-m", "cli.main", "router", *args], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
