@@ -59,6 +59,12 @@ _PER_STORE: dict[str, tuple[str, Callable[[StoreStats], int]]] = {
     "kvstrata_retrieve_calls": ("retrieve() and engine API load() calls", lambda s: s.num_retrieve_calls),
     "kvstrata_promotion_failures": ("Promotions a full tier refused", lambda s: s.num_promotion_failures),
     "kvstrata_verified_blocks": ("Blocks verify mode compared with a tier's copy", lambda s: s.num_verified_blocks),
+    "kvstrata_prefetch_calls": ("prefetch() calls", lambda s: s.num_prefetch_calls),
+    "kvstrata_prefetch_dropped": ("Prefetches dropped: too many waited", lambda s: s.num_prefetch_dropped),
+    "kvstrata_prefetch_promoted_blocks": ("Blocks prefetches moved from slow tiers into memory",
+                                          lambda s: s.num_prefetch_promoted),
+    "kvstrata_prefetch_failed_blocks": ("Blocks prefetches could not read, and prefetches a fault ended",
+                                        lambda s: s.num_prefetch_failed),
 }
 
 

@@ -8,6 +8,7 @@ dropped and counted); a fault while reading is a counted miss, never wrong bytes
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from kvstore import (
     PrefetchStatus,
     StoreConfig,
 )
+from kvstore.metrics import register_metrics
 from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tests.kvstore.test_store_background import DiskGate
@@ -78,6 +80,11 @@ def test_prefetch_from_disk_then_retrieve_reads_the_cpu_tier(tmp_path: Path) -> 
                 stats.num_prefetch_dropped) == (2, 6, 0, 0)
         assert store.prefetched_blocks == {TierKind.DISK: 6}
         store.check_integrity()
+        prometheus_client = pytest.importorskip("prometheus_client")
+        registry = prometheus_client.CollectorRegistry()
+        register_metrics(store, registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert re.search(r"kvstrata_prefetch_promoted_blocks_total{[^}]*} 6.0", text), text
 
 
 def test_prefetch_from_a_real_redis_server_then_retrieve_reads_the_cpu_tier(server: RedisServer) -> None:
