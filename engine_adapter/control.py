@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 from kvstore import ExtraKeys, InvalidInputError, KVCacheStore, PrefetchResult, PrefetchStatus, StoreClosedError
 from kvstore.errors import ConfigError
 from kvstore.prefetch import MAX_PREFETCH_BLOCKS
+from tiers.shared.ratelimit import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,26 @@ class RateLimit:
         return True
 
 
+class _ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server log: a request its HTTP parser refuses (answered 400 by aiohttp) is
+    counted as a bad request and warned about at most every 10 s, without a traceback; any
+    other exception (a defect) is logged with its traceback."""
+
+    def __init__(self, count: Callable[[str], None]) -> None:
+        super().__init__(logging.getLogger("aiohttp.server"), {})
+        self._count = count
+        self._warn = RateLimitedWarning(logger)
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kw: Any) -> None:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        if isinstance(exc_info, HttpProcessingError):
+            self._count("bad_requests")
+            self._warn(f"control listener refused a malformed HTTP request ({type(exc_info).__name__})")
+            return
+        self.logger.exception(msg, *args, exc_info=exc_info, **kw)
+
+
 class ControlListener:
     """See the module docstring. `start()` binds (`ConfigError` if it cannot), `close()` stops it."""
 
@@ -197,6 +218,13 @@ class ControlListener:
             raw = await request.read()
             ask = parse_prefetch(json.loads(raw))
             future = self.store.prefetch(ask.tokens, extra_keys=ask.extra_keys, max_blocks=ask.max_blocks)
+        except web.RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes do not decode as
+            self._count("bad_requests")
+            request.content.feed_eof()  # the rest is unreadable: no lingering read after this
+            response = web.json_response({"error": f"body cannot be read: {' '.join(str(exc).split())[:200]}",
+                                          "field": "body"}, status=400)
+            response.force_close()
+            return response
         except web.HTTPRequestEntityTooLarge:
             self._count("bad_requests")
             return web.json_response({"error": f"body larger than {MAX_BODY_BYTES} bytes", "field": "body"},
@@ -227,12 +255,25 @@ class ControlListener:
         return web.json_response({"status": "queued", "num_tokens": len(ask.tokens),
                                   "max_blocks": ask.max_blocks or MAX_PREFETCH_BLOCKS}, status=202)
 
+    async def _expect(self, request: Any) -> None:
+        """`Expect: 100-continue`, or a counted 417 that does not quote the header (aiohttp's
+        own handler does, which fails on bytes that are not UTF-8: a 500)."""
+        from aiohttp import web
+
+        if request.version != (1, 1):
+            return
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            self._count("bad_requests")
+            raise web.HTTPExpectationFailed(text="the only Expect header this listener takes is 100-continue")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0
+
     async def _open(self) -> None:
         from aiohttp import web
 
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/prefetch", self._prefetch)
-        self._runner = web.AppRunner(app, access_log=None)
+        app.router.add_post("/prefetch", self._prefetch, expect_handler=self._expect)
+        self._runner = web.AppRunner(app, access_log=None, logger=_ProtocolLog(self._count))
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         try:

@@ -5,6 +5,8 @@ naming its field, and changes nothing."""
 from __future__ import annotations
 
 import json
+import logging
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -101,3 +103,29 @@ def test_a_listener_other_hosts_can_reach_needs_a_token(store: KVCacheStore) -> 
         ControlListener(store, token="short")
     with ControlListener(store) as first, pytest.raises(ConfigError, match="cannot listen"):
         ControlListener(store, port=first.port).start()
+
+
+def _raw(port: int, request: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return int(answer.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n").split(b"\r\n")[0].split()[1])
+
+
+def test_bytes_no_client_should_send_are_counted_4xx_without_a_traceback(
+        store: KVCacheStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A non-UTF-8 Expect header and a body whose Content-Encoding does not decode were 500s
+    with a logged traceback; a request line aiohttp's parser refuses logged one too."""
+    caplog.set_level(logging.WARNING)
+    body = b'{"prompt_token_ids": [1, 2, 3]}'
+    head = b"POST /prefetch HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n" % len(body)
+    with ControlListener(store) as listener:
+        assert _raw(listener.port, head + b"Expect: \xff\xfe\r\n\r\n" + body) == 417
+        assert _raw(listener.port, head + b"Content-Encoding: gzip\r\n\r\n" + body) == 400
+        assert _raw(listener.port, b"POST /pre\xfffetch HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") == 400
+        assert _raw(listener.port, head + b"Expect: 100-continue\r\n\r\n" + body) == 202
+        assert listener.counters["bad_requests"] == 3 and listener.counters["accepted"] == 1
+    tracebacks = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not tracebacks, [r.getMessage() for r in tracebacks]
