@@ -43,6 +43,7 @@ BENCHMARKS = {
     "peer": "bench.peer",
     "soak": "bench.soak",
     "hints": "bench.hints",
+    "prefetch": "bench.prefetch",
 }
 COMMANDS = {
     "demo": "cli.demo",
@@ -87,6 +88,7 @@ _BENCH_SUMMARIES = {
     "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
     "soak": "Many clients on every tier while faults land at random; every hit checked bit-exact.",
     "hints": "Sessions under a flood: retain hints against LRU and Belady on the same replay.",
+    "prefetch": "A request's retrieve after a prefetch against straight from the disk tier.",
 }
 
 
