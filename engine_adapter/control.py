@@ -217,7 +217,9 @@ class ControlListener:
         try:
             raw = await request.read()
             ask = parse_prefetch(json.loads(raw))
-            future = self.store.prefetch(ask.tokens, extra_keys=ask.extra_keys, max_blocks=ask.max_blocks)
+            cap = ask.max_blocks or MAX_PREFETCH_BLOCKS  # hash no more tokens than the prefetch may look at
+            future = self.store.prefetch(ask.tokens[: cap * self.store.config.block_size], extra_keys=ask.extra_keys,
+                                         max_blocks=ask.max_blocks)
         except web.RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes do not decode as
             self._count("bad_requests")
             request.content.feed_eof()  # the rest is unreadable: no lingering read after this

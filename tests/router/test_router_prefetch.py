@@ -49,6 +49,12 @@ def wait_for(check: Callable[[], bool], what: str) -> None:
         time.sleep(0.05)
 
 
+def held(router: RouterThread, name: str, tokens: list[int]) -> bool:
+    """Whether the router's `/lookup` shows `name` holding all of `tokens` (not a tie's turn)."""
+    answer = http(f"{router.url}/lookup", {"token_ids": tokens})[1]
+    return bool(answer["instances"].get(name, {}).get("matched_tokens") == len(tokens))
+
+
 class Instance:
     """A store publishing KV events under `name`, its CPU tier holding 8 blocks over a disk."""
 
@@ -87,7 +93,7 @@ def test_prefetch_reaches_the_instance_lookup_chooses_and_warms_its_cpu_tier(two
         registered = {"instance_id": "a", "endpoint": a.endpoint, "replay_endpoint": a.subscription.replay,
                       "control_url": a.control.url}
         assert http(f"{router.url}/register", registered)[0] == 200
-        wait_for(lambda: http(f"{router.url}/lookup", {"token_ids": PROMPT})[1]["best"] == "a", "a's events")
+        wait_for(lambda: held(router, "a", PROMPT), "a's events")
         status, answer = http(f"{router.url}/prefetch", {"token_ids": PROMPT, "wait_s": 10})
         assert status == 200, answer
         assert answer["instance"] == "a" and answer["forwarded_to"] == f"{a.control.url}/prefetch"
@@ -97,8 +103,7 @@ def test_prefetch_reaches_the_instance_lookup_chooses_and_warms_its_cpu_tier(two
         assert router.call(lambda: router.router.forwarder.num_forwarded) == 1
         # What b holds is forwarded to b (its static control URL), unsalted keys only.
         b.store.store(FILLER[: 2 * BLOCK], make_kv(2 * BLOCK, seed=3))
-        wait_for(lambda: http(f"{router.url}/lookup", {"token_ids": FILLER[: 2 * BLOCK]})[1]["instances"]
-                 .get("b", {}).get("matched_tokens") == 2 * BLOCK, "b's events")
+        wait_for(lambda: held(router, "b", FILLER[: 2 * BLOCK]), "b's events")
         status, answer = http(f"{router.url}/prefetch", {"token_ids": FILLER[: 2 * BLOCK], "load": {"a": 100}})
         assert (status, answer["instance"], answer["instance_status"]) == (200, "b", 202), answer
         # A wrong router token reaches nobody.
@@ -127,7 +132,7 @@ def test_dead_silent_and_missing_control_listeners_are_counted_errors(two: tuple
     threading.Thread(target=lambda: accepted.append(silent.accept()[0]), daemon=True).start()
     try:
         router.call(lambda: setattr(router.router.forwarder, "timeout_s", 0.5))
-        wait_for(lambda: http(f"{router.url}/lookup", {"token_ids": PROMPT})[1]["best"] == "a", "a's events")
+        wait_for(lambda: held(router, "a", PROMPT), "a's events")
         status, answer = http(f"{router.url}/prefetch", {"token_ids": PROMPT})
         assert (status, answer["instance"]) == (502, "a") and "failed" in answer["error"], answer
         router.call(lambda: router.router.controls.update(a=silent_url))
