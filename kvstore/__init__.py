@@ -13,6 +13,7 @@ from kvstore.errors import (
     StoreClosedError,
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
+from kvstore.priority import Priority, PriorityResult
 from kvstore.results import ClearResult
 from kvstore.store import CloseResult, KVCacheStore, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
@@ -44,6 +45,8 @@ __all__ = [
     "LoadResult",
     "LookupResult",
     "MultiModalInput",
+    "Priority",
+    "PriorityResult",
     "RetrieveResult",
     "SaveResult",
     "StoreClosedError",

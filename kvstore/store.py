@@ -31,6 +31,7 @@ from kvstore.lifecycle import Lifecycle, in_tokens
 from kvstore.load_policy import LoadPolicy
 from kvstore.pool_api import PoolAllocator
 from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
+from kvstore.priority import PriorityResult, parse_priority
 from kvstore.retention import RetainResult
 from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
@@ -256,6 +257,14 @@ class KVCacheStore:
         self.check_open()
         arr, hashes = self._keyer.hashes(tokens, extra_keys)
         return self._blocks.retain(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), seconds)
+
+    def prioritize(self, tokens: object, priority: str, *, extra_keys: ExtraKeys | None = None) -> PriorityResult:
+        """Give the cached full blocks of `tokens` an eviction priority, "low", "normal" or
+        "high" (`blocks.prioritize`)."""
+        self.check_open()
+        parse_priority(priority)  # before hashing: a bad value changes nothing and names itself
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        return self._blocks.prioritize(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), priority)
 
     def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> VerifyResult:
         """Compare `kv` (as `store` takes it), just computed for `tokens`, with what every tier

@@ -107,6 +107,15 @@ class ARCPolicy(EvictionPolicy[K]):
             self._t2[key] = None
             self._t2.move_to_end(key, last=False)
 
+    def deprioritize(self, key: K) -> None:
+        """Oldest of the list `pop` takes from next: `t1` when it is at its target (with this
+        key) or `t2` is empty, else `t2`."""
+        self.remove(key)
+        once = len(self._t1) + 1 >= max(1.0, self.p) or not self._t2
+        lst = self._t1 if once else self._t2
+        lst[key] = None
+        lst.move_to_end(key, last=False)
+
     def order(self) -> Iterator[K]:
         return itertools.chain(self._t1, self._t2)
 

@@ -112,6 +112,16 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         queue[key] = None
         queue.move_to_end(key, last=False)
 
+    def deprioritize(self, key: K) -> None:
+        """No uses, at the front of the queue `pop` takes from next: the small one when it
+        is at its limit (with this key) or the main one is empty, else the main one."""
+        self.remove(key)
+        self._freq[key] = 0
+        small = len(self._small) + 1 >= self._small_limit or not self._main
+        queue = self._small if small else self._main
+        queue[key] = None
+        queue.move_to_end(key, last=False)
+
     def order(self) -> Iterator[K]:
         return itertools.chain(self._small, self._main)
 
