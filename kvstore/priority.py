@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvstore.errors import InvalidInputError
+from kvstore.keying import key_hashes
 from kvstore.retention import Retention
 from kvstore.tier_stack import TierStack
-from kvstore.keying import key_hashes
 from tiers.keys import BlockKey
 
 

@@ -30,8 +30,8 @@ from kvstore.keying import Keyer
 from kvstore.lifecycle import Lifecycle, in_tokens
 from kvstore.load_policy import LoadPolicy
 from kvstore.pool_api import PoolAllocator
-from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.priority import PriorityResult, parse_priority
+from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.retention import RetainResult
 from kvstore.tier_factory import build_tiers, engine_pool
 from kvstore.tier_stack import TierStack
