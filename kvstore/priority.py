@@ -5,7 +5,8 @@
   the prefix's tail first, so a one-off job does not push out others' reusable blocks. A high
   block given "low" loses its protection first. The disk tier's LMDB order and shared servers
   are left as they are (`Tier.deprioritize` moves none there). A later use makes a block
-  recent again, as any use does.
+  recent again, as any use does. With per-tenant quotas (`cpu_tenant_quota_bytes`) the quota
+  rules still pick which tenant gives up a block; low blocks go first among that tenant's.
 - "high": the blocks held in the memory tier below the engine are kept through eviction
   pressure with no deadline (`Retention.protect`), within the same per-tenant budget as
   `retain` (`StoreConfig.retain_share`): the tenant's oldest high blocks return to normal when
