@@ -94,13 +94,15 @@ class Retention:
                 self._until[h] = math.inf  # its heap entry goes stale
             else:
                 tenant = key.tenant
+                if self._tier is None or not self._tier.pin([h]):  # not held there: nothing gives way
+                    clipped += 1
+                    continue
                 mine = self._protected.get(tenant)
-                while mine and next(iter(mine)) not in call and (
-                        self._charged.get(tenant, 0) >= self.budget_blocks or len(self._until) >= self.total_blocks):
+                while mine and next(iter(mine)) not in call and self._full(tenant):
                     self._release(next(iter(mine)))  # the tenant's oldest high block returns to normal
                     mine = self._protected.get(tenant)
-                if self._tier is None or self._charged.get(tenant, 0) >= self.budget_blocks \
-                        or len(self._until) >= self.total_blocks or not self._tier.pin([h]):
+                if self._full(tenant):
+                    self._tier.unpin([h])
                     clipped += 1
                     continue
                 self._until[h], self._owner[h] = math.inf, tenant
@@ -112,6 +114,10 @@ class Retention:
             retained += 1
         self.num_clipped += clipped
         return RetainResult(retained, clipped)
+
+    def _full(self, tenant: bytes) -> bool:
+        """Whether `tenant`'s budget, or the share all tenants together may keep, is used up."""
+        return self._charged.get(tenant, 0) >= self.budget_blocks or len(self._until) >= self.total_blocks
 
     def unprotect(self, hashes: Sequence[BlockHash]) -> int:
         """End the high priority of the given blocks (unpinned: normal again, a retain on
