@@ -1,13 +1,15 @@
 """`kvstrata bench hints`: multi-turn sessions that pause (tool calls) under a flood of one-shot
-requests, through a real store's CPU tier: the session turns' hit ratio with `retain` hints
-against the same store without them (under LRU, S3-FIFO and ARC), Belady's offline optimum on the same replay, and
+requests, through a real store's CPU tier: the session turns' hit ratio with `retain` hints on
+the sessions, and with the flood sent at `priority` "low" instead, against the same store
+without hints (under LRU, S3-FIFO and ARC), Belady's offline optimum on the same replay, and
 an infinite cache.
 
 Each round, every session sends its whole context so far plus a few new blocks (a turn);
 between two turns of a session come the other sessions' turns and `--flood` one-shot
 requests. A request reads its longest cached prefix (`retrieve`), then is stored; with hints,
 a session turn is then retained for `--retain-s` seconds (`KVCacheStore.retain`, within
-`StoreConfig.retain_share` of the CPU tier). Belady sees the same block references and the
+`StoreConfig.retain_share` of the CPU tier); with the low hint, each one-shot request is instead
+stored and then given `KVCacheStore.prioritize(tokens, "low")`. Belady sees the same block references and the
 whole future (`bench/trace_sim.py`); its session-turn hits are those of the cache that
 maximises all hits. The gap closed is (hints - no hints) / (Belady - no hints).
 """
@@ -53,9 +55,10 @@ def _block_ids(requests: list[tuple[bool, list[int]]]) -> Iterator[list[int]]:
 
 
 def replay(requests: list[tuple[bool, list[int]]], cpu_blocks: int, retain_s: float | None, share: float,
-           policy: str) -> int:
+           policy: str, low_flood: bool = False) -> int:
     """Session-turn hit blocks through a real store's CPU tier under eviction `policy` (with
-    `retain` after each session turn when `retain_s`)."""
+    `retain` after each session turn when `retain_s`; each one-shot request given priority
+    "low" when `low_flood`)."""
     cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=cpu_blocks * LAYOUT.block_bytes(BLOCK), retain_share=share,
                       cpu_eviction=policy)
     hits = 0
@@ -66,6 +69,8 @@ def replay(requests: list[tuple[bool, list[int]]], cpu_blocks: int, retain_s: fl
             store.store(tokens, torch.zeros(LAYOUT.block_shape(len(tokens)), dtype=LAYOUT.dtype))
             if is_session and retain_s is not None:
                 store.retain(tokens, retain_s)
+            if not is_session and low_flood:
+                store.prioritize(tokens, "low")
     return hits
 
 
@@ -86,15 +91,18 @@ def run(sessions: int, rounds: int, context_blocks: int, turn_blocks: int, flood
         for policy in POLICIES:
             plain = replay(requests, cap, None, share, policy)
             hinted = replay(requests, cap, retain_s, share, policy)
-            closed = (hinted - plain) / (best - plain) if best > plain else float("nan")
+            low = replay(requests, cap, None, share, policy, low_flood=True)
+            closed, closed_low = ((h - plain) / (best - plain) if best > plain else float("nan") for h in (hinted, low))
             results[f"{policy}/{cap}"] = {"no_hints": plain / session_refs, "retain": hinted / session_refs,
-                                          "belady": best / session_refs, "infinite": infinite / session_refs,
-                                          "gap_closed": closed}
-            rows.append([policy, cap, plain / session_refs, hinted / session_refs, best / session_refs,
-                         infinite / session_refs, closed])
+                                          "low_flood": low / session_refs, "belady": best / session_refs,
+                                          "infinite": infinite / session_refs, "gap_closed": closed,
+                                          "gap_closed_low": closed_low}
+            rows.append([policy, cap, plain / session_refs, hinted / session_refs, low / session_refs,
+                         best / session_refs, infinite / session_refs, closed, closed_low])
     print_table(f"Session turns' block hit ratio: {sessions} sessions x {rounds} turns, {flood} one-shot requests "
                 f"of {flood_blocks} blocks per round; retain {retain_s:g} s within {share:g} of the CPU tier",
-                ["policy", "CPU blocks", "no hints", "retain hints", "Belady", "infinite", "gap closed"], rows)
+                ["policy", "CPU blocks", "no hints", "retain hints", "low flood", "Belady", "infinite",
+                 "gap closed (retain)", "gap closed (low)"], rows)
     return {"sessions": sessions, "rounds": rounds, "session_block_refs": session_refs, "results": results}
 
 

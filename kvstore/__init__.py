@@ -14,6 +14,7 @@ from kvstore.errors import (
 )
 from kvstore.hashing import BlockHash, ExtraKeys, MultiModalInput, block_hashes, namespace_seed
 from kvstore.prefetch import MAX_PREFETCH_BLOCKS, PrefetchResult, PrefetchStatus
+from kvstore.priority import Priority, PriorityResult
 from kvstore.results import ClearResult
 from kvstore.store import CloseResult, KVCacheStore, RetrieveResult, StoreStats
 from tiers.codecs import CodecKind
@@ -48,6 +49,8 @@ __all__ = [
     "MultiModalInput",
     "PrefetchResult",
     "PrefetchStatus",
+    "Priority",
+    "PriorityResult",
     "RetrieveResult",
     "SaveResult",
     "StoreClosedError",

@@ -24,6 +24,7 @@ from kvstore.errors import InvalidInputError, StoreClosedError
 from kvstore.keying import ChainKeys, key_hashes
 from kvstore.lifecycle import Lifecycle
 from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD, PrefetchResult, PrefetchSlots, PrefetchStatus, check_max_blocks
+from kvstore.priority import PriorityResult, parse_priority, prioritize
 from kvstore.results import ClearResult, StoreCounters
 from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
 from kvstore.tier_stack import TierStack
@@ -146,6 +147,14 @@ class TierBlockStore(BlockStore):
         with self._lock:
             self._check_open()
             return self.retention.retain(keys, float(seconds))
+
+    def prioritize(self, keys: Sequence[BlockKey], priority: str) -> PriorityResult:
+        self._check_open()
+        keys = check_keys(keys)
+        level = parse_priority(priority)
+        with self._lock:
+            self._check_open()
+            return prioritize(self._stack, self.retention, keys, level)
 
     def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
         self._check_open()

@@ -105,7 +105,8 @@ class StoreConfig:
             time beats recomputing it at the engine's measured prefill rate), "always", or
             "never" (see `kvstore/load_policy.py`). Engines ask `KVCacheStore.load_policy`.
         retain_share: the share of the memory tier below the engine (the CPU tier) that one
-            tenant (namespace and cache salt) may keep with `KVCacheStore.retain`, in (0, 1].
+            tenant (namespace and cache salt) may keep with `KVCacheStore.retain` and the "high"
+            priority (`KVCacheStore.prioritize`), in (0, 1].
         disk_read_bps: cap the disk tier's reads at this many bytes per second of records as
             stored (encoded, with `disk_codec`; None: no cap); to share a device with other
             work, or to emulate a slower one.

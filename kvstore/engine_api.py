@@ -26,6 +26,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from kvstore.prefetch import PrefetchResult
+from kvstore.priority import PriorityResult
 from kvstore.retention import RetainResult
 from kvstore.verify import VerifyResult
 from tiers.keys import BlockHash, BlockKey, TierKind
@@ -145,6 +146,14 @@ class BlockStore(Protocol):
         pressure for `seconds` (a hint that they will come back), within the tenant's budget
         (`StoreConfig.retain_share`); what does not fit or is not there is reported clipped
         (`kvstore/retention.py`). Retaining again extends the deadline."""
+        ...
+
+    def prioritize(self, keys: Sequence[BlockKey], priority: str) -> PriorityResult:
+        """Give the blocks of `keys` an eviction priority, "low", "normal" or "high"
+        (`kvstore/priority.py`): low ones are the next victims in the tiers that order their
+        own eviction; high ones are kept in the memory tier below the engine within the
+        tenant's `retain_share`, the rest reported clipped. A bad priority is one
+        `InvalidInputError` naming it, and changes nothing."""
         ...
 
     def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:

@@ -8,12 +8,18 @@ the cache, and all together at most `TOTAL_SHARE` of the tier, so unhinted work 
 what does not fit, or is not in that tier, is reported as clipped. Retaining a
 block again extends its deadline without charging it twice. Expired blocks are unpinned by
 `expire`, which the store calls on each write and retain (the caller holds the store's lock).
+
+`protect` (the "high" priority, `kvstore/priority.py`) retains without a deadline, from the
+same budget: a tenant's oldest protected blocks return to normal when its newer ones need the
+room (never those of the same call); what still does not fit is clipped. `unprotect` ends it.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -43,6 +49,7 @@ class Retention:
         self._owner: dict[BlockHash, bytes] = {}
         self._charged: dict[bytes, int] = {}
         self._heap: list[tuple[float, BlockHash]] = []  # (deadline, block); stale entries skipped
+        self._protected: dict[bytes, OrderedDict[BlockHash, None]] = {}  # tenant -> its high blocks, oldest first
         self.num_clipped = 0
 
     def __len__(self) -> int:
@@ -75,6 +82,51 @@ class Retention:
         self.num_clipped += clipped
         return RetainResult(retained, clipped)
 
+    def protect(self, keys: Sequence[BlockKey], now: float | None = None) -> RetainResult:
+        """Retain `keys`' blocks held in the memory tier with no deadline (high priority),
+        within each tenant's budget; see the module docstring."""
+        self.expire(now)
+        call: set[BlockHash] = set()
+        retained = clipped = 0
+        for key in keys:
+            h = key.block_hash
+            if h in self._until:
+                self._until[h] = math.inf  # its heap entry goes stale
+            else:
+                tenant = key.tenant
+                if self._tier is None or not self._tier.pin([h]):  # not held there: nothing gives way
+                    clipped += 1
+                    continue
+                mine = self._protected.get(tenant)
+                while mine and next(iter(mine)) not in call and self._full(tenant):
+                    self._release(next(iter(mine)))  # the tenant's oldest high block returns to normal
+                    mine = self._protected.get(tenant)
+                if self._full(tenant):
+                    self._tier.unpin([h])
+                    clipped += 1
+                    continue
+                self._until[h], self._owner[h] = math.inf, tenant
+                self._charged[tenant] = self._charged.get(tenant, 0) + 1
+            mine = self._protected.setdefault(self._owner[h], OrderedDict())
+            mine[h] = None
+            mine.move_to_end(h)
+            call.add(h)
+            retained += 1
+        self.num_clipped += clipped
+        return RetainResult(retained, clipped)
+
+    def _full(self, tenant: bytes) -> bool:
+        """Whether `tenant`'s budget, or the share all tenants together may keep, is used up."""
+        return self._charged.get(tenant, 0) >= self.budget_blocks or len(self._until) >= self.total_blocks
+
+    def unprotect(self, hashes: Sequence[BlockHash]) -> int:
+        """End the high priority of the given blocks (unpinned: normal again, a retain on
+        them included); how many had it."""
+        held = [h for h in hashes if self._until.get(h) == math.inf]
+        for h in held:
+            self._release(h)
+        return len(held)
+
     def expire(self, now: float | None = None) -> int:
         """Unpin the blocks whose deadline has passed; how many."""
         now = time.monotonic() if now is None else now
@@ -93,6 +145,7 @@ class Retention:
         self._owner.clear()
         self._charged.clear()
         self._heap.clear()
+        self._protected.clear()
 
     def release(self, hashes: Sequence[BlockHash]) -> int:
         """Unpin the given blocks if retained (they are to be removed); how many were."""
@@ -113,5 +166,10 @@ class Retention:
         self._charged[tenant] -= 1
         if not self._charged[tenant]:
             del self._charged[tenant]
+        mine = self._protected.get(tenant)
+        if mine is not None and h in mine:
+            del mine[h]
+            if not mine:
+                del self._protected[tenant]
         if self._tier is not None:
             self._tier.unpin([h])

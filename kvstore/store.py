@@ -31,6 +31,7 @@ from kvstore.lifecycle import Lifecycle
 from kvstore.load_policy import LoadPolicy
 from kvstore.pool_api import PoolAllocator
 from kvstore.prefetch import PrefetchResult, check_max_blocks
+from kvstore.priority import PriorityResult, parse_priority
 from kvstore.results import ClearResult, CloseResult, RetrieveResult, StoreCounters, StoreStats
 from kvstore.retention import RetainResult
 from kvstore.tier_factory import build_tiers, engine_pool
@@ -258,6 +259,14 @@ class KVCacheStore:
         arr, hashes = self._keyer.hashes(tokens, extra_keys)
         return self._blocks.retain(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), seconds)
 
+    def prioritize(self, tokens: object, priority: str, *, extra_keys: ExtraKeys | None = None) -> PriorityResult:
+        """Give the cached full blocks of `tokens` an eviction priority, "low", "normal" or
+        "high" (`blocks.prioritize`)."""
+        self.check_open()
+        parse_priority(priority)  # before hashing: a bad value changes nothing and names itself
+        arr, hashes = self._keyer.hashes(tokens, extra_keys)
+        return self._blocks.prioritize(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), priority)
+
     def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> VerifyResult:
         """Compare `kv` (as `store` takes it), just computed for `tokens`, with what every tier
         holds for its full blocks; remove each block that differs anywhere from every tier
@@ -279,16 +288,14 @@ class KVCacheStore:
                  chain: BlockChain | None = None, max_blocks: int | None = None) -> Future[PrefetchResult]:
         """Bring the longest cached prefix of `tokens` (its first `max_blocks` blocks at most;
         default `MAX_PREFETCH_BLOCKS`) from tiers outside memory (disk, remote) into the
-        slowest memory tier (the CPU tier; the pool without one), in the background, never
-        evicting retained blocks. The future resolves to a `PrefetchResult` (in blocks; never
-        an exception): what memory held already, what it promoted, what it could not read.
+        slowest memory tier, in the background, never evicting retained blocks; the future
+        resolves to a `PrefetchResult` (in blocks; never an exception).
 
         Bad input raises here, at once, as does `StoreClosedError` once `close()` has begun.
-        A prefetch beyond the bound on waiting ones is dropped and counted (the future is
-        then already resolved). The slow reads run without the store's lock (other calls
-        proceed meanwhile); only the final insert takes it, and inserts nothing if `clear()`
-        ran since the reads began. A prefetch that `close()` finds queued or running
-        resolves as `CLOSED` (never cancelled). See `kvstore/prefetch.py`.
+        Beyond the bound on waiting prefetches one is dropped and counted (its future already
+        resolved). The slow reads run without the store's lock; the insert takes it, and
+        inserts nothing if `clear()` ran since the reads began. One `close()` finds queued or
+        running resolves as `CLOSED` (never cancelled). See `kvstore/prefetch.py`.
         """
         self.check_open()
         cap = check_max_blocks(max_blocks)

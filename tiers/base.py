@@ -293,6 +293,12 @@ class Tier(abc.ABC):
         (False). Tiers that write synchronously have nothing to wait for."""
         return True
 
+    def deprioritize(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Make held blocks the next to evict (a low-priority request's), the last given
+        first; return how many were moved. A tier that orders no eviction of its own (a
+        shared server's, the disk's index order) moves none (returns 0)."""
+        return 0
+
     def pin(self, block_hashes: Sequence[BlockHash]) -> int:
         """Protect the leading held blocks from eviction until `unpin`; return how many were
         pinned. A tier that never evicts under a reader pins nothing (returns 0)."""

@@ -7,6 +7,9 @@
                                         `retain_share`; what does not fit is counted clipped)
     {"kvstrata": {"verify": true}}      compute a hit instead of loading it, and compare the
                                         computed KV with every tier's copy (verify mode)
+    {"kvstrata": {"priority": "low"}}   eviction priority of the saved blocks (low, normal,
+                                        high; `kvstore/priority.py`): low ones are the first
+                                        victims; high ones stay within `retain_share`
 
 Every hint is checked; a bad one (an unknown name, a wrong type, a value out of range) is
 rejected alone, counted and warned about, and the others still apply. The response's
@@ -21,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine_adapter.vllm.handoff import KEY
+from kvstore.priority import PRIORITIES
 from kvstore.retention import MAX_RETAIN_S
 
-NAMES = ("store", "load", "retain_s", "verify")
+NAMES = ("store", "load", "retain_s", "verify", "priority")
 NOT_HINTS = ("blocks",)  # other entries of kvstrata's params (the handoff's)
 
 
@@ -35,6 +39,7 @@ class Hints:
     load: bool = True
     retain_s: float | None = None
     verify: bool = False
+    priority: str | None = None  # "low", "normal" or "high"; None: not given
     accepted: tuple[str, ...] = ()
     rejected: dict[str, str] = field(default_factory=dict)  # name -> why
 
@@ -63,6 +68,12 @@ def parse(params: object) -> Hints:
             continue
         if name not in NAMES:
             rejected[str(name)[:64]] = f"unknown hint (known: {', '.join(NAMES)})"
+        elif name == "priority":
+            if isinstance(value, str) and value in PRIORITIES:
+                values[name] = value
+                accepted.append(name)
+            else:
+                rejected[name] = f"must be one of {', '.join(PRIORITIES)}, got {str(value)[:64]!r}"
         elif name in ("store", "load", "verify"):
             if isinstance(value, bool):
                 values[name] = value

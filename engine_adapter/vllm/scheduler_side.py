@@ -102,6 +102,7 @@ class ConnectorScheduler:
         n = self.planner.num_new_matched_tokens(
             request.request_id, request.all_token_ids, num_computed_tokens, keys.extra_keys,
             cacheable=keys.cacheable, may_load=may_load, may_save=hints.store, retain_s=hints.retain_s,
+            priority=hints.priority,
         )
         if may_load and keys.cacheable and self._waits_for_handoff(request, num_computed_tokens):
             self.planner.forget(request.request_id)

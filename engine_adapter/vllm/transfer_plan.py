@@ -43,6 +43,7 @@ class BlockTransfer:
     extra_keys: ExtraKeys | None = None
     retain_s: float | None = None  # a save: keep its blocks this long (the request's `retain_s` hint)
     verify: bool = False  # a save of KV computed to verify: compare it with the tiers' copies first
+    priority: str | None = None  # a save: its blocks' eviction priority (the request's `priority` hint)
 
     def _only(self) -> GroupBlocks:
         if len(self.groups) != 1:
@@ -96,6 +97,7 @@ class _Request:
     repeat_hit: int = 0  # the longest hit, in blocks, a repeat of its prompt can take
     retain_s: float | None = None  # its saves are retained this long (a hint)
     verify: bool = False  # its hit was computed instead: its saves are compared with the tiers first
+    priority: str | None = None  # its saves get this eviction priority (a hint)
 
 
 def _keep(rule: GroupRule, block: int, block_id: int, *, hit_ends: tuple[int, ...], step_end: int) -> bool:
@@ -133,14 +135,14 @@ class TransferPlanner:
         self.rules = list(rules) if rules is not None else [GroupRule(GroupKind.FULL, block_size)]
         self._lookup = lookup
         # req_id -> (local computed, store hit, extra keys, cacheable)
-        self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool, float | None]] = {}
+        self._pending: dict[str, tuple[int, int, ExtraKeys | None, bool, float | None, str | None]] = {}
         self._verify: set[str] = set()  # pending requests whose hit is computed and verified
         self._requests: dict[str, _Request] = {}
 
     def num_new_matched_tokens(
         self, req_id: str, token_ids: Sequence[int], num_computed: int,
         extra_keys: ExtraKeys | None = None, *, cacheable: bool = True, may_load: bool = True,
-        may_save: bool = True, retain_s: float | None = None,
+        may_save: bool = True, retain_s: float | None = None, priority: str | None = None,
     ) -> int:
         """Tokens the store can add beyond the `num_computed` the engine already has.
 
@@ -148,7 +150,7 @@ class TransferPlanner:
         to compute (the engine needs it for logits). A request that is not `cacheable` is
         neither looked up nor later saved; one that may not load (it asked to skip reading
         prefix caches) is still saved; one that may not save (a `store: false` hint) still
-        loads. Its saves are retained for `retain_s` (a hint). Records the lookup for
+        loads. Its saves are retained for `retain_s` and given `priority` (hints). Records the lookup for
         `on_alloc`; calling again replaces it.
         """
         b = self.block_size
@@ -156,7 +158,7 @@ class TransferPlanner:
         hit = 0
         if cacheable and may_load and limit > num_computed:
             hit = self._lookup(token_ids[:limit], extra_keys)
-        self._pending[req_id] = (num_computed, hit, extra_keys, cacheable and may_save, retain_s)
+        self._pending[req_id] = (num_computed, hit, extra_keys, cacheable and may_save, retain_s, priority)
         return max(0, hit - num_computed)
 
     def verify(self, req_id: str) -> None:
@@ -164,8 +166,8 @@ class TransferPlanner:
         blocks vLLM did not have, are compared with the tiers' copies (verify mode)."""
         pending = self._pending.get(req_id)
         if pending is not None:
-            num_computed, _, extra_keys, cacheable, retain_s = pending
-            self._pending[req_id] = (num_computed, num_computed, extra_keys, cacheable, retain_s)
+            num_computed, _, extra_keys, cacheable, retain_s, priority = pending
+            self._pending[req_id] = (num_computed, num_computed, extra_keys, cacheable, retain_s, priority)
             self._verify.add(req_id)
 
     def on_alloc(self, req_id: str, token_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -179,8 +181,8 @@ class TransferPlanner:
         if pending is None:
             if req_id in self._requests and num_external_tokens == 0:
                 return
-            pending = (0, 0, None, False, None)
-        num_computed, hit, extra_keys, cacheable, retain_s = pending
+            pending = (0, 0, None, False, None, None)
+        num_computed, hit, extra_keys, cacheable, retain_s, priority = pending
         load = None
         if num_external_tokens > 0:
             end = num_computed + num_external_tokens
@@ -192,7 +194,7 @@ class TransferPlanner:
             load = (num_computed // b, end // b)
         self._requests[req_id] = _Request(req_id, token_ids, hit // b, load, extra_keys, cacheable,
                                           repeat_hit=max(0, len(token_ids) - 1) // b, retain_s=retain_s,
-                                          verify=req_id in self._verify)
+                                          verify=req_id in self._verify, priority=priority)
         self._verify.discard(req_id)
 
     def take_load(self, req_id: str, block_ids: Sequence[Sequence[int]]) -> BlockTransfer | None:
@@ -269,9 +271,9 @@ class TransferPlanner:
         hit_ends = (done, min(done, state.repeat_hit))
         save = self._transfer(state, block_ids, done, lambda rule: (
             range(state.num_saved_blocks, done), functools.partial(_keep, rule, hit_ends=hit_ends, step_end=step_end)))
-        if state.retain_s is None and not state.verify:
+        if state.retain_s is None and not state.verify and state.priority is None:
             return save
-        return dataclasses.replace(save, retain_s=state.retain_s, verify=state.verify)
+        return dataclasses.replace(save, retain_s=state.retain_s, verify=state.verify, priority=state.priority)
 
     def _transfer(self, state: _Request, block_ids: Sequence[Sequence[int]], end: int,
                   wanted: Callable[[GroupRule], tuple[range, Callable[[int, int], bool]]]) -> BlockTransfer:

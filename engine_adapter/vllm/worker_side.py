@@ -340,6 +340,10 @@ class ConnectorWorker:
             kept = self.store.blocks.retain(keys, save.retain_s)
             self.stats.count("retained_blocks", kept.num_retained)
             self.stats.count("retain_clipped_blocks", kept.num_clipped)
+        if save.priority is not None:  # the request's hint: its blocks' place in eviction order
+            done = self.store.blocks.prioritize(keys, save.priority)
+            self.stats.count("prioritized_blocks", done.num_applied)
+            self.stats.count("priority_clipped_blocks", done.num_clipped)
 
     def flush(self) -> None:
         """Wait until every background load has ended and every queued save is written

@@ -1,5 +1,6 @@
-"""`kvstrata bench hints` at a small size: retain hints against the same store without them and
-against Belady on one replay; the gap-closed figure is computed from the same run."""
+"""`kvstrata bench hints` at a small size: retain hints, and the flood at priority "low", against
+the same store without them and against Belady on one replay; the gap-closed figures are
+computed from the same run."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def test_bench_hints_reports_each_policy_with_and_without_hints(tmp_path: Path, 
     assert set(res) == {f"{p}/{c}" for p in ("lru", "s3fifo", "arc") for c in (64, 96)}
     for r in res.values():
         assert 0 <= r["no_hints"] <= r["belady"] <= r["infinite"] <= 1
-        assert r["retain"] <= r["infinite"]
+        assert r["retain"] <= r["infinite"] and r["low_flood"] <= r["infinite"]
         if r["belady"] > r["no_hints"]:
             assert math.isclose(r["gap_closed"], (r["retain"] - r["no_hints"]) / (r["belady"] - r["no_hints"]))
+            assert math.isclose(r["gap_closed_low"], (r["low_flood"] - r["no_hints"]) / (r["belady"] - r["no_hints"]))
     assert res["lru/64"]["retain"] > res["lru/64"]["no_hints"]  # the flood evicts the sessions without hints
+    assert res["lru/64"]["low_flood"] > res["lru/64"]["no_hints"]  # a low flood leaves the sessions' blocks
 
 
 def test_bench_hints_refuses_bad_sizes_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -157,6 +157,14 @@ class Residency(Generic[K]):
                 else:
                     pol.refresh(key)
 
+    def deprioritize(self, keys: Sequence[K]) -> int:
+        """Held `keys` become the next to evict in their policy, the last given first (give a
+        prefix in order: its tail leaves first); how many were held. Absent keys are ignored."""
+        held = [k for k in keys if k in self._held]
+        for key in held:
+            self._policy_of(key).deprioritize(key)
+        return len(held)
+
     def end_put(self) -> None:
         """Start the next epoch: later touches are new uses."""
         self._epoch += 1

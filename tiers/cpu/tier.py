@@ -326,6 +326,10 @@ class CPUTier(Tier):
     def touch(self, block_hashes: Sequence[BlockHash]) -> None:
         self._res.touch(block_hashes)
 
+    def deprioritize(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._check_open()
+        return self._res.deprioritize(block_hashes)
+
     def pin(self, block_hashes: Sequence[BlockHash]) -> int:
         """Protect the leading held blocks from eviction; return how many were pinned."""
         self._check_open()

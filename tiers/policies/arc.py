@@ -43,13 +43,14 @@ class ARCPolicy(EvictionPolicy[K]):
         self._t2: OrderedDict[K, None] = OrderedDict()
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
+        self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
         self.p = 0.0
 
     def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
+        return len(self._t1) + len(self._t2) + len(self._cold)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+        return key in self._t1 or key in self._t2 or key in self._cold
 
     def insert(self, key: K) -> None:
         b1, b2 = self._b1, self._b2
@@ -65,6 +66,9 @@ class ARCPolicy(EvictionPolicy[K]):
             self._t1[key] = None
 
     def access(self, key: K) -> None:
+        if self._cold and key in self._cold:
+            del self._cold[key]
+            self._t1[key] = None
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
@@ -72,6 +76,9 @@ class ARCPolicy(EvictionPolicy[K]):
             self._t2.move_to_end(key)
 
     def refresh(self, key: K) -> None:
+        if self._cold and key in self._cold:
+            del self._cold[key]
+            self._t1[key] = None
         if key in self._t1:
             self._t1.move_to_end(key)
         else:
@@ -80,11 +87,15 @@ class ARCPolicy(EvictionPolicy[K]):
     def remove(self, key: K) -> None:
         if key in self._t1:
             del self._t1[key]
-        else:
+        elif key in self._t2:
             del self._t2[key]
+        else:
+            del self._cold[key]
 
     def pop(self) -> K:
         t1 = self._t1
+        if self._cold:
+            return self._cold.popitem(last=False)[0]
         if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
             key = t1.popitem(last=False)[0]
             self._b1[key] = None
@@ -107,8 +118,14 @@ class ARCPolicy(EvictionPolicy[K]):
             self._t2[key] = None
             self._t2.move_to_end(key, last=False)
 
+    def deprioritize(self, key: K) -> None:
+        """At the front of the cold list, which `pop` empties before `t1` and `t2`."""
+        self.remove(key)
+        self._cold[key] = None
+        self._cold.move_to_end(key, last=False)
+
     def order(self) -> Iterator[K]:
-        return itertools.chain(self._t1, self._t2)
+        return itertools.chain(self._cold, self._t1, self._t2)
 
     def _ghost_cap(self, capacity_blocks: int) -> int:
         """Entries of each ghost list for a tier of `capacity_blocks` blocks."""
@@ -127,14 +144,14 @@ class ARCPolicy(EvictionPolicy[K]):
         trim(self._b2, cap)
 
     def clear(self) -> None:
-        for d in (self._t1, self._t2, self._b1, self._b2):
+        for d in (self._t1, self._t2, self._b1, self._b2, self._cold):
             d.clear()
         self.p = 0.0
 
     def check_integrity(self) -> None:
-        lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys()]
+        lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys(), self._cold.keys()]
         if sum(len(x) for x in lists) != len(set().union(*lists)):
-            raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2 (a bug)")
+            raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2, cold (a bug)")
         if not 0.0 <= self.p <= self.capacity_blocks:
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
         if max(len(self._b1), len(self._b2)) > self._ghost_limit:

@@ -114,6 +114,13 @@ class EvictionPolicy(abc.ABC, Generic[K]):
         """Undo the `pop` that returned `key`: held again, next to be evicted, with whatever
         the pop remembered of it forgotten. Used when the eviction could not be carried out."""
 
+    def deprioritize(self, key: K) -> None:
+        """Make a held key the next to evict (the cold end, its use counts forgotten): a
+        low-priority block. This default (for policies outside kvstrata) takes it out and
+        `restore`s it, the closest the protocol offers; the built-in policies override it."""
+        self.remove(key)
+        self.restore(key)
+
     @abc.abstractmethod
     def order(self) -> Iterator[K]:
         """The held keys, roughly in eviction order (the next to go first); changes nothing."""
@@ -188,6 +195,9 @@ class LRUPolicy(EvictionPolicy[K]):
 
     def restore(self, key: K) -> None:
         self._order[key] = None
+        self._order.move_to_end(key, last=False)
+
+    def deprioritize(self, key: K) -> None:
         self._order.move_to_end(key, last=False)
 
     def order(self) -> Iterator[K]:

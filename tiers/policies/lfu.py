@@ -102,6 +102,15 @@ class LFUPolicy(EvictionPolicy[K]):
         self._buckets[c].move_to_end(key, last=False)
         self._low = min(self._low, c)
 
+    def deprioritize(self, key: K) -> None:
+        """Count 1, oldest of the lowest bucket; its history forgotten."""
+        c = self._count[key]
+        del self._buckets[c][key]
+        self._count[key] = 1
+        self._buckets[1][key] = None
+        self._buckets[1].move_to_end(key, last=False)
+        self._low = 1
+
     def _remember(self, key: K, count: int) -> None:
         self._history[key] = count
         trim(self._history, self._history_limit)

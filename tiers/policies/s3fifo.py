@@ -32,8 +32,11 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     is evicted and becomes a ghost. Leaving the main queue, a key used since it last passed
     is reinserted with one use less; one that was not is evicted.
 
-    Invariant: every held key is in exactly one of the small and main queues and has a use
-    count in [0, MAX_FREQ]; no held key is a ghost.
+    A deprioritized (low-priority) key waits in a cold queue that `pop` empties first; a use
+    sends it to the small queue as a new key.
+
+    Invariant: every held key is in exactly one of the cold, small and main queues and has a
+    use count in [0, MAX_FREQ]; no held key is a ghost.
     """
 
     kind = EvictionKind.S3FIFO
@@ -46,6 +49,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
         self._freq: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -63,6 +67,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
             self._small[key] = None
 
     def access(self, key: K) -> None:
+        if self._cold and key in self._cold:
+            self._warm(key)
         f = self._freq[key]
         if f < MAX_FREQ:
             self._freq[key] = f + 1
@@ -70,18 +76,26 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def refresh(self, key: K) -> None:
         if key not in self._freq:
             raise KeyError(key)
+        if self._cold and key in self._cold:
+            self._warm(key)
 
     def remove(self, key: K) -> None:
         del self._freq[key]
         if key in self._small:
             del self._small[key]
-        else:
+        elif key in self._main:
             del self._main[key]
+        else:
+            del self._cold[key]
 
     def pop(self) -> K:
         small, main, freq = self._small, self._main, self._freq
         if not freq:
             raise IndexError("pop from an empty S3-FIFO policy")
+        if self._cold:
+            key = self._cold.popitem(last=False)[0]
+            del freq[key]  # no ghost: a low-priority key returns as new
+            return key
         while True:
             if small and (len(small) >= self._small_limit or not main):
                 key = small.popitem(last=False)[0]
@@ -112,8 +126,20 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         queue[key] = None
         queue.move_to_end(key, last=False)
 
+    def deprioritize(self, key: K) -> None:
+        """No uses, at the front of the cold queue, which `pop` empties before the others."""
+        self.remove(key)
+        self._freq[key] = 0
+        self._cold[key] = None
+        self._cold.move_to_end(key, last=False)
+
+    def _warm(self, key: K) -> None:
+        """A used cold key leaves the cold queue for the small one, as a new key."""
+        del self._cold[key]
+        self._small[key] = None
+
     def order(self) -> Iterator[K]:
-        return itertools.chain(self._small, self._main)
+        return itertools.chain(self._cold, self._small, self._main)
 
     @property
     def num_remembered(self) -> int:
@@ -126,13 +152,14 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         trim(self._ghost, self.history_limit(capacity_blocks))
 
     def clear(self) -> None:
-        for d in (self._small, self._main, self._ghost, self._freq):
+        for d in (self._small, self._main, self._ghost, self._cold, self._freq):
             d.clear()
 
     def check_integrity(self) -> None:
-        small, main = self._small.keys(), self._main.keys()
-        if small & main or len(small) + len(main) != len(self._freq) or (small | main) != self._freq.keys():
-            raise RuntimeError("S3-FIFO: the small and main queues do not partition the held keys (a bug)")
+        small, main, cold = self._small.keys(), self._main.keys(), self._cold.keys()
+        if small & main or cold & (small | main) or len(small) + len(main) + len(cold) != len(self._freq) \
+                or (small | main | cold) != self._freq.keys():
+            raise RuntimeError("S3-FIFO: the cold, small and main queues do not partition the held keys (a bug)")
         if self._ghost.keys() & self._freq.keys():
             raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
         if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):

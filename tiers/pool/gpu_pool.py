@@ -299,6 +299,17 @@ class BlockPool(Tier):
             if block is not None and block.ref_cnt == 0:
                 self.free_queue.move_to_tail(block)
 
+    def deprioritize(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Free cached blocks go to the free queue's head (reused first); in use ones stay."""
+        self._check_open()
+        n = 0
+        for h in block_hashes:
+            block = self.cached.get(h)
+            if block is not None and block.ref_cnt == 0:
+                self.free_queue.move_to_head(block)
+                n += 1
+        return n
+
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
         n = 0

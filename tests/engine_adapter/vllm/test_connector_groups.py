@@ -110,6 +110,19 @@ def test_vllms_second_alloc_after_a_background_load_keeps_the_requests_keys() ->
     assert save.groups == (GroupBlocks(2, (7, 8, 9)),)  # the loaded blocks are not saved again
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_requests_priority_hint_rides_on_each_of_its_saves(verify: bool) -> None:
+    planner = TransferPlanner(B, lambda tokens, keys: 2 * B if verify else 0)
+    tokens = list(range(20))
+    planner.num_new_matched_tokens("r", tokens, 0, priority="low", retain_s=5.0)
+    if verify:
+        planner.verify("r")  # the hint survives the verify path's rewrite of the lookup
+    planner.on_alloc("r", tokens, 0)
+    first = planner.build([("r", 0, 8)], lambda _: [[1, 2, 3, 4, 5]]).saves
+    second = planner.build([("r", 8, 12)], lambda _: [[1, 2, 3, 4, 5]]).saves
+    assert [(s.priority, s.retain_s, s.verify) for s in first + second] == [("low", 5.0, verify)] * 2
+
+
 def test_a_request_never_looked_up_is_never_saved() -> None:
     planner = TransferPlanner(B, lambda tokens, keys: 0)
     planner.on_alloc("r", list(range(20)), 0)

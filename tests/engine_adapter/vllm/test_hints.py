@@ -24,12 +24,25 @@ def test_no_hints_change_nothing_and_report_nothing(params: object) -> None:
     ({"store": "false"}, "store"), ({"load": 0}, "load"), ({"retain_s": 0}, "retain_s"),
     ({"retain_s": -5}, "retain_s"), ({"retain_s": float("nan")}, "retain_s"), ({"retain_s": 10**9}, "retain_s"),
     ({"retain_s": True}, "retain_s"), ({"pin": True}, "pin"),
+    ({"priority": "urgent"}, "priority"), ({"priority": "LOW"}, "priority"), ({"priority": 1}, "priority"),
+    ({"priority": None}, "priority"), ({"priority": ["low"]}, "priority"),
 ])
 def test_a_bad_hint_is_rejected_alone(entry: dict[str, object], name: str) -> None:
     hints = parse({"kvstrata": {**entry, "store": False} if name != "store" else entry})
     assert hints.rejected.get(name)
     assert hints.store is (name == "store")  # the other hint still applied (store: False) where given
-    assert (hints.load, hints.retain_s) == (True, None)
+    assert (hints.load, hints.retain_s, hints.priority) == (True, None, None)
+
+
+@pytest.mark.parametrize("level", ["low", "normal", "high"])
+def test_each_priority_is_accepted(level: str) -> None:
+    hints = parse({"kvstrata": {"priority": level}})
+    assert hints.priority == level and hints.report() == {"accepted": ["priority"], "rejected": {}}
+
+
+def test_a_bad_priority_names_the_choices_and_the_value() -> None:
+    assert parse({"kvstrata": {"priority": "urgent"}}).rejected == {
+        "priority": "must be one of low, normal, high, got 'urgent'"}
 
 
 def test_a_non_object_entry_is_rejected() -> None:
