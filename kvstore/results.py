@@ -62,6 +62,8 @@ class StoreCounters:
     num_tokens_hit: int = 0
     num_verified_blocks: int = 0
     verify_mismatches: dict[TierKind, int] = field(default_factory=dict)
+    verify_max_error: dict[TierKind, float] = field(default_factory=dict)
+    verify_bound: dict[TierKind, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class StoreStats:
     tiers: tuple[TierStats, ...]
     num_verified_blocks: int = 0  # (block, tier) pairs verify mode compared
     verify_mismatches: Mapping[TierKind, int] = field(default_factory=dict)  # blocks found differing, per tier
+    verify_max_error: Mapping[TierKind, float] = field(default_factory=dict)  # the largest error seen, per tier
+    verify_bound: Mapping[TierKind, float] = field(default_factory=dict)  # the largest bound applied, per tier
 
     @property
     def hit_ratio(self) -> float:
