@@ -93,7 +93,7 @@ def as_text(value: object) -> str:
 def test_the_keys_are_the_connectors_own_and_every_store_config_field_but_the_derived() -> None:
     own = {f.name for f in ConnectorSettings.own_fields()}
     assert own == {"namespace", "stats_path", "async_saves", "async_loads", "metrics_port", "metrics_host",
-                   "verify_fraction"}
+                   "verify_fraction", "verify_tolerance"}
     fields = {f.name for f in dataclasses.fields(StoreConfig)}
     assert set(library_keys()) == fields - set(DERIVED) - {"namespace"}  # namespace: derived, plus the user's text
     assert set(ConnectorSettings.keys()) == own | set(library_keys())

@@ -13,7 +13,10 @@ module_path (how vLLM finds the connector: default "TierKVConnector" in
 "engine_adapter.vllm.connector"; a null module_path uses the name kvstrata's plugin registers),
 connector_role (vLLM's kv_role, default "kv_both"), asleep_rounds (round indices run with the
 worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before the round,
-`restore_kv_caches` after; one process only).
+`restore_kv_caches` after; one process only), after_round (round index as text ->
+"module:function", called in the engine's process as `function(llm, spec)` once that round
+ended; what it returns, JSON, is the result's `after_round` entry of that index: tests reach
+the connector's stores between rounds this way).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ def run(spec: dict) -> dict:
     if isinstance(schedule, int):
         schedule = [list(range(len(spec["prompts"])))] * schedule
     rounds = []
+    hooks: dict[str, object] = {}
     asleep = set(spec.get("asleep_rounds") or ())
     for round_index, order in enumerate(schedule):
         if round_index in asleep:
@@ -97,6 +101,12 @@ def run(spec: dict) -> dict:
                 }
             )
         rounds.append(requests)
+        hook = (spec.get("after_round") or {}).get(str(round_index))
+        if hook:
+            import importlib
+
+            module, function = hook.split(":")
+            hooks[str(round_index)] = getattr(importlib.import_module(module), function)(llm, spec)
         if round_index in asleep:
             get_kv_transfer_group().restore_kv_caches()
         if spec.get("reset_between"):
@@ -108,7 +118,8 @@ def run(spec: dict) -> dict:
     stats_path = (spec.get("connector") or {}).get("stats_path")
     llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
-    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts}
+    return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts,
+            "after_round": hooks}
 
 
 if __name__ == "__main__":
