@@ -244,3 +244,12 @@ def test_a_password_in_the_tiers_is_never_shown() -> None:
     settings = ConnectorSettings.from_sources({"tiers": [{"type": "remote", "url": url}]}, {})
     for shown in (str(bad_json.value), str(bad_url.value), repr(settings), repr(group_config(settings, derived()))):
         assert "s3cret-pw" not in shown, shown
+
+
+@pytest.mark.parametrize("bad", ["nan", float("nan"), -0.01, "-1", 1.5, "inf", "lots", True])
+def test_a_bad_verify_tolerance_or_fraction_is_one_error_naming_it(bad: object) -> None:
+    for key in ("verify_tolerance", "verify_fraction"):
+        with pytest.raises(ConfigError, match=rf"^{key} must be a finite number in \[0, 1\], got "):
+            ConnectorSettings.from_sources({key: bad}, {})
+    assert ConnectorSettings.from_sources({"verify_tolerance": "0.01"}, {}).verify_tolerance == 0.01
+    assert ConnectorSettings.from_sources({}, {}).verify_tolerance == 0.0  # exact by default
