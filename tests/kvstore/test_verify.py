@@ -16,6 +16,7 @@ import torch
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.hashing import ExtraKeys
+from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tests.redis_fixtures import redis_server
 from tiers.changes import ChangeKind
@@ -130,6 +131,14 @@ def test_a_lossy_tier_is_compared_within_its_codecs_bound(tmp_path: Path, codec:
         stats = store.stats()
         assert stats.verify_mismatches == {TierKind.DISK: 1}
         assert stats.verify_bound[TierKind.DISK] > 0 and stats.verify_max_error[TierKind.DISK] > 10 * check.bound
+        registry = pytest.importorskip("prometheus_client").CollectorRegistry()
+        name = register_metrics(store, registry)
+        [labels] = [dict(m.samples[0].labels) for m in registry.collect() if m.name == "kvstrata_verify_bound"]
+        assert labels["tier"] == "disk" and labels["store"] == name
+        got = {m: registry.get_sample_value(m, labels) for m in
+               ("kvstrata_verify_mismatch_total", "kvstrata_verify_bound", "kvstrata_verify_max_error")}
+        assert got["kvstrata_verify_mismatch_total"] == 1 and got["kvstrata_verify_bound"] == stats.verify_bound[
+            TierKind.DISK] and got["kvstrata_verify_max_error"] == stats.verify_max_error[TierKind.DISK]
 
 
 def test_a_block_promoted_from_a_lossy_tier_is_no_false_alarm_in_an_exact_one(tmp_path: Path) -> None:
