@@ -182,10 +182,10 @@ class StoreCollector:
         bound = _family("kvstrata_verify_bound", "The largest element error verify mode allowed (0: byte for byte)",
                         "gauge", tier_labels)
         for name, store, stats in snapshots:
-            for kind, value in stats.verify_max_error.items():
-                worst.add_metric([self.namespace(store), name, kind.value], value)
-            for kind, value in stats.verify_bound.items():
-                bound.add_metric([self.namespace(store), name, kind.value], value)
+            for kind, err in stats.verify_max_error.items():
+                worst.add_metric([self.namespace(store), name, kind.value], err)
+            for kind, allowed in stats.verify_bound.items():
+                bound.add_metric([self.namespace(store), name, kind.value], allowed)
         yield worst
         yield bound
         yield from self._tenant_families(snapshots)
