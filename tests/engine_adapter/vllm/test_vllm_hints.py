@@ -64,13 +64,15 @@ def test_verified_hits_over_a_run_of_right_blocks_raise_no_false_alarm(tmp_path:
     """Verify mode with `verify_fraction=1.0`: every hit (20 requests over 10 prompts) is
     reported to vLLM as a miss, computed, and its KV compared with each tier's copy as it is
     saved; vLLM computes the same KV for the same prompt, so no copy is flagged, and each
-    answer is vLLM's own."""
+    answer is vLLM's own. The disk writes int8: its copies (and, in this store, the CPU
+    tier's) are held to the codec's error bound, which they keep."""
     model = build_tiny_llama(tmp_path / "model")
     prompts = [prompt(60 + i, 4 * BLOCK + 5) for i in range(10)]
     result = run_scenario({
         "model": model, "rounds": [list(range(10)), list(range(10)), list(range(10))], "reset_between": True,
         "prompts": prompts, "connector": connector_config(tmp_path / "c", load_policy="always",
-                                                          verify_fraction=1.0)})
+                                                          verify_fraction=1.0, disk_codec="int8"),
+        "after_round": {"2": "tests.engine_adapter.vllm.verify_inject:bounds"}})
     first = {r["prompt"]: r["output"] for r in result["rounds"][0]}
     for again in result["rounds"][1:]:
         for r in again:
@@ -81,6 +83,10 @@ def test_verified_hits_over_a_run_of_right_blocks_raise_no_false_alarm(tmp_path:
     assert stat_sum(stats, "verify_tier_checked_blocks_cpu") >= 20 * 4
     assert stat_sum(stats, "verify_tier_checked_blocks_disk") >= 20 * 4  # write-through: disk holds them too
     assert stat_sum(stats, "verify_mismatch_blocks") == 0
+    seen = result["after_round"]["2"]
+    assert seen["mismatches"] == {}
+    assert 0 < seen["max_error"]["disk"] <= seen["bound"]["disk"]  # lossy, within the int8 bound
+    assert seen["max_error"]["cpu"] <= seen["bound"]["cpu"]
 
 
 def test_another_prefixs_kv_injected_in_each_tier_is_caught_and_quarantined(tmp_path: Path) -> None:

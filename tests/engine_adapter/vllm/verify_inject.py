@@ -110,3 +110,13 @@ def check(llm: object, spec: dict[str, Any]) -> dict[str, Any]:
             "max_error": {k.value: e for k, e in stats.verify_max_error.items()},
             "bound": {k.value: b for k, b in stats.verify_bound.items()},
             "namespace": store.config.namespace}
+
+
+def bounds(llm: object, spec: dict[str, Any]) -> dict[str, Any]:
+    """The store's verify counters: per tier, mismatches, the largest error seen, the bound."""
+    store = _store()
+    _settle(store)
+    stats = store.stats()
+    return {"mismatches": {k.value: n for k, n in stats.verify_mismatches.items()},
+            "max_error": {k.value: e for k, e in stats.verify_max_error.items()},
+            "bound": {k.value: b for k, b in stats.verify_bound.items()}}
