@@ -212,3 +212,20 @@ def test_the_warning_names_namespace_tier_block_error_and_bound(tmp_path: Path,
         [line] = [r.getMessage() for r in caplog.records if r.name == "kvstore.verify"]
         assert "'ns-warn'" in line and "cpu: 1 block(s), first block 2" in line
         assert "max error" in line and "bound of 0" in line
+
+
+def test_the_comparison_sees_nan_patterns_and_a_nan_is_never_within_a_bound() -> None:
+    from kvstore.verify import Computed, VerifyBound, compare, same_bytes
+
+    x = torch.randn(2, 2, BLOCK, 2, 8)
+    y = x.clone()
+    y.view(-1)[5] = float("nan")
+    z = y.clone()
+    z.view(torch.int32).view(-1)[5] ^= 1  # another NaN: other bytes
+    assert same_bytes(y, y.clone()) and not same_bytes(y, z) and not same_bytes(x, y)
+    assert not same_bytes(x, x.view(torch.uint8)[..., :-4])  # other sizes
+    loose = VerifyBound(tolerance=1.0)
+    assert compare(x, Computed(x, loose))[:2] == (True, 0.0)
+    within, err, allowed = compare(y, Computed(x, loose))  # a NaN held where a number was computed
+    assert not within and err == float("inf") and allowed > 0
+    assert compare(y, Computed(y.clone(), loose))[0]  # not finite: byte for byte, and the same bytes
