@@ -30,7 +30,7 @@ from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
 from kvstore.tier_stack import TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
-from kvstore.verify import VerifyResult
+from kvstore.verify import VerifyResult, check_tolerance, store_bound
 from tiers.keys import BlockKey
 from tiers.shared.blockbatch import BlockBatch
 from tiers.shared.ratelimit import RateLimitedWarning
@@ -156,15 +156,16 @@ class TierBlockStore(BlockStore):
             self._check_open()
             return prioritize(self._stack, self.retention, keys, level)
 
-    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], *,
+               tolerance: float = 0.0) -> VerifyResult:
         self._check_open()
+        tolerance = check_tolerance(tolerance)
         keys = check_keys(keys)
         check_block_tensors(self._config, computed, len(keys))
-        lossy = frozenset(t.tier.kind for t in self._config.tier_configs
-                          if t.codec is not None and t.codec.kind.lossy)
+        bound, unbounded = store_bound(self._config, tolerance)
         with self._lock:
             self._check_open()
-            result = self._stack.verify(list(keys), computed, lossy, self._config.namespace)
+            result = self._stack.verify(list(keys), computed, unbounded, self._config.namespace, bound)
             bad = [keys[i].block_hash for idx in result.mismatches.values() for i in idx]
             if bad and self.retention.release(bad):  # a retained block is quarantined all the same
                 self._stack.discard(bad)
@@ -172,6 +173,9 @@ class TierBlockStore(BlockStore):
             c.num_verified_blocks += result.num_checked
             for kind, idx in result.mismatches.items():
                 c.verify_mismatches[kind] = c.verify_mismatches.get(kind, 0) + len(idx)
+            for kind, check in result.tiers.items():  # the largest error seen, and bound used, per tier
+                c.verify_max_error[kind] = max(c.verify_max_error.get(kind, 0.0), check.max_error)
+                c.verify_bound[kind] = max(c.verify_bound.get(kind, 0.0), check.bound)
             return result
 
     def prefetch(self, keys: Sequence[BlockKey], *, max_blocks: int | None = None) -> Future[PrefetchResult]:

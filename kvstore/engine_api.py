@@ -156,12 +156,15 @@ class BlockStore(Protocol):
         `InvalidInputError` naming it, and changes nothing."""
         ...
 
-    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor]) -> VerifyResult:
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], *,
+               tolerance: float = 0.0) -> VerifyResult:
         """Compare KV the engine just computed (`computed[i]` for `keys[i]`, block-shaped)
-        with what every tier holding each key keeps, byte for byte where the tier keeps exact
-        KV; a block that differs in any tier is removed from every tier (KV events withdraw
-        it) and counted per tier (`StoreStats.verify_mismatches`). Writes nothing else
-        (`kvstore/verify.py`)."""
+        with what every tier holding each key keeps: byte for byte in a store of exact
+        codecs, else within the lossy codecs' error bound, plus `tolerance` (in [0, 1]) times
+        each block's largest magnitude per element. A block beyond it in any tier is removed
+        from every tier (KV events withdraw it) and counted per tier
+        (`StoreStats.verify_mismatches`, with the largest error seen and bound applied).
+        Writes nothing else (`kvstore/verify.py`)."""
         ...
 
     def take_events(self) -> EventBatch:

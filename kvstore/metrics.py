@@ -183,6 +183,17 @@ class StoreCollector:
         yield errors
         yield drops
         yield mismatches
+        worst = _family("kvstrata_verify_max_error", "The largest element error verify mode saw in a tier's copy",
+                        "gauge", tier_labels)
+        bound = _family("kvstrata_verify_bound", "The largest element error verify mode allowed (0: byte for byte)",
+                        "gauge", tier_labels)
+        for name, store, stats in snapshots:
+            for kind, err in stats.verify_max_error.items():
+                worst.add_metric([self.namespace(store), name, kind.value], err)
+            for kind, allowed in stats.verify_bound.items():
+                bound.add_metric([self.namespace(store), name, kind.value], allowed)
+        yield worst
+        yield bound
         yield from self._tenant_families(snapshots)
         for metric, (doc, count) in _PER_STORE.items():
             family = CounterMetricFamily(metric, doc, labels=["namespace", "store"])

@@ -66,6 +66,16 @@ class StoreCounters:
     num_prefetch_dropped: int = 0  # not run: too many prefetches waited
     num_prefetch_promoted: int = 0  # blocks prefetches read from slow tiers into memory
     num_prefetch_failed: int = 0  # blocks planned but not read (gone, damaged), and prefetches a fault ended
+    verify_max_error: dict[TierKind, float] = field(default_factory=dict)
+    verify_bound: dict[TierKind, float] = field(default_factory=dict)
+
+    def snapshot(self, num_promotion_failures: int, tiers: tuple[TierStats, ...]) -> StoreStats:
+        """These counters as `StoreStats`, with the tiers' snapshots (copies: changes nothing)."""
+        return StoreStats(self.num_store_calls, self.num_retrieve_calls, self.num_lookup_calls,
+                          self.num_blocks_stored, self.num_tokens_requested, self.num_tokens_hit,
+                          num_promotion_failures, tiers, self.num_verified_blocks, dict(self.verify_mismatches),
+                          self.num_prefetch_calls, self.num_prefetch_dropped, self.num_prefetch_promoted,
+                          self.num_prefetch_failed, dict(self.verify_max_error), dict(self.verify_bound))
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class StoreStats:
     num_prefetch_dropped: int = 0  # prefetches not run: too many waited (`kvstore/prefetch.py`)
     num_prefetch_promoted: int = 0  # blocks prefetches read from slow tiers into memory
     num_prefetch_failed: int = 0  # blocks prefetches planned but could not read, and prefetches a fault ended
+    verify_max_error: Mapping[TierKind, float] = field(default_factory=dict)  # the largest error seen, per tier
+    verify_bound: Mapping[TierKind, float] = field(default_factory=dict)  # the largest bound applied, per tier
 
     @property
     def hit_ratio(self) -> float:

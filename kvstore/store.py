@@ -267,15 +267,16 @@ class KVCacheStore:
         arr, hashes = self._keyer.hashes(tokens, extra_keys)
         return self._blocks.prioritize(list(self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))), priority)
 
-    def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None) -> VerifyResult:
+    def verify(self, tokens: object, kv: object, *, extra_keys: ExtraKeys | None = None,
+               tolerance: float = 0.0) -> VerifyResult:
         """Compare `kv` (as `store` takes it), just computed for `tokens`, with what every tier
-        holds for its full blocks; remove each block that differs anywhere from every tier
-        (`blocks.verify`, `kvstore/verify.py`). Stores nothing."""
+        holds for its full blocks; remove each block that differs beyond the bound anywhere
+        from every tier (`blocks.verify`, `kvstore/verify.py`). Stores nothing."""
         self.check_open()
         arr, hashes = self._keyer.hashes(tokens, extra_keys)
         kv = check_kv(self.config, kv, len(arr))
         keys = self._keyer.lazy_keys(arr, hashes, extra_keys, 0, len(hashes))
-        return self._blocks.verify(list(keys), BlockBatch(block_rows(kv, self.config.block_size)))
+        return self._blocks.verify(list(keys), BlockBatch(block_rows(kv, self.config.block_size)), tolerance=tolerance)
 
     def locate(self, tokens: object, *, extra_keys: ExtraKeys | None = None) -> list[TierKind]:
         """The tier that would serve each block of the longest cached prefix (what `lookup`
@@ -326,12 +327,8 @@ class KVCacheStore:
         """Counters and per-tier snapshots; changes nothing."""
         with self._lock:
             self.check_open()
-            c = self._counters
-            return StoreStats(c.num_store_calls, c.num_retrieve_calls, c.num_lookup_calls, c.num_blocks_stored,
-                              c.num_tokens_requested, c.num_tokens_hit, self._stack.num_promotion_failures,
-                              tuple(t.stats() for t in self._stack.tiers), c.num_verified_blocks,
-                              dict(c.verify_mismatches), c.num_prefetch_calls, c.num_prefetch_dropped,
-                              c.num_prefetch_promoted, c.num_prefetch_failed)
+            return self._counters.snapshot(self._stack.num_promotion_failures,
+                                           tuple(t.stats() for t in self._stack.tiers))
 
     def check_integrity(self) -> None:
         """Raise `RuntimeError` if any tier's invariants are broken (a bug)."""

@@ -22,7 +22,7 @@ import torch
 
 from kvstore.change_feed import ChangeFeed
 from kvstore.results import ClearResult
-from kvstore.verify import VerifyResult, verify_blocks
+from kvstore.verify import VerifyBound, VerifyResult, verify_blocks
 from tiers.base import ScrubResult, Tier
 from tiers.changes import ChangeKind, TierChange
 from tiers.errors import DiskFullError
@@ -179,10 +179,10 @@ class TierStack:
         return num_ok, counts
 
     @_publishes
-    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], lossy: frozenset[TierKind],
-               namespace: str) -> VerifyResult:
+    def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], unbounded: frozenset[TierKind],
+               namespace: str, bound: VerifyBound) -> VerifyResult:
         """`kvstore/verify.py`'s check over every tier; its removals go out as changes."""
-        return verify_blocks(self.tiers, lossy, keys, computed, namespace)
+        return verify_blocks(self.tiers, unbounded, keys, computed, namespace, bound)
 
     @_publishes
     def discard(self, hashes: Sequence[BlockHash]) -> int:

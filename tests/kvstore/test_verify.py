@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from kvstore import KVCacheStore, StoreConfig
+from kvstore.errors import InvalidInputError
 from kvstore.hashing import ExtraKeys
+from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tests.redis_fixtures import redis_server
 from tiers.changes import ChangeKind
@@ -101,12 +103,129 @@ def test_a_block_wrong_in_one_tier_is_removed_from_the_tier_that_was_right_too(t
         assert not torch.equal(make_kv(BLOCK, seed=9), kv[:, :, 2 * BLOCK:3 * BLOCK])
 
 
-def test_lossy_tiers_are_counted_unverified_not_compared(tmp_path: Path) -> None:
-    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
-                      disk_sync=False, disk_codec="int8")
+@pytest.mark.parametrize("codec", ["int8", "fp8", "k8v4"])
+def test_a_lossy_tier_is_compared_within_its_codecs_bound(tmp_path: Path, codec: str) -> None:
+    """A lossy tier's decoded copies of correct blocks stay within the codec's error bound
+    (no false alarm, over many prompts), and another prefix's KV under a key is far outside
+    it (caught); each check reports the bound and the largest error it saw."""
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=0, disk_path=str(tmp_path / "d"), disk_bytes=64 << 20,
+                      disk_sync=False, disk_codec=codec)
     with KVCacheStore(cfg) as store:
-        kv = make_kv(len(TOKENS), seed=3)
-        store.store(TOKENS, kv)
+        for seed in range(12):
+            tokens = [100_000 + seed * 1000 + t for t in range(6 * BLOCK)]
+            kv = make_kv(len(tokens), seed=seed)
+            store.store(tokens, kv)
+            result = store.verify(tokens, kv)
+            check = result.tiers[TierKind.DISK]
+            assert result.ok and result.num_checked == 6 and result.num_unverified == 0
+            assert 0 < check.max_error <= check.bound  # lossy, within its bound
+        keys = list(store.keys(TOKENS))
+        kv, other_kv = make_kv(len(TOKENS), seed=1), make_kv(len(OTHER), seed=2)
+        rows = [kv[:, :, i * BLOCK:(i + 1) * BLOCK] for i in range(6)]
+        rows[4] = other_kv[:, :, 4 * BLOCK:5 * BLOCK]
+        store.blocks.save(keys, rows)
         result = store.verify(TOKENS, kv)
-        assert result.ok and result.num_checked == 0 and result.num_unverified == 6
+        check = result.tiers[TierKind.DISK]
+        assert result.mismatches == {TierKind.DISK: [4]} and check.max_error > 10 * check.bound
+        assert store.lookup(TOKENS) == 4 * BLOCK
+        stats = store.stats()
+        assert stats.verify_mismatches == {TierKind.DISK: 1}
+        assert stats.verify_bound[TierKind.DISK] > 0 and stats.verify_max_error[TierKind.DISK] > 10 * check.bound
+        registry = pytest.importorskip("prometheus_client").CollectorRegistry()
+        name = register_metrics(store, registry)
+        [labels] = [dict(m.samples[0].labels) for m in registry.collect() if m.name == "kvstrata_verify_bound"]
+        assert labels["tier"] == "disk" and labels["store"] == name
+        got = {m: registry.get_sample_value(m, labels) for m in
+               ("kvstrata_verify_mismatch_total", "kvstrata_verify_bound", "kvstrata_verify_max_error")}
+        assert got["kvstrata_verify_mismatch_total"] == 1 and got["kvstrata_verify_bound"] == stats.verify_bound[
+            TierKind.DISK] and got["kvstrata_verify_max_error"] == stats.verify_max_error[TierKind.DISK]
+
+
+def test_a_block_promoted_from_a_lossy_tier_is_no_false_alarm_in_an_exact_one(tmp_path: Path) -> None:
+    """A disk hit in int8 promoted into the CPU tier puts decoded (lossy) values in an exact
+    tier: they are held to the codec's bound there too, not byte for byte (a false alarm
+    would remove a right block)."""
+    bb = LAYOUT.block_bytes(BLOCK)
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=8 * bb, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      disk_sync=False, disk_codec="int8", write_through=True)
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(TOKENS), seed=5)
+        store.store(TOKENS, kv)
+        for seed in range(3):  # evict TOKENS' blocks from the CPU tier
+            store.store([50_000 + seed * 1000 + t for t in range(6 * BLOCK)], make_kv(6 * BLOCK, seed=10 + seed))
+        got = store.retrieve(TOKENS)  # from disk, promoted into the CPU tier
+        assert got.num_tokens == len(TOKENS)
+        assert TierKind.CPU in set(store.locate(TOKENS))
+        result = store.verify(TOKENS, kv)
+        assert result.ok and result.tiers[TierKind.CPU].num_checked > 0 and result.tiers[TierKind.CPU].bound > 0
         assert store.lookup(TOKENS) == len(TOKENS)
+
+
+def test_a_tolerance_admits_batch_variant_numerics_and_still_catches_a_wrong_block(tmp_path: Path) -> None:
+    """An exact store compares byte for byte; `tolerance` admits small differences (engines
+    whose numerics vary with batch shape) yet another prefix's KV stays far outside it."""
+    bb = LAYOUT.block_bytes(BLOCK)
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=64 * bb)
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(TOKENS), seed=1)
+        store.store(TOKENS, kv)
+        again = (kv.float() * 1.02).to(kv.dtype)  # the same prefix computed in another batch shape
+        result = store.verify(TOKENS, again, tolerance=0.05)
+        check = result.tiers[TierKind.CPU]
+        assert result.ok and 0 < check.max_error <= check.bound
+        keys = list(store.keys(TOKENS))
+        wrong = make_kv(len(OTHER), seed=2)[:, :, 2 * BLOCK:3 * BLOCK]
+        cpu = next(t for t in store.tiers if t.kind is TierKind.CPU)
+        cpu.discard([keys[2].block_hash])
+        cpu.put([keys[2]], [wrong])
+        result = store.verify(TOKENS, again, tolerance=0.05)
+        assert result.mismatches == {TierKind.CPU: [2]}
+        assert store.verify(TOKENS, again).mismatches == {TierKind.CPU: [0, 1, 3, 4, 5]}  # exact: every block differs
+        assert store.lookup(TOKENS) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.1, 1.5, float("inf"), "0.1", True, None])
+def test_a_bad_tolerance_is_one_clear_error_and_changes_nothing(tmp_path: Path, bad: object) -> None:
+    bb = LAYOUT.block_bytes(BLOCK)
+    with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=64 * bb)) as store:
+        kv = make_kv(len(TOKENS), seed=1)
+        store.store(TOKENS, kv)
+        with pytest.raises(InvalidInputError, match="verify tolerance must be a number in \\[0, 1\\]"):
+            store.verify(TOKENS, make_kv(len(TOKENS), seed=2), tolerance=bad)  # type: ignore[arg-type]
+        assert store.lookup(TOKENS) == len(TOKENS) and store.stats().num_verified_blocks == 0
+
+
+def test_the_warning_names_namespace_tier_block_error_and_bound(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    from tiers.shared import ratelimit
+
+    bb = LAYOUT.block_bytes(BLOCK)
+    with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=64 * bb, namespace="ns-warn")) as store:
+        kv = make_kv(len(TOKENS), seed=1)
+        keys = list(store.keys(TOKENS))
+        store.blocks.save(keys[:3], [kv[:, :, i * BLOCK:(i + 1) * BLOCK] for i in range(2)]
+                          + [make_kv(BLOCK, seed=7)])
+        import kvstore.verify as verify_module
+        verify_module._warn = ratelimit.RateLimitedWarning(verify_module.logger)  # a fresh limit
+        with caplog.at_level("WARNING", logger="kvstore.verify"):
+            assert store.verify(TOKENS[:3 * BLOCK], kv[:, :, :3 * BLOCK]).mismatches == {TierKind.CPU: [2]}
+        [line] = [r.getMessage() for r in caplog.records if r.name == "kvstore.verify"]
+        assert "'ns-warn'" in line and "cpu: 1 block(s), first block 2" in line
+        assert "max error" in line and "bound of 0" in line
+
+
+def test_the_comparison_sees_nan_patterns_and_a_nan_is_never_within_a_bound() -> None:
+    from kvstore.verify import Computed, VerifyBound, compare, same_bytes
+
+    x = torch.randn(2, 2, BLOCK, 2, 8)
+    y = x.clone()
+    y.view(-1)[5] = float("nan")
+    z = y.clone()
+    z.view(torch.int32).view(-1)[5] ^= 1  # another NaN: other bytes
+    assert same_bytes(y, y.clone()) and not same_bytes(y, z) and not same_bytes(x, y)
+    assert not same_bytes(x, x.view(torch.uint8)[..., :-4])  # other sizes
+    loose = VerifyBound(tolerance=1.0)
+    assert compare(x, Computed(x, loose))[:2] == (True, 0.0)
+    within, err, allowed = compare(y, Computed(x, loose))  # a NaN held where a number was computed
+    assert not within and err == float("inf") and allowed > 0
+    assert compare(y, Computed(y.clone(), loose))[0]  # not finite: byte for byte, and the same bytes

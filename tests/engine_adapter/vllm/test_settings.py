@@ -93,7 +93,7 @@ def as_text(value: object) -> str:
 def test_the_keys_are_the_connectors_own_and_every_store_config_field_but_the_derived() -> None:
     own = {f.name for f in ConnectorSettings.own_fields()}
     assert own == {"namespace", "stats_path", "async_saves", "async_loads", "metrics_port", "metrics_host",
-                   "verify_fraction", "control_endpoint", "control_token_file"}
+                   "verify_fraction", "verify_tolerance", "control_endpoint", "control_token_file"}
     fields = {f.name for f in dataclasses.fields(StoreConfig)}
     assert set(library_keys()) == fields - set(DERIVED) - {"namespace"}  # namespace: derived, plus the user's text
     assert set(ConnectorSettings.keys()) == own | set(library_keys())
@@ -255,3 +255,12 @@ def test_control_endpoint_is_host_port_and_loopback_unless_a_token_file_is_given
         ConnectorSettings.from_sources({"control_endpoint": "0.0.0.0:8200"})
     given = ConnectorSettings.from_sources({"control_endpoint": "[::]:8200", "control_token_file": "/run/token"})
     assert given.control_token_file == "/run/token"
+
+
+@pytest.mark.parametrize("bad", ["nan", float("nan"), -0.01, "-1", 1.5, "inf", "lots", True])
+def test_a_bad_verify_tolerance_or_fraction_is_one_error_naming_it(bad: object) -> None:
+    for key in ("verify_tolerance", "verify_fraction"):
+        with pytest.raises(ConfigError, match=rf"^{key} must be a finite number in \[0, 1\], got "):
+            ConnectorSettings.from_sources({key: bad}, {})
+    assert ConnectorSettings.from_sources({"verify_tolerance": "0.01"}, {}).verify_tolerance == 0.01
+    assert ConnectorSettings.from_sources({}, {}).verify_tolerance == 0.0  # exact by default

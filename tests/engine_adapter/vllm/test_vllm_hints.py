@@ -75,22 +75,72 @@ def test_a_retained_session_survives_a_flood_and_a_low_priority_job_goes_before_
     assert stat_sum(stats, "prioritized_blocks") == 8  # its 4 blocks, saved twice (rounds 3 and 5)
 
 
-def test_a_verified_hit_is_computed_compared_and_kept_when_right(tmp_path: Path) -> None:
-    """Verify mode: a hit sampled for verification (here by the request's `verify` hint) is
-    reported to vLLM as a miss, computed, and its KV compared with the tiers' copies as it is
-    saved; vLLM computes the same KV for the same prompt, so no copy is flagged (no false
-    alarm) and the blocks still serve the next request."""
+def test_verified_hits_over_a_run_of_right_blocks_raise_no_false_alarm(tmp_path: Path) -> None:
+    """Verify mode with `verify_fraction=1.0`: every hit (20 requests over 10 prompts) is
+    reported to vLLM as a miss, computed, and its KV compared with each tier's copy as it is
+    saved; vLLM computes the same KV for the same prompt, byte for byte (exact codecs: the
+    bound is 0), so no copy is flagged, and each answer is vLLM's own."""
     model = build_tiny_llama(tmp_path / "model")
-    ids = prompt(41, 6 * BLOCK + 5)
+    prompts = [prompt(60 + i, 4 * BLOCK + 5) for i in range(10)]
     result = run_scenario({
-        "model": model, "rounds": [[0], [1], [0]], "reset_between": True,
-        "prompts": [ids, _hinted(ids, verify=True)],
-        "connector": connector_config(tmp_path / "c", load_policy="always")})
-    first, verified, served = (r[0] for r in result["rounds"])
-    assert verified["num_cached_tokens"] == 0 and verified["output"] == first["output"]  # computed, same answer
-    assert verified["kv_transfer_params"] == {"kvstrata": {"hints": {"accepted": ["verify"], "rejected": {}}}}
-    assert served["num_cached_tokens"] == 6 * BLOCK  # kept: nothing was wrong
+        "model": model, "rounds": [list(range(10)), list(range(10)), list(range(10))], "reset_between": True,
+        "prompts": prompts, "connector": connector_config(tmp_path / "c", load_policy="always",
+                                                          verify_fraction=1.0),
+        "after_round": {"2": "tests.engine_adapter.vllm.verify_inject:bounds"}})
+    first = {r["prompt"]: r["output"] for r in result["rounds"][0]}
+    for again in result["rounds"][1:]:
+        for r in again:
+            assert r["num_cached_tokens"] == 0 and r["output"] == first[r["prompt"]]  # computed, same answer
     stats = result["stats"]
-    assert stat_sum(stats, "verify_requests") == 1
-    assert stat_sum(stats, "verify_checked_blocks") >= 6  # each held block, in each tier holding it
+    assert stat_sum(stats, "verify_requests") == 20
+    assert stat_sum(stats, "verify_checked_blocks") >= 20 * 4  # each held block, in each tier holding it
+    assert stat_sum(stats, "verify_tier_checked_blocks_cpu") >= 20 * 4
+    assert stat_sum(stats, "verify_tier_checked_blocks_disk") >= 20 * 4  # write-through: disk holds them too
     assert stat_sum(stats, "verify_mismatch_blocks") == 0
+    seen = result["after_round"]["2"]
+    assert seen["mismatches"] == {}
+    assert seen["max_error"] == seen["bound"] == {"cpu": 0.0, "disk": 0.0}  # the same bytes, every time
+
+
+def test_another_prefixs_kv_injected_in_each_tier_is_caught_and_quarantined(tmp_path: Path) -> None:
+    """Verify mode against what it exists for, in one engine with CPU, an int8 disk and a real
+    redis-server: prompts A and B are stored through requests; then B's KV is put under A's
+    block key in one tier each (block 1 in CPU, 3 on disk, 5 in redis: intact, A's token ids,
+    a valid checksum), inside the engine's process through each tier's own `put`. A request
+    for A with the `verify` hint is computed (vLLM's own answer); A's right blocks stay within
+    the int8 bound (no false alarm), each wrong copy is far outside it: caught and counted in
+    its tier, removed from every tier, and named in one warning; the right KV the verified
+    request saved then serves A again."""
+    from tests.redis_fixtures import redis_server
+
+    model = build_tiny_llama(tmp_path / "model")
+    a, b = prompt(51, 6 * BLOCK + 5), prompt(52, 6 * BLOCK + 5)
+    blocks = {"cpu": 1, "disk": 3, "remote": 5}
+    with redis_server() as server:
+        result = run_scenario({
+            "model": model, "rounds": [[0, 1], [2], [0]], "reset_between": True,
+            "prompts": [a, b, _hinted(a, verify=True)],
+            "connector": connector_config(tmp_path / "c", load_policy="always", remote_url=server.url,
+                                          disk_codec="int8"),
+            "verify_inject": {"a": 0, "b": 1, "blocks": blocks},
+            "after_round": {"0": "tests.engine_adapter.vllm.verify_inject:inject",
+                            "1": "tests.engine_adapter.vllm.verify_inject:check"}})
+    injected, checked = result["after_round"]["0"], result["after_round"]["1"]
+    assert injected["held"] == {"cpu": 6, "disk": 6, "remote": 6}  # every tier held A whole
+    assert injected["injected"] == {"cpu": True, "disk": True, "remote": True}  # each now serves B's KV as A's
+    stored, verified, served = result["rounds"][0][0], result["rounds"][1][0], result["rounds"][2][0]
+    assert verified["num_cached_tokens"] == 0 and verified["output"] == stored["output"]  # vLLM's own answer
+    assert verified["kv_transfer_params"] == {"kvstrata": {"hints": {"accepted": ["verify"], "rejected": {}}}}
+    assert checked["mismatches"] == {"cpu": 1, "disk": 1, "remote": 1}  # each caught in its tier
+    assert checked["holds"] == {"cpu": "right", "disk": "right", "remote": "right"}  # the wrong copies gone
+    assert all(checked["max_error"][t] > 2 * checked["bound"][t] > 0 for t in blocks)  # int8's bound, far beyond
+    assert served["num_cached_tokens"] == 6 * BLOCK and served["output"] == stored["output"]
+    stats = result["stats"]
+    assert stat_sum(stats, "verify_requests") == 1 and stat_sum(stats, "verify_mismatch_blocks") == 3
+    assert {t: stat_sum(stats, f"verify_tier_mismatch_blocks_{t}") for t in blocks} == {t: 1 for t in blocks}
+    series = {line.split("tier=\"")[1].split("\"")[0]: float(line.rsplit(" ", 1)[1]) for line in checked["metric"]}
+    assert series == {"cpu": 1.0, "disk": 1.0, "remote": 1.0}
+    [warning] = checked["warnings"]  # one line, naming the namespace, each tier and its block
+    assert repr(checked["namespace"]) in warning
+    for tier, i in blocks.items():
+        assert f"{tier}: 1 block(s), first block {i} " in warning

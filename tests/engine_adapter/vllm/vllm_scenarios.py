@@ -16,7 +16,10 @@ worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before 
 `restore_kv_caches` after; one process only), prefetch (`{"before_round": R, "url": URL,
 "bodies": [...]}`: each body POSTed to the connector's control listener before round R; a
 body's "prompt": i stands for prompt i's token ids (and cache salt); the answers are in the
-result's "prefetches" as [status, body]).
+result's "prefetches" as [status, body]), after_round (round index as text ->
+"module:function", called in the engine's process as `function(llm, spec)` once that round
+ended; what it returns, JSON, is the result's `after_round` entry of that index: tests reach
+the connector's stores between rounds this way).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def run(spec: dict) -> dict:
     if isinstance(schedule, int):
         schedule = [list(range(len(spec["prompts"])))] * schedule
     rounds = []
+    hooks: dict[str, object] = {}
     asleep = set(spec.get("asleep_rounds") or ())
     prefetches: list = []
     for round_index, order in enumerate(schedule):
@@ -103,6 +107,12 @@ def run(spec: dict) -> dict:
                 }
             )
         rounds.append(requests)
+        hook = (spec.get("after_round") or {}).get(str(round_index))
+        if hook:
+            import importlib
+
+            module, function = hook.split(":")
+            hooks[str(round_index)] = getattr(importlib.import_module(module), function)(llm, spec)
         if round_index in asleep:
             get_kv_transfer_group().restore_kv_caches()
         if spec.get("reset_between"):
@@ -115,7 +125,7 @@ def run(spec: dict) -> dict:
     llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
     del llm
     return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts,
-            "prefetches": prefetches}
+            "prefetches": prefetches, "after_round": hooks}
 
 
 def _prefetch(spec: dict, prompts: list) -> list:
