@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
-from tiers.codecs.quant import ROUNDING, Fmt, codes_to_float, dequantize, error_bound, peak, quantize
+from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize
+from tiers.codecs.threads import one_thread
 from tiers.errors import ConfigError, CorruptRecordError
 
-GRAIN = 32768  # elements below which torch runs a CPU op on the calling thread (at::internal::GRAIN_SIZE)
 MIN_CHANNEL_TOKENS = 8  # below this many tokens a per-channel key scale costs more than it saves
 INT4_GROUP = 32
 DEFAULT_GROUP = 64  # elements per scale of an opaque block, unless the config says
@@ -114,15 +114,6 @@ class ScaledCodec(Codec):
         view = view.view(self._elem_shape)
         return view[:, 0], view[:, 1]
 
-    def _spans(self, device: torch.device) -> list[tuple[int, int]]:
-        """Layer ranges processed together: on the CPU, few enough elements that torch runs
-        each op on the calling thread (its thread pool, shared with the engine, costs far
-        more than it saves on a block); on a device, all layers at once."""
-        layers = self._elem_shape[0]
-        per_layer = max(p.num_elements for p in self._plans) // layers
-        step = layers if device.type != "cpu" else max(1, (GRAIN - 1) // per_layer)
-        return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
-
     def encode(self, src: torch.Tensor) -> bytearray | None:
         try:
             halves = self._halves(src.detach())
@@ -130,32 +121,40 @@ class ScaledCodec(Codec):
             halves = self._halves(src.detach().contiguous())
         limit = torch.finfo(self.element_dtype).max
         buf = bytearray(self.payload_bytes)
-        layers = self._elem_shape[0]
-        for h, (plan, half) in enumerate(zip(self._plans, halves)):
-            n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
-            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
-            codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
-            per_scale, per_code = plan.num_scales // layers, plan.code_bytes // layers
-            for lo, hi in self._spans(half.device):
-                x = half[lo:hi].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-                q = quantize(x.view(hi - lo, *plan.shape[1:]), plan.dim, plan.fmt)
-                if not float(peak(q, plan.fmt)) <= limit:  # not finite, or past the dtype once decoded
+        device = halves[0].device
+        with one_thread():
+            for h, (plan, half) in enumerate(zip(self._plans, halves)):
+                n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
+                meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
+                codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+                target = codes if device.type == "cpu" else torch.empty(plan.code_bytes, dtype=torch.uint8,
+                                                                        device=device)
+                q = quantize(half.view(plan.shape), plan.dim, plan.fmt, target, limit)
+                if q is None:
                     return None
-                meta[lo * per_scale : hi * per_scale].copy_(q.scale.reshape(-1))
+                meta[: plan.num_scales].copy_(q.scale.reshape(-1))
                 if q.zero is not None:
-                    meta[plan.num_scales + lo * per_scale : plan.num_scales + hi * per_scale].copy_(q.zero.reshape(-1))
-                codes[lo * per_code : hi * per_code].copy_(q.codes.reshape(-1))
+                    meta[plan.num_scales :].copy_(q.zero.reshape(-1))
+                if target is not codes:  # the encoded bytes cross from the device, not the block
+                    codes.copy_(target)
         return buf
 
     def _meta(self, payload: memoryview | bytes | bytearray, h: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor | None]:
         plan = self._plans[h]
         off, n = self._meta_offsets[h], plan.num_scales
-        raw = torch.frombuffer(bytearray(payload[off : off + plan.meta_bytes]), dtype=torch.bfloat16).float()
+        bits = np.frombuffer(payload, dtype=np.uint16, count=plan.meta_bytes // 2, offset=off)
+        # On the bfloat16 bits: a scale is positive and finite iff 0 < bits < 0x7F80, a zero
+        # finite iff its exponent is not all ones (one pass each over the small meta arrays).
+        bad = not bool(np.all(bits[:n] - np.uint16(1) < np.uint16(0x7F7F)))
+        if plan.fmt.has_zero:
+            bad = bad or not bool(np.all(bits[n:] & np.uint16(0x7FFF) < np.uint16(0x7F80)))
+        if bad:
+            raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive"
+                                     + (" or a zero that is not finite" if plan.fmt.has_zero else ""))
+        raw = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float()
         scale = raw[:n].view(plan.scale_shape)
         zero = raw[n:].view(plan.scale_shape) if plan.fmt.has_zero else None
-        if not bool(torch.isfinite(raw).all()) or not bool((scale > 0).all()):
-            raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive")
         return scale.to(device), None if zero is None else zero.to(device)
 
     def decode(self, payload: memoryview | bytes | bytearray, dst: torch.Tensor) -> None:
@@ -165,20 +164,12 @@ class ScaledCodec(Codec):
         except RuntimeError:
             target = torch.empty(self.block_shape, dtype=self.dtype)
             halves = self._halves(target)
-        layers = self._elem_shape[0]
-        for h, (plan, half) in enumerate(zip(self._plans, halves)):
-            scale, zero = self._meta(payload, h, half.device)
-            codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
-            per_code = plan.code_bytes // layers
-            for lo, hi in self._spans(half.device):
-                part = codes[lo * per_code : hi * per_code]
-                if half.device.type == "cpu":
-                    values = codes_to_float(part, plan.fmt)
-                else:  # the encoded bytes cross to the device, not the decoded ones
-                    values = codes_to_float(torch.from_numpy(part.copy()).to(half.device), plan.fmt)
-                values = dequantize(values.view(hi - lo, *plan.shape[1:]), scale[lo:hi],
-                                    None if zero is None else zero[lo:hi])
-                half[lo:hi].copy_(values.view(half[lo:hi].shape))
+        with one_thread():
+            for h, (plan, half) in enumerate(zip(self._plans, halves)):
+                scale, zero = self._meta(payload, h, half.device)
+                codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+                on_device = codes if half.device.type == "cpu" else torch.from_numpy(codes.copy()).to(half.device)
+                dequantize(on_device, plan.fmt, scale, zero, half.view(plan.shape))
         if target is not dst:
             dst.copy_(target)
 
