@@ -43,7 +43,7 @@ class Fmt(enum.Enum):
 
     @property
     def qmax(self) -> float:
-        return {Fmt.INT8: 127.0, Fmt.FP8: 448.0, Fmt.INT4: 15.0}[self]
+        return _QMAX[self.value]
 
     @property
     def has_zero(self) -> bool:
@@ -51,6 +51,9 @@ class Fmt(enum.Enum):
 
     def code_bytes(self, num_elements: int) -> int:
         return num_elements // 2 if self is Fmt.INT4 else num_elements
+
+
+_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 15.0}
 
 
 class Quantized(NamedTuple):
@@ -81,12 +84,20 @@ def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     buffer costs a page fault per 4 KiB, more than the pass itself); a new one elsewhere."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    held: torch.Tensor | None = getattr(_scratch, slot, None)
-    if held is None or held.numel() < nbytes:
-        held = torch.empty(nbytes, dtype=torch.uint8)
-        setattr(_scratch, slot, held)
-    return held[:nbytes].view(dtype).view(shape)
+    views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = getattr(_scratch, "views", None)
+    if views is None:
+        views = _scratch.views = {}
+    view = views.get((slot, shape, dtype))
+    if view is None:
+        nbytes = math.prod(shape) * dtype.itemsize
+        held: torch.Tensor | None = getattr(_scratch, slot, None)
+        if held is None or held.numel() < nbytes:  # grown: views of the old one are dropped
+            held = torch.empty(nbytes, dtype=torch.uint8)
+            setattr(_scratch, slot, held)
+            for key in [k for k in views if k[0] == slot]:
+                del views[key]
+        view = views[(slot, shape, dtype)] = held[:nbytes].view(dtype).view(shape)
+    return view
 
 
 def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -96,7 +107,8 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
     pass on any strides, where a float `amax` over a short row is several times slower."""
     ints, mask = _BITS[x.element_size()]
     bits = torch.bitwise_and(x.view(ints), mask, out=scratch("ints", tuple(x.shape), ints, x.device))
-    return bits.amax(dim=dim, keepdim=True).view(x.dtype).float()
+    top = bits.amax(dim=dim, keepdim=True).view(x.dtype)
+    return scratch("scale", tuple(top.shape), torch.float32, x.device).copy_(top)
 
 
 def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,14 +148,19 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
     # No clamp: a scale rounded up (and a zero rounded down) keeps every finite quotient in
     # [-qmax, qmax] (INT4: [0, 15]) through float32's rounding, and `peak` refused the rest.
     if fmt is Fmt.FP8:
-        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(scale.float()))
+        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(_float(scale)))
         return Quantized(codes, scale, zero)
-    buf.div_(scale.float()).round_()  # one dtype: a division of mixed dtypes converts a copy first
+    buf.div_(_float(scale)).round_()  # one dtype: a division of mixed dtypes converts a copy first
     if fmt is Fmt.INT8:
         codes.view(torch.int8).view(x.shape).copy_(buf)
     else:
         codes.view(*x.shape[:-1], -1).copy_(_pack4(buf))
     return Quantized(codes, scale, zero)
+
+
+def _float(t: torch.Tensor) -> torch.Tensor:
+    """`t` as float32 in the "scale" scratch (a fresh 128 KiB tensor is mapped anew each time)."""
+    return scratch("scale", tuple(t.shape), torch.float32, t.device).copy_(t)
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
@@ -172,7 +189,7 @@ def dequantize(codes: torch.Tensor | np.ndarray, fmt: Fmt, scale: torch.Tensor, 
     """Write `codes * scale (+ zero)` into `out` (any float dtype and strides; its shape
     groups the values so that `scale` (float32) broadcasts; INT4: two values per code byte):
     the product rounded to float32 (then `zero` added), then to `out`'s dtype, in four or
-    five passes. FP8 codes go through float16 bits exactly (`fp8 / 2**8`, subnormals too), so
+    five passes; `scale` is overwritten. FP8 codes go through float16 bits exactly (`fp8 / 2**8`, subnormals too), so
     the scale is taken times 2**8 (exact below 2**120; encoded scales stay under 2**113)."""
     buf = scratch("float", tuple(out.shape), torch.float32, out.device)
     if fmt is Fmt.INT8:
@@ -184,7 +201,7 @@ def dequantize(codes: torch.Tensor | np.ndarray, fmt: Fmt, scale: torch.Tensor, 
     elif fmt is Fmt.FP8:  # e4m3 bits s.eeee.mmm -> float16 s.0eeee.mmm0000000, a factor 2**-8 off
         w = _widen(codes, signed=True)
         half = w.bitwise_left_shift_(7).bitwise_and_(-0x4001).view(torch.float16)  # sign extension: bit 14 off
-        buf.copy_(half.view(out.shape)).mul_(scale * 256.0)
+        buf.copy_(half.view(out.shape)).mul_(scale.mul_(256.0))
     else:
         w = _widen(codes, signed=False)
         pairs = torch.bitwise_or(w, w << 4).bitwise_and_(0x0F0F) if sys.byteorder == "little" else \

@@ -18,14 +18,14 @@ shape. `error_bound` states the largest error of each element (`tiers/codecs/qua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
-from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize
+from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize, scratch
 from tiers.codecs.threads import one_thread
 from tiers.errors import ConfigError, CorruptRecordError
 
@@ -36,33 +36,27 @@ FORMATS = {CodecKind.INT8: (Fmt.INT8, Fmt.INT8), CodecKind.FP8: (Fmt.FP8, Fmt.FP
            CodecKind.K8V4: (Fmt.INT8, Fmt.INT4)}
 
 
-class HalfPlan(NamedTuple):
+@dataclass(frozen=True)
+class HalfPlan:
     """How one half (K or V) of a block is quantized: its view for grouping and the
-    dimension each scale spans."""
+    dimension each scale spans (sizes derived once: a block's encode reads them often)."""
 
     fmt: Fmt
     shape: tuple[int, ...]
     dim: int
+    num_elements: int = field(init=False)
+    scale_shape: tuple[int, ...] = field(init=False)
+    num_scales: int = field(init=False)
+    meta_bytes: int = field(init=False)
+    code_bytes: int = field(init=False)
 
-    @property
-    def num_elements(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        return tuple(1 if i == self.dim % len(self.shape) else n for i, n in enumerate(self.shape))
-
-    @property
-    def num_scales(self) -> int:
-        return int(np.prod(self.scale_shape))
-
-    @property
-    def meta_bytes(self) -> int:
-        return self.num_scales * 2 * (2 if self.fmt.has_zero else 1)
-
-    @property
-    def code_bytes(self) -> int:
-        return self.fmt.code_bytes(self.num_elements)
+    def __post_init__(self) -> None:
+        scale_shape = tuple(1 if i == self.dim % len(self.shape) else n for i, n in enumerate(self.shape))
+        object.__setattr__(self, "num_elements", math.prod(self.shape))
+        object.__setattr__(self, "scale_shape", scale_shape)
+        object.__setattr__(self, "num_scales", math.prod(scale_shape))
+        object.__setattr__(self, "meta_bytes", self.num_scales * 2 * (2 if self.fmt.has_zero else 1))
+        object.__setattr__(self, "code_bytes", self.fmt.code_bytes(self.num_elements))
 
 
 def _grouped(rows: tuple[int, ...], width: int, group: int, fmt: Fmt, what: str) -> HalfPlan:
@@ -106,6 +100,7 @@ class ScaledCodec(Codec):
         meta = sum(p.meta_bytes for p in self._plans)
         self._code_offsets = (meta, meta + self._plans[0].code_bytes)
         self.payload_bytes = meta + sum(p.code_bytes for p in self._plans)
+        self._limit = float(torch.finfo(elem).max)
 
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of `t` (a block) as the element dtype, K and V apart; ValueError if its
@@ -119,7 +114,7 @@ class ScaledCodec(Codec):
             halves = self._halves(src.detach())
         except RuntimeError:  # strides a dtype view cannot express
             halves = self._halves(src.detach().contiguous())
-        limit = torch.finfo(self.element_dtype).max
+        limit = self._limit
         buf = bytearray(self.payload_bytes)
         device = halves[0].device
         with one_thread():
@@ -152,9 +147,9 @@ class ScaledCodec(Codec):
         if bad:
             raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive"
                                      + (" or a zero that is not finite" if plan.fmt.has_zero else ""))
-        raw = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float()
-        scale = raw[:n].view(plan.scale_shape)
-        zero = raw[n:].view(plan.scale_shape) if plan.fmt.has_zero else None
+        raw = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+        scale = scratch("scale", plan.scale_shape, torch.float32, raw.device).copy_(raw[:n].view(plan.scale_shape))
+        zero = raw[n:].view(plan.scale_shape).float() if plan.fmt.has_zero else None
         return scale.to(device), None if zero is None else zero.to(device)
 
     def decode(self, payload: memoryview | bytes | bytearray, dst: torch.Tensor) -> None:
