@@ -121,6 +121,7 @@ def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Ten
     return _round_up(_absmax(x, dim).div_(fmt.qmax)), None
 
 
+
 def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
     """The largest magnitude a value decoded with these scales (and zeros) can have; not
     finite if the quantized input was not."""
@@ -167,11 +168,12 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
     """Codes 0..15 (`q`, float32 integers, contiguous, last dimension even) two per
     byte, low nibble first: each pair read as one little-endian int16 `a + 256 b` gives
     `a + 16 b` in two integer passes, where strided nibble ops cost several times more."""
-    u = q.to(torch.int8)
+    u = scratch("pack8", tuple(q.shape), torch.int8, q.device).copy_(q)
     if sys.byteorder != "little":
         return u[..., 0::2] | (u[..., 1::2] << 4)
     w = u.view(torch.int16)
-    return torch.bitwise_or(w, w >> 4).bitwise_and_(0xFF)
+    packed = torch.bitwise_right_shift(w, 4, out=scratch("pack16", tuple(w.shape), torch.int16, w.device))
+    return packed.bitwise_or_(w).bitwise_and_(0xFF)
 
 
 def _widen(codes: torch.Tensor | np.ndarray, signed: bool) -> torch.Tensor:
@@ -204,8 +206,8 @@ def dequantize(codes: torch.Tensor | np.ndarray, fmt: Fmt, scale: torch.Tensor, 
         buf.copy_(half.view(out.shape)).mul_(scale.mul_(256.0))
     else:
         w = _widen(codes, signed=False)
-        pairs = torch.bitwise_or(w, w << 4).bitwise_and_(0x0F0F) if sys.byteorder == "little" else \
-            torch.stack((w & 15, w >> 4), dim=-1)
+        pairs = torch.bitwise_left_shift(w, 4, out=scratch("pack16", tuple(w.shape), torch.int16, w.device)) \
+            .bitwise_or_(w).bitwise_and_(0x0F0F) if sys.byteorder == "little" else torch.stack((w & 15, w >> 4), dim=-1)
         nibbles = pairs.view(torch.uint8) if sys.byteorder == "little" else pairs
         buf.copy_(nibbles.view(out.shape)).mul_(scale)
         if zero is not None:
