@@ -13,8 +13,14 @@ tensor, every other index fixed). Formats:
 
 Scales (and INT4's zeros) are bfloat16: the range of float32 at two bytes. Each is rounded
 outwards (a scale up, a zero down) so no element is clipped. Decoding into a 16-bit dtype
-adds its own rounding (`ROUNDING`). Runs on the tensor's device (CPU or GPU); decoding on
-the CPU reads the codes through NumPy tables, with no temporary beyond one float32 copy.
+adds its own rounding (`ROUNDING`). Runs on the tensor's device (CPU or GPU).
+
+Speed: each op spans a whole half-block (a dozen vectorized passes per block, about 0.65 ms
+to encode and 0.4 ms to decode 2 MiB of int8 on one core here), in per-thread scratch
+buffers (`scratch`): a fresh half-block temporary costs a page fault per 4 KiB, more than
+the pass. FP8 encoding is bound by torch's float32 -> float8 cast (about 0.3 ms per half
+block), INT4 by `amin`/`amax` over groups of 32. The results are the bytes of the plain
+formulas above (`tests/tiers/test_codec_reference.py`).
 """
 
 from __future__ import annotations
