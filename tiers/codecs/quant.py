@@ -87,7 +87,8 @@ _scratch = threading.local()
 def scratch(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A work tensor (contents undefined) kept per thread and `slot` on the CPU and reused by
     the next call, so a block's passes run in memory already mapped (a fresh half-block
-    buffer costs a page fault per 4 KiB, more than the pass itself); a new one elsewhere."""
+    buffer costs a page fault per 4 KiB, more than the pass itself); a new one elsewhere.
+    A thread that codes blocks holds about twice a block's bytes in these, until it ends."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
     views: dict[tuple[str, tuple[int, ...], torch.dtype], torch.Tensor] | None = getattr(_scratch, "views", None)
@@ -127,12 +128,11 @@ def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Ten
     return _round_up(_absmax(x, dim).div_(fmt.qmax)), None
 
 
-
 def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
     """The largest magnitude a value decoded with these scales (and zeros) can have; not
     finite if the quantized input was not."""
     if zero is None:
-        return float(scale.max()) * fmt.qmax  # bfloat16 to float is exact: the same product
+        return float(scale.max()) * fmt.qmax  # in double precision: never rounds a past-limit peak down
     return float((scale.float() * fmt.qmax + zero.float().abs()).max())
 
 
@@ -144,7 +144,7 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
 
     Every op spans the whole of `x`, so a block costs a dozen passes of vectorized kernels;
     run it under `one_thread` on the CPU. Same codes as `x.float() / scale`, rounded half to
-    even (INT8, INT4) or cast (FP8), clamped.
+    even (INT8, INT4) or cast (FP8), then clamped to the format (which changes nothing).
     """
     buf = scratch("float", tuple(x.shape), torch.float32, x.device).copy_(x)
     scale, zero = scales(buf if fmt.has_zero else x, dim, fmt)
@@ -197,8 +197,10 @@ def dequantize(codes: torch.Tensor | np.ndarray, fmt: Fmt, scale: torch.Tensor, 
     """Write `codes * scale (+ zero)` into `out` (any float dtype and strides; its shape
     groups the values so that `scale` (float32) broadcasts; INT4: two values per code byte):
     the product rounded to float32 (then `zero` added), then to `out`'s dtype, in four or
-    five passes; `scale` is overwritten. FP8 codes go through float16 bits exactly (`fp8 / 2**8`, subnormals too), so
-    the scale is taken times 2**8 (exact below 2**120; encoded scales stay under 2**113)."""
+    five passes; `scale` is overwritten. FP8 codes go through float16 bits exactly
+    (`fp8 / 2**8`, subnormals too), so the scale is taken times 2**8 (exact below 2**120;
+    encoded scales stay under 2**113); the two NaN codes, which encoding never writes, decode
+    as +-480 times the scale."""
     buf = scratch("float", tuple(out.shape), torch.float32, out.device)
     if fmt is Fmt.INT8:
         if isinstance(codes, np.ndarray):  # NumPy casts a read-only payload straight into the buffer
