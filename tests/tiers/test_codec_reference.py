@@ -212,3 +212,27 @@ def test_threads_encode_the_same_bytes_at_once() -> None:
     for t in threads:
         t.join()
     assert wrong == []
+
+
+@pytest.mark.parametrize(("dtype", "elem"), [(torch.bfloat16, None), (torch.float16, None), (torch.float32, None),
+                                             (torch.uint8, torch.bfloat16), (torch.uint8, torch.float32)])
+def test_zstd_planes_equal_the_reference_transpose(dtype: torch.dtype, elem: torch.dtype | None) -> None:
+    """The lossless codec's byte planes (built and joined with integer shifts) are the plain
+    transpose of each element's bytes: frames written before decode the same, and after."""
+    zstandard = pytest.importorskip("zstandard")
+    shape = (3, 2, 5, 3, 64)
+    g = torch.Generator().manual_seed(9)
+    block = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    if dtype != torch.uint8:
+        block = torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), generator=g,
+                              dtype=torch.uint8).view(dtype)
+    width = (elem or dtype).itemsize
+    codec = build_codec(CodecKind.ZSTD, shape, dtype, **({} if elem is None else {"element_dtype": elem}))
+    raw = block.contiguous().view(torch.uint8).numpy().reshape(-1)
+    planes = raw.reshape(-1, width).T.copy()  # byte k of every element in plane k
+    payload = codec.encode(block)
+    assert payload is not None
+    assert zstandard.ZstdDecompressor().decompress(payload) == planes.tobytes()
+    out = torch.zeros_like(block)
+    codec.decode(zstandard.ZstdCompressor(level=3).compress(planes.tobytes()), out)  # a frame of the reference
+    assert torch.equal(out.view(torch.uint8), block.view(torch.uint8))
