@@ -36,7 +36,8 @@ def _openmp() -> ctypes.CDLL | None:
                     return None
                 maps = Path("/proc/self/maps").read_text()
                 libs = sorted({line.split()[-1] for line in maps.splitlines()
-                               if line.rstrip().endswith((".so", ".so.1")) and ("gomp" in line or "iomp" in line)})
+                               if line.rstrip().endswith((".so", ".so.1")) and ("gomp" in line or "iomp" in line)},
+                              key=lambda path: ("/torch/" not in path, path))  # torch's own runtime first
                 if libs:
                     lib = ctypes.CDLL(libs[0])
                     lib.omp_get_max_threads.restype = ctypes.c_int
