@@ -165,6 +165,32 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
     return Quantized(codes, scale, zero)
 
 
+def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, ...]], dims: tuple[int, int],
+                  fmt: Fmt, codes: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`quantize` both halves of a block at once when they share a format without zeros
+    (INT8, FP8): `pair` is `[2, ...]` (K then V, a float dtype, any strides), half h grouped
+    as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns the
+    two scales (bfloat16), or None as `quantize` does. The same codes as `quantize` on each
+    half, in four fewer passes: the cast, the bits, the rounding and the codes' copy each
+    span the whole block."""
+    buf = scratch("float", tuple(pair.shape), torch.float32, pair.device).copy_(pair)
+    ints, mask = _BITS[pair.element_size()]
+    bits = torch.bitwise_and(pair.view(ints), mask, out=scratch("ints", tuple(pair.shape), ints, pair.device))
+    found = []
+    for h in (0, 1):
+        top = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
+        scale = _round_up(scratch("scale", tuple(top.shape), torch.float32, pair.device).copy_(top).div_(fmt.qmax))
+        if not peak(scale, None, fmt) <= limit:  # not finite, or past the dtype once decoded
+            return None
+        buf[h].view(shapes[h]).div_(_float(scale))  # no clamp needed: see `quantize`
+        found.append(scale)
+    if fmt is Fmt.FP8:
+        codes.view(torch.float8_e4m3fn).copy_(buf.view(-1))
+    else:
+        codes.view(torch.int8).copy_(buf.round_().view(-1))
+    return found[0], found[1]
+
+
 def _float(t: torch.Tensor) -> torch.Tensor:
     """`t` as float32 in the "scale" scratch (a fresh 128 KiB tensor is mapped anew each time)."""
     return scratch("scale", tuple(t.shape), torch.float32, t.device).copy_(t)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
-from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize, scratch
+from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize, quantize_pair, scratch
 from tiers.codecs.threads import one_thread
 from tiers.errors import ConfigError, CorruptRecordError
 
@@ -101,23 +101,32 @@ class ScaledCodec(Codec):
         self._code_offsets = (meta, meta + self._plans[0].code_bytes)
         self.payload_bytes = meta + sum(p.code_bytes for p in self._plans)
         self._limit = float(torch.finfo(elem).max)
+        # Both halves in the same format without zeros (INT8, FP8): encoded together.
+        self._pairs = self._plans[0].fmt is self._plans[1].fmt and not self._plans[0].fmt.has_zero
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a block) as the element dtype, `[layers, 2, tokens, heads, width]`;
+        RuntimeError if its strides allow no such view."""
+        view = t.view(self.element_dtype) if self.dtype != self.element_dtype else t
+        return view.view(self._elem_shape)
 
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of `t` (a block) as the element dtype, K and V apart; ValueError if its
-        strides allow no such view."""
-        view = t.view(self.element_dtype) if self.dtype != self.element_dtype else t
-        view = view.view(self._elem_shape)
+        """Views of `t` (a block) as the element dtype, K and V apart."""
+        view = self._view(t)
         return view[:, 0], view[:, 1]
 
     def encode(self, src: torch.Tensor) -> bytearray | None:
         try:
-            halves = self._halves(src.detach())
+            view = self._view(src.detach())
         except RuntimeError:  # strides a dtype view cannot express
-            halves = self._halves(src.detach().contiguous())
+            view = self._view(src.detach().contiguous())
+        halves = (view[:, 0], view[:, 1])
         limit = self._limit
         buf = bytearray(self.payload_bytes)
         device = halves[0].device
         with one_thread():
+            if self._pairs:
+                return self._encode_pair(view.transpose(0, 1), buf)
             for h, (plan, half) in enumerate(zip(self._plans, halves)):
                 n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
                 meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
@@ -132,6 +141,25 @@ class ScaledCodec(Codec):
                     meta[plan.num_scales :].copy_(q.zero.reshape(-1))
                 if target is not codes:  # the encoded bytes cross from the device, not the block
                     codes.copy_(target)
+        return buf
+
+    def _encode_pair(self, pair: torch.Tensor, buf: bytearray) -> bytearray | None:
+        """`encode` of a block whose halves share a format without zeros (`quantize_pair`);
+        `pair` is the block in the element dtype, `[2, layers, ...]`."""
+        k, v = self._plans
+        total = k.code_bytes + v.code_bytes
+        codes = torch.frombuffer(buf, dtype=torch.uint8, count=total, offset=self._code_offsets[0])
+        on_cpu = pair.device.type == "cpu"
+        target = codes if on_cpu else torch.empty(total, dtype=torch.uint8, device=pair.device)
+        got = quantize_pair(pair, (k.shape, v.shape), (k.dim, v.dim), k.fmt, target, self._limit)
+        if got is None:
+            return None
+        for h, scale in enumerate(got):
+            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=self._plans[h].num_scales,
+                                    offset=self._meta_offsets[h])
+            meta.copy_(scale.reshape(-1))
+        if target is not codes:  # the encoded bytes cross from the device, not the block
+            codes.copy_(target)
         return buf
 
     def _meta(self, payload: memoryview | bytes | bytearray, h: int, device: torch.device) -> tuple[
