@@ -38,6 +38,7 @@ BENCHMARKS = {
     "load-policy": "bench.load_policy",
     "codec-fidelity": "bench.codec_fidelity",
     "codecs": "bench.codec_speed",
+    "codec-link": "bench.codec_link",
     "codec-vllm": "bench.codec_vllm",  # run with .venv-vllm's Python
     "vllm-overhead": "bench.vllm_overhead",  # run with .venv-vllm's Python
     "peer": "bench.peer",
@@ -84,6 +85,7 @@ _BENCH_SUMMARIES = {
     "codec-fidelity": "Codecs: the first token after a lossy hit against the exact hit (reference runner).",
     "codec-vllm": "Codecs in real vLLM: the first token after a kvstrata hit against vLLM's own hit.",
     "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
+    "codec-link": "The remote tier behind a rate-capped link: int8 against raw blocks, and the load policy.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
     "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
     "soak": "Many clients on every tier while faults land at random; every hit checked bit-exact.",

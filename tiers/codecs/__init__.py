@@ -2,7 +2,8 @@
 
 `base.py` holds the interface and the registry (`CODECS`); one file per encoding beside it,
 each registering its config: `raw.py` (the bytes as they are), `zstd.py` (lossless),
-`scaled.py` over `quant.py` (8-bit and 4-bit, lossy).
+`scaled.py` over `quant.py` (8-bit and 4-bit, lossy; `threads.py` holds their ops to the
+calling thread).
 """
 
 from __future__ import annotations

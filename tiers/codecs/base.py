@@ -180,7 +180,8 @@ class Codec(abc.ABC):
 
     `decode` never trusts a payload: a wrong length, a frame that does not decode or a scale
     that is not finite raises `CorruptRecordError` (the tier counts it and treats it as damage).
-    Encoding and decoding keep no state between calls: one instance serves many threads.
+    Encoding and decoding keep no state between calls (the lossy codecs reuse per-thread
+    scratch memory): one instance serves many threads.
 
     Args:
         block_shape: the block's shape in the tier's dtype.

@@ -18,17 +18,17 @@ shape. `error_bound` states the largest error of each element (`tiers/codecs/qua
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
-from tiers.codecs.quant import ROUNDING, Fmt, codes_to_float, dequantize, error_bound, peak, quantize
+from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize, quantize_pair, scratch
+from tiers.codecs.threads import one_thread
 from tiers.errors import ConfigError, CorruptRecordError
 
-GRAIN = 32768  # elements below which torch runs a CPU op on the calling thread (at::internal::GRAIN_SIZE)
 MIN_CHANNEL_TOKENS = 8  # below this many tokens a per-channel key scale costs more than it saves
 INT4_GROUP = 32
 DEFAULT_GROUP = 64  # elements per scale of an opaque block, unless the config says
@@ -36,33 +36,27 @@ FORMATS = {CodecKind.INT8: (Fmt.INT8, Fmt.INT8), CodecKind.FP8: (Fmt.FP8, Fmt.FP
            CodecKind.K8V4: (Fmt.INT8, Fmt.INT4)}
 
 
-class HalfPlan(NamedTuple):
+@dataclass(frozen=True)
+class HalfPlan:
     """How one half (K or V) of a block is quantized: its view for grouping and the
-    dimension each scale spans."""
+    dimension each scale spans (sizes derived once: a block's encode reads them often)."""
 
     fmt: Fmt
     shape: tuple[int, ...]
     dim: int
+    num_elements: int = field(init=False)
+    scale_shape: tuple[int, ...] = field(init=False)
+    num_scales: int = field(init=False)
+    meta_bytes: int = field(init=False)
+    code_bytes: int = field(init=False)
 
-    @property
-    def num_elements(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        return tuple(1 if i == self.dim % len(self.shape) else n for i, n in enumerate(self.shape))
-
-    @property
-    def num_scales(self) -> int:
-        return int(np.prod(self.scale_shape))
-
-    @property
-    def meta_bytes(self) -> int:
-        return self.num_scales * 2 * (2 if self.fmt.has_zero else 1)
-
-    @property
-    def code_bytes(self) -> int:
-        return self.fmt.code_bytes(self.num_elements)
+    def __post_init__(self) -> None:
+        scale_shape = tuple(1 if i == self.dim % len(self.shape) else n for i, n in enumerate(self.shape))
+        object.__setattr__(self, "num_elements", math.prod(self.shape))
+        object.__setattr__(self, "scale_shape", scale_shape)
+        object.__setattr__(self, "num_scales", math.prod(scale_shape))
+        object.__setattr__(self, "meta_bytes", self.num_scales * 2 * (2 if self.fmt.has_zero else 1))
+        object.__setattr__(self, "code_bytes", self.fmt.code_bytes(self.num_elements))
 
 
 def _grouped(rows: tuple[int, ...], width: int, group: int, fmt: Fmt, what: str) -> HalfPlan:
@@ -106,56 +100,84 @@ class ScaledCodec(Codec):
         meta = sum(p.meta_bytes for p in self._plans)
         self._code_offsets = (meta, meta + self._plans[0].code_bytes)
         self.payload_bytes = meta + sum(p.code_bytes for p in self._plans)
+        self._limit = float(torch.finfo(elem).max)
+        # Both halves in the same format without zeros (INT8, FP8): encoded together.
+        self._pairs = self._plans[0].fmt is self._plans[1].fmt and not self._plans[0].fmt.has_zero
+
+    def _view(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (a block) as the element dtype, `[layers, 2, tokens, heads, width]`;
+        RuntimeError if its strides allow no such view."""
+        view = t.view(self.element_dtype) if self.dtype != self.element_dtype else t
+        return view.view(self._elem_shape)
 
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of `t` (a block) as the element dtype, K and V apart; ValueError if its
-        strides allow no such view."""
-        view = t.view(self.element_dtype) if self.dtype != self.element_dtype else t
-        view = view.view(self._elem_shape)
+        """Views of `t` (a block) as the element dtype, K and V apart."""
+        view = self._view(t)
         return view[:, 0], view[:, 1]
-
-    def _spans(self, device: torch.device) -> list[tuple[int, int]]:
-        """Layer ranges processed together: on the CPU, few enough elements that torch runs
-        each op on the calling thread (its thread pool, shared with the engine, costs far
-        more than it saves on a block); on a device, all layers at once."""
-        layers = self._elem_shape[0]
-        per_layer = max(p.num_elements for p in self._plans) // layers
-        step = layers if device.type != "cpu" else max(1, (GRAIN - 1) // per_layer)
-        return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
 
     def encode(self, src: torch.Tensor) -> bytearray | None:
         try:
-            halves = self._halves(src.detach())
+            view = self._view(src.detach())
         except RuntimeError:  # strides a dtype view cannot express
-            halves = self._halves(src.detach().contiguous())
-        limit = torch.finfo(self.element_dtype).max
+            view = self._view(src.detach().contiguous())
+        halves = (view[:, 0], view[:, 1])
+        limit = self._limit
         buf = bytearray(self.payload_bytes)
-        layers = self._elem_shape[0]
-        for h, (plan, half) in enumerate(zip(self._plans, halves)):
-            n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
-            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
-            codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
-            per_scale, per_code = plan.num_scales // layers, plan.code_bytes // layers
-            for lo, hi in self._spans(half.device):
-                x = half[lo:hi].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-                q = quantize(x.view(hi - lo, *plan.shape[1:]), plan.dim, plan.fmt)
-                if not float(peak(q, plan.fmt)) <= limit:  # not finite, or past the dtype once decoded
+        device = halves[0].device
+        with one_thread():
+            if self._pairs:
+                return self._encode_pair(view.transpose(0, 1), buf)
+            for h, (plan, half) in enumerate(zip(self._plans, halves)):
+                n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
+                meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=n_meta, offset=self._meta_offsets[h])
+                codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+                target = codes if device.type == "cpu" else torch.empty(plan.code_bytes, dtype=torch.uint8,
+                                                                        device=device)
+                q = quantize(half.view(plan.shape), plan.dim, plan.fmt, target, limit)
+                if q is None:
                     return None
-                meta[lo * per_scale : hi * per_scale].copy_(q.scale.reshape(-1))
+                meta[: plan.num_scales].copy_(q.scale.reshape(-1))
                 if q.zero is not None:
-                    meta[plan.num_scales + lo * per_scale : plan.num_scales + hi * per_scale].copy_(q.zero.reshape(-1))
-                codes[lo * per_code : hi * per_code].copy_(q.codes.reshape(-1))
+                    meta[plan.num_scales :].copy_(q.zero.reshape(-1))
+                if target is not codes:  # the encoded bytes cross from the device, not the block
+                    codes.copy_(target)
+        return buf
+
+    def _encode_pair(self, pair: torch.Tensor, buf: bytearray) -> bytearray | None:
+        """`encode` of a block whose halves share a format without zeros (`quantize_pair`);
+        `pair` is the block in the element dtype, `[2, layers, ...]`."""
+        k, v = self._plans
+        total = k.code_bytes + v.code_bytes
+        codes = torch.frombuffer(buf, dtype=torch.uint8, count=total, offset=self._code_offsets[0])
+        on_cpu = pair.device.type == "cpu"
+        target = codes if on_cpu else torch.empty(total, dtype=torch.uint8, device=pair.device)
+        got = quantize_pair(pair, (k.shape, v.shape), (k.dim, v.dim), k.fmt, target, self._limit)
+        if got is None:
+            return None
+        for h, scale in enumerate(got):
+            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=self._plans[h].num_scales,
+                                    offset=self._meta_offsets[h])
+            meta.copy_(scale.reshape(-1))
+        if target is not codes:  # the encoded bytes cross from the device, not the block
+            codes.copy_(target)
         return buf
 
     def _meta(self, payload: memoryview | bytes | bytearray, h: int, device: torch.device) -> tuple[
             torch.Tensor, torch.Tensor | None]:
         plan = self._plans[h]
         off, n = self._meta_offsets[h], plan.num_scales
-        raw = torch.frombuffer(bytearray(payload[off : off + plan.meta_bytes]), dtype=torch.bfloat16).float()
-        scale = raw[:n].view(plan.scale_shape)
-        zero = raw[n:].view(plan.scale_shape) if plan.fmt.has_zero else None
-        if not bool(torch.isfinite(raw).all()) or not bool((scale > 0).all()):
-            raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive")
+        bits = np.frombuffer(payload, dtype=np.uint16, count=plan.meta_bytes // 2, offset=off)
+        # On the bfloat16 bits: a scale is positive and finite iff 0 < bits < 0x7F80, a zero
+        # finite iff its exponent is not all ones (one pass each over the small meta arrays).
+        bad = not bool(np.all(bits[:n] - np.uint16(1) < np.uint16(0x7F7F)))
+        if plan.fmt.has_zero:
+            bad = bad or not bool(np.all(bits[n:] & np.uint16(0x7FFF) < np.uint16(0x7F80)))
+        if bad:
+            raise CorruptRecordError(f"{self.kind.label} payload has a scale that is not finite and positive"
+                                     + (" or a zero that is not finite" if plan.fmt.has_zero else ""))
+        raw = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+        scale = scratch("scale", plan.scale_shape, torch.float32, raw.device).copy_(raw[:n].view(plan.scale_shape))
+        zero = raw[n:].view(plan.scale_shape).float() if plan.fmt.has_zero else None
         return scale.to(device), None if zero is None else zero.to(device)
 
     def decode(self, payload: memoryview | bytes | bytearray, dst: torch.Tensor) -> None:
@@ -165,20 +187,12 @@ class ScaledCodec(Codec):
         except RuntimeError:
             target = torch.empty(self.block_shape, dtype=self.dtype)
             halves = self._halves(target)
-        layers = self._elem_shape[0]
-        for h, (plan, half) in enumerate(zip(self._plans, halves)):
-            scale, zero = self._meta(payload, h, half.device)
-            codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
-            per_code = plan.code_bytes // layers
-            for lo, hi in self._spans(half.device):
-                part = codes[lo * per_code : hi * per_code]
-                if half.device.type == "cpu":
-                    values = codes_to_float(part, plan.fmt)
-                else:  # the encoded bytes cross to the device, not the decoded ones
-                    values = codes_to_float(torch.from_numpy(part.copy()).to(half.device), plan.fmt)
-                values = dequantize(values.view(hi - lo, *plan.shape[1:]), scale[lo:hi],
-                                    None if zero is None else zero[lo:hi])
-                half[lo:hi].copy_(values.view(half[lo:hi].shape))
+        with one_thread():
+            for h, (plan, half) in enumerate(zip(self._plans, halves)):
+                scale, zero = self._meta(payload, h, half.device)
+                codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
+                on_device = codes if half.device.type == "cpu" else torch.from_numpy(codes.copy()).to(half.device)
+                dequantize(on_device, plan.fmt, scale, zero, half.view(plan.shape))
         if target is not dst:
             dst.copy_(target)
 
