@@ -86,7 +86,7 @@ def test_verified_hits_over_a_run_of_right_blocks_raise_no_false_alarm(tmp_path:
         "model": model, "rounds": [list(range(10)), list(range(10)), list(range(10))], "reset_between": True,
         "prompts": prompts, "connector": connector_config(tmp_path / "c", load_policy="always",
                                                           verify_fraction=1.0),
-        "after_round": {"2": "tests.engine_adapter.vllm.verify_inject:bounds"}})
+        "after_round": {"2": "verify_inject:bounds"}})
     first = {r["prompt"]: r["output"] for r in result["rounds"][0]}
     for again in result["rounds"][1:]:
         for r in again:
@@ -123,8 +123,8 @@ def test_another_prefixs_kv_injected_in_each_tier_is_caught_and_quarantined(tmp_
             "connector": connector_config(tmp_path / "c", load_policy="always", remote_url=server.url,
                                           disk_codec="int8"),
             "verify_inject": {"a": 0, "b": 1, "blocks": blocks},
-            "after_round": {"0": "tests.engine_adapter.vllm.verify_inject:inject",
-                            "1": "tests.engine_adapter.vllm.verify_inject:check"}})
+            "after_round": {"0": "verify_inject:inject",
+                            "1": "verify_inject:check"}})
     injected, checked = result["after_round"]["0"], result["after_round"]["1"]
     assert injected["held"] == {"cpu": 6, "disk": 6, "remote": 6}  # every tier held A whole
     assert injected["injected"] == {"cpu": True, "disk": True, "remote": True}  # each now serves B's KV as A's

@@ -17,7 +17,8 @@ worker's connector told vLLM's KV memory is gone: `unregister_kv_caches` before 
 "bodies": [...]}`: each body POSTed to the connector's control listener before round R; a
 body's "prompt": i stands for prompt i's token ids (and cache salt); the answers are in the
 result's "prefetches" as [status, body]), after_round (round index as text ->
-"module:function", called in the engine's process as `function(llm, spec)` once that round
+"module:function", a module beside this script (not a package path: CI runs without the
+checkout on sys.path), called in the engine's process as `function(llm, spec)` once that round
 ended; what it returns, JSON, is the result's `after_round` entry of that index: tests reach
 the connector's stores between rounds this way).
 """
