@@ -8,8 +8,9 @@ on both sides. Here each connection (a *lane*: one per node a call touches) keep
 flight stays small and warm (but always two commands, so that with values larger than the
 window the server builds the next reply while the client reads this one: one at a time, a
 32 MiB read waited for the server's copy of each value before its first byte came);
-replies are taken in the commands' order across lanes while every node works on its window (a cluster's nodes work in parallel). A call that stops early
-(a read's first miss) sends nothing more and reads only what is in flight.
+replies are taken in the commands' order across lanes while every node works on its window
+(a cluster's nodes work in parallel). A call that stops early (a read's first miss) sends
+nothing more and reads only what is in flight.
 
 Connections come from the client's redis-py pools (so every URL form, TLS and credentials
 behave as before) and honour the calling thread's deadline (`tiers/remote/client.py`); a
