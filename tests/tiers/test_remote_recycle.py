@@ -1,13 +1,10 @@
-"""The remote tier's reused record buffers and large values in flight, against a real
-redis-server: records of large blocks are encoded into buffers the writer has finished with
-(never into one still queued or being sent), bit-exact across reuse, released when the tier
-is idle; values larger than the window still go two at a time."""
+"""The remote tier's reused record buffers, against a real redis-server: records of large
+blocks are encoded into buffers the writer has finished with (never into one still queued or
+being sent), bit-exact across reuse, and released when the tier is idle."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import Any
 
 import torch
 import xxhash
@@ -15,7 +12,6 @@ import xxhash
 from cli.redis_servers import redis_server
 from kvstore import KVLayout
 from tiers.keys import BlockHash, BlockKey
-from tiers.remote.stream import Op, _Lane, command
 from tiers.remote.tier import RemoteTier
 
 TWO_MIB = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)  # 16 tokens: 2 MiB
@@ -73,37 +69,3 @@ def test_an_idle_tier_releases_its_record_buffers() -> None:
             _read_back(tier, keys, srcs)
         finally:
             tier.close()
-
-
-class _Recorder:
-    """A socket that records what is sent (the lane's only use of it in `fill`)."""
-
-    gathers = True
-
-    def __init__(self) -> None:
-        self.sent = 0
-
-    def sendmsg(self, buffers: Any) -> int:
-        n = sum(memoryview(b).nbytes for b in buffers)
-        self.sent += n
-        return n
-
-
-def test_values_larger_than_the_window_go_two_at_a_time() -> None:
-    """A lane with a 1 MiB window and GETs of 32 MiB values: two are sent at once (the server
-    builds the second reply while the client reads the first), never more; small values still
-    fill the window."""
-    lane = _Lane(None)
-    lane.sock, lane.todo = _Recorder(), deque(range(4))
-    big = [Op(b"k%d" % i, command(b"GET", b"k%d" % i), 32 << 20, bulk=True) for i in range(4)]
-    lane.fill(big, 1 << 20)
-    assert list(lane.sent) == [0, 1]
-    lane.sent.popleft()
-    lane.outstanding -= 32 << 20
-    lane.fill(big, 1 << 20)
-    assert list(lane.sent) == [1, 2]
-    small = [Op(b"k%d" % i, command(b"GET", b"k%d" % i), 256 << 10, bulk=True) for i in range(8)]
-    lane2 = _Lane(None)
-    lane2.sock, lane2.todo = _Recorder(), deque(range(8))
-    lane2.fill(small, 1 << 20)
-    assert list(lane2.sent) == [0, 1, 2, 3]

@@ -5,12 +5,9 @@ reply before the client takes the first, and for a prompt of 2 MiB blocks that i
 of MiB of output buffers allocated, faulted in, copied and pushed out of the CPU caches,
 on both sides. Here each connection (a *lane*: one per node a call touches) keeps at most
 `window_bytes` of commands unanswered, refilling when half is answered, so the data in
-flight stays small and warm (but always two commands, so that with values larger than the
-window the server builds the next reply while the client reads this one: one at a time, a
-32 MiB read waited for the server's copy of each value before its first byte came);
-replies are taken in the commands' order across lanes while every node works on its window
-(a cluster's nodes work in parallel). A call that stops early (a read's first miss) sends
-nothing more and reads only what is in flight.
+flight stays small and warm; replies are taken in the commands' order across lanes while
+every node works on its window (a cluster's nodes work in parallel). A call that stops early
+(a read's first miss) sends nothing more and reads only what is in flight.
 
 Connections come from the client's redis-py pools (so every URL form, TLS and credentials
 behave as before) and honour the calling thread's deadline (`tiers/remote/client.py`); a
@@ -33,7 +30,6 @@ __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"
 OnReply = Callable[[int, Any], bool]  # (command index, reply) -> go on?
 BufferFor = Callable[[int], memoryview | None]
 _REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often after a fault
-_MIN_IN_FLIGHT = 2  # commands unanswered per connection at least, however large their values
 
 
 class Op(NamedTuple):
@@ -73,14 +69,11 @@ class _Lane:
             self.conn.disconnect()
 
     def fill(self, ops: Sequence[Op], window_bytes: int) -> None:
-        """Send the next commands until `window_bytes` are unanswered (when half or less is),
-        and at least `_MIN_IN_FLIGHT` commands whatever their size: the server prepares the
-        next large value while the client takes this one."""
-        if self.error is not None or not self.todo or (
-                self.outstanding > window_bytes // 2 and len(self.sent) >= _MIN_IN_FLIGHT):
+        """Send the next commands until `window_bytes` are unanswered (when half or less is)."""
+        if self.error is not None or not self.todo or self.outstanding > window_bytes // 2:
             return
         buffers: list[Buffer] = []
-        while self.todo and (self.outstanding < window_bytes or len(self.sent) < _MIN_IN_FLIGHT):
+        while self.todo and self.outstanding < window_bytes:
             i = self.todo.popleft()
             buffers += ops[i].buffers
             self.sent.append(i)
