@@ -159,7 +159,7 @@ def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | 
         remote["table"] = peer_remote.rows(remote)
         print_table(f"kvstrata remote tier vs LMCache resp://, {remote['mib']} MiB of the same KV per value size, "
                     f"one redis-server (median of {rounds} interleaved rounds)",
-                    ["measure", "kvstrata", "LMCache", "-", "kvstrata / LMCache"], remote["table"])
+                    ["measure", "kvstrata", "LMCache", "kvstrata / LMCache"], remote["table"])
         report["remote"] = remote
     return report
 

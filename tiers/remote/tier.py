@@ -53,7 +53,7 @@ _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for
 _INFO_BYTES = 1 << 20  # INFO memory of every node
 _SCAN_COUNT = 10_000  # slots one SCAN round visits
 _RECYCLE_FROM = 64 << 10  # blocks of at least this many bytes are encoded into reused buffers
-_HEADER_ROOM = 16 << 10  # a reused buffer's room for the record's header (a longer one: a fresh record)
+_HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a longer one: a fresh record)
 _IDLE_S = 5.0  # the writer releases the reused buffers after this long without writes
 
 
