@@ -1,4 +1,4 @@
-"""`kvstrata bench peer`: kvstrata's disk tier and LMCache's local disk side by side.
+"""`kvstrata bench peer`: kvstrata's disk and remote tiers and LMCache's side by side.
 
 Both sides store the same KV bytes (a Llama-3-8B layout, 128 KiB per token, bf16, in
 256-token chunks: `--prompts` prompts of `--prompt-tokens` tokens), then look up prompt
@@ -15,6 +15,10 @@ LMCache's `LocalDiskBackend` and `ChunkedTokenDatabase` directly, the layers its
 so no GPU or vLLM is needed. Without LMCache the kvstrata side still runs and says so.
 kvstrata runs with `disk_sync=none` (LMCache's disk writes do not sync either) and reads
 into a preallocated buffer (`retrieve(out=)`), as LMCache reads into its allocator's.
+
+The remote rows (`bench/peer_remote.py`, `--remote-mib`, 0 for none) store and read the same
+KV in 256 KiB, 2 MiB and 32 MiB values through the remote tier and through LMCache's
+`resp://` connector, against one `redis-server` the bench starts.
 """
 
 from __future__ import annotations
@@ -123,7 +127,9 @@ def lmcache_python(given: str | None) -> str | None:
 
 
 def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | None = None, rounds: int = 3,
-        workdir: str | None = None, python: str | None = None) -> dict[str, Any]:
+        workdir: str | None = None, python: str | None = None, remote_mib: int = 0) -> dict[str, Any]:
+    from bench import peer_remote
+
     lmc = lmcache_python(python)
     sides = ["raw", "kvstrata"] + (["lmcache"] if lmc else [])
     if lmc is None:
@@ -147,7 +153,15 @@ def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | 
                 shutil.rmtree(where)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return _report(results, lookup_tokens or [1024, 4096], rounds, mib)
+    report = _report(results, lookup_tokens or [1024, 4096], rounds, mib)
+    remote = peer_remote.run(remote_mib, rounds, lmc) if remote_mib else None
+    if remote is not None:
+        remote["table"] = peer_remote.rows(remote)
+        print_table(f"kvstrata remote tier vs LMCache resp://, {remote['mib']} MiB of the same KV per value size, "
+                    f"one redis-server (median of {rounds} interleaved rounds)",
+                    ["measure", "kvstrata", "LMCache", "kvstrata / LMCache"], remote["table"])
+        report["remote"] = remote
+    return report
 
 
 def _report(results: dict[str, list[dict[str, Any]]], lookup_tokens: list[int], rounds: int,
@@ -180,12 +194,14 @@ def _report(results: dict[str, list[dict[str, Any]]], lookup_tokens: list[int], 
 @click.option("--rounds", type=positive(), default=3, show_default=True)
 @click.option("--workdir", type=Directory(), default=None, help="directory on the disk to measure")
 @click.option("--lmcache-python", default=None, help="a Python interpreter that can import lmcache")
+@click.option("--remote-mib", type=click.IntRange(0), default=256, show_default=True,
+              help="MiB of KV per value size for the remote rows (0: no remote rows)")
 def command(prompts: int, prompt_tokens: int, lookup_tokens: list[int], rounds: int, workdir: str | None,
-            lmcache_python: str | None) -> None:
+            lmcache_python: str | None, remote_mib: int) -> None:
     if prompt_tokens % 256 or any(n > prompt_tokens or n % 256 for n in lookup_tokens):
         raise click.BadParameter(f"token counts must be multiples of 256 and lookups at most --prompt-tokens, got "
                                  f"{prompt_tokens} and {lookup_tokens}")
-    write_results("peer", run(prompts, prompt_tokens, lookup_tokens, rounds, workdir, lmcache_python))
+    write_results("peer", run(prompts, prompt_tokens, lookup_tokens, rounds, workdir, lmcache_python, remote_mib))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from bench.peer_remote import kvstrata_side as remote_side
+
     request = json.loads(sys.argv[1])
-    fn = kvstrata_side if request.pop("side") == "kvstrata" else raw_side
+    fn = {"kvstrata": kvstrata_side, "kvstrata-remote": remote_side, "raw": raw_side}[request.pop("side")]
     print(json.dumps(fn(request)), flush=True)

@@ -6,6 +6,9 @@ kvstrata): it imports neither kvstrata nor anything of this repository. Usage:
 one JSON line. Drives LMCache's own local-disk backend (`LocalDiskBackend` over a
 `LocalCPUBackend` allocator) and its chunked token database, the layers its engine uses for
 `store`/`lookup`/`retrieve` of 256-token chunks, with the same KV bytes as the kvstrata side.
+Phase "remote": LMCache's `resp://` connector (`RESPConnector`, its native multi-threaded RESP
+client) on a server at `spec["url"]`: `batched_put` of every chunk of `block_tokens` tokens,
+then `batched_get` of them all, the calls its remote backend makes.
 """
 
 from __future__ import annotations
@@ -107,6 +110,57 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def remote(spec: dict[str, Any]) -> dict[str, Any]:
+    """Store, then read back, every chunk of the prompts through LMCache's `resp://` connector."""
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector.redis_connector import RESPConnector
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+    from lmcache.v1.token_database import ChunkedTokenDatabase
+
+    chunk = spec["block_tokens"]
+    gib = spec["mib"] / 1024
+    config = LMCacheEngineConfig.from_defaults(chunk_size=chunk, local_cpu=False, max_local_cpu_size=2 * gib + 1,
+                                               remote_url=spec["url"].replace("redis://", "resp://"),
+                                               remote_serde="naive")
+    meta = LMCacheMetadata(model_name="peer", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.bfloat16, kv_shape=(LAYERS, 2, chunk, HEADS, DIM), chunk_size=chunk)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    cpu = LocalCPUBackend(config, meta)
+    db = ChunkedTokenDatabase(config, meta)
+    host, port = spec["url"].removeprefix("redis://").split(":")
+    conn = RESPConnector(host, int(port), loop, cpu)
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    objs, keys, sources = [], [], []
+    for seed in spec["seeds"]:  # the chunks in LMCache's memory objects (untimed, as its engine does)
+        tokens = _tokens(seed, spec["prompt_tokens"])
+        kv = _kv(seed, len(tokens))
+        for start, end, key in db.process_tokens(tokens=tokens):
+            obj = cpu.allocate(torch.Size([2, LAYERS, end - start, HEADS * DIM]), torch.bfloat16, MemoryFormat.KV_2LTD)
+            obj.tensor.copy_(kv[:, :, start:end].permute(1, 0, 2, 3, 4).reshape(obj.tensor.shape))
+            objs.append(obj)
+            keys.append(key)
+            sources.append(obj.tensor.clone())
+    out: dict[str, Any] = {"bytes": sum(o.get_physical_size() for o in objs)}
+    t0 = time.perf_counter()
+    call(conn.batched_put(keys, objs))
+    out["write_s"] = time.perf_counter() - t0
+    for obj in objs:
+        obj.ref_count_down()
+    t0 = time.perf_counter()
+    got = call(conn.batched_get(keys))
+    out["read_s"] = time.perf_counter() - t0
+    assert len(got) == len(keys) and all(torch.equal(g.tensor.view(torch.int16), s.view(torch.int16))
+                                         for g, s in zip(got, sources)), "LMCache read back other bytes"
+    # no conn.close(): its executor's shutdown blocks the loop it runs on (the process exits instead)
+    return out
+
+
 def restart(spec: dict[str, Any]) -> dict[str, Any]:
     """A fresh process on the same directory: how many of the first prompt's tokens hit."""
     disk, _, db, _ = _open(spec)
@@ -120,6 +174,7 @@ if __name__ == "__main__":
     logging.disable(logging.WARNING)
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
     request = json.loads(sys.argv[1])
-    result = run(request) if request["phase"] == "run" else restart(request)
+    phases = {"run": run, "restart": restart, "remote": remote}
+    result = phases[request["phase"]](request)
     print(json.dumps(result), flush=True)
     os._exit(0)  # LMCache's event-loop threads would keep the interpreter alive

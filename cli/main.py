@@ -87,7 +87,7 @@ _BENCH_SUMMARIES = {
     "codecs": "Codecs: bytes per block, encode/decode speed, disk and remote GB/s decoded, against raw.",
     "codec-link": "The remote tier behind a rate-capped link: int8 against raw blocks, and the load policy.",
     "vllm-overhead": "The connector in real vLLM: throughput with no reuse, TTFT with reuse.",
-    "peer": "The disk tier against LMCache's local disk on the same bytes (when LMCache is installed).",
+    "peer": "The disk and remote tiers against LMCache's local disk and resp:// on the same bytes.",
     "soak": "Many clients on every tier while faults land at random; every hit checked bit-exact.",
     "hints": "Sessions under a flood: retain hints against LRU and Belady on the same replay.",
     "prefetch": "A request's retrieve after a prefetch against straight from the disk tier.",

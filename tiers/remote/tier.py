@@ -34,6 +34,7 @@ from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecor
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.client import Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
+from tiers.remote.recycle import RecordBuffers
 from tiers.remote.stream import Op, ReplyTooLong, command
 from tiers.remote.sweep import Walk, sweep, unfinished
 from tiers.remote.url import SCHEMES, check_url, identity, redacted
@@ -51,6 +52,9 @@ _REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines and bo
 _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
 _INFO_BYTES = 1 << 20  # INFO memory of every node
 _SCAN_COUNT = 10_000  # slots one SCAN round visits
+_RECYCLE_FROM = 64 << 10  # blocks of at least this many bytes are encoded into reused buffers
+_HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a longer one: a fresh record)
+_IDLE_S = 5.0  # the writer releases the reused buffers after this long without writes
 
 
 class RemoteTier(Tier):
@@ -95,8 +99,11 @@ class RemoteTier(Tier):
                                                                  2 * _REPLY_BYTES),
                                lambda exc: self._fault(self.reads, "generation", exc))
         self._gen.sync()
+        recycle = self.codec.block_bytes >= _RECYCLE_FROM
+        self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if recycle else 0)
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
-                                  batch_bytes=_BATCH_BYTES, stall_s=2 * self._server.limit(_BATCH_BYTES) + 1.0)
+                                  batch_bytes=_BATCH_BYTES, stall_s=2 * self._server.limit(_BATCH_BYTES) + 1.0,
+                                  on_idle=self._buffers.trim, idle_s=_IDLE_S)
 
     # -- faults ------------------------------------------------------------------------------
     @property
@@ -245,9 +252,19 @@ class RemoteTier(Tier):
             self._dropped(len(keys), "the namespace's generation is not known: the server did not tell")
             return 0
         order = range(len(keys) - 1, -1, -1)
-        records = ((self._keys.key(generation, keys[i].block_hash), memoryview(self.codec.encode(keys[i], srcs[i])),
-                    keys[i]) for i in order)
+        records = ((self._keys.key(generation, keys[i].block_hash), self._encode(keys[i], srcs[i]), keys[i])
+                   for i in order)
         return self._writes.put(records, len(keys))
+
+    def _encode(self, key: BlockKey, src: torch.Tensor) -> memoryview:
+        """The record of one block, in a reused buffer where blocks are large (its page faults
+        cost more than the copy: `tiers/remote/recycle.py`), else a fresh one."""
+        if self._buffers.size - _HEADER_ROOM >= _RECYCLE_FROM:
+            buf = self._buffers.take()
+            size = self.codec.encode_into(key, src, memoryview(buf))
+            if size is not None:
+                return memoryview(buf)[:size]
+        return memoryview(self.codec.encode(key, src))
 
     def _dropped(self, num: int, why: str) -> None:
         with self._count_lock:  # the caller's thread and the writer's
@@ -272,7 +289,10 @@ class RemoteTier(Tier):
             stored[i - 1] = reply == b"OK" and parsed[i - 1][0] == parsed[0][0]
             return True
 
-        if not self._stream(self.writes, "write", size + _REPLY_BYTES, ops, on_reply):
+        sent = self._stream(self.writes, "write", size + _REPLY_BYTES, ops, on_reply)
+        for r in batch:  # sent or not, the socket holds no reference to them now
+            self._buffers.give(r.value.obj)
+        if not sent:
             return [False] * len(batch)
         self._record(ChangeKind.ENTERED, [r.block for r, ok in zip(batch, stored) if ok])
         return stored

@@ -9,7 +9,8 @@ drop is reported to `on_drop`.
 
 While a `put` is still producing records the writer waits (up to `linger_s`) until
 `min_batch_bytes` are queued: a writer that sent each record as it came would send batches of
-one, each a round trip of its own.
+one, each a round trip of its own. After `idle_s` with nothing queued it calls `on_idle` (the
+tier releases its reused record buffers).
 """
 
 from __future__ import annotations
@@ -47,9 +48,12 @@ class WriteQueue:
     """
 
     def __init__(self, send: Send, on_drop: OnDrop, *, max_pending_bytes: int, batch_bytes: int,
-                 stall_s: float, min_batch_bytes: int = 4 << 20, linger_s: float = 0.01) -> None:
+                 stall_s: float, min_batch_bytes: int = 4 << 20, linger_s: float = 0.01,
+                 on_idle: Callable[[], None] | None = None, idle_s: float = 5.0) -> None:
         self._send = send
         self._on_drop = on_drop
+        self._on_idle = on_idle  # called (holding the condition) after `idle_s` with nothing queued
+        self._idle_s = idle_s
         self._max_pending_bytes = max_pending_bytes
         self._batch_bytes = batch_bytes
         self._min_batch_bytes = min(min_batch_bytes, max_pending_bytes)
@@ -120,7 +124,8 @@ class WriteQueue:
         failed groups are dropped here (reported before `flush` can see the queue empty),
         and every record once closed."""
         while not self._queue and not self._closed:
-            self._cond.wait()
+            if not self._cond.wait(self._idle_s) and not self._queue and self._on_idle is not None:
+                self._on_idle()
         linger_until = time.monotonic() + self._linger_s
         while self._active and not self._closed and self.queued_bytes < self._min_batch_bytes:
             left = linger_until - time.monotonic()

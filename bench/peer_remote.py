@@ -1,0 +1,132 @@
+"""The remote rows of `kvstrata bench peer`: the remote tier against LMCache's `resp://`.
+
+One real `redis-server` (started by the bench, on loopback) serves both sides. For each
+value size (256 KiB, 2 MiB and 32 MiB: chunks of 2, 16 and 256 tokens of the Llama-3-8B
+layout) each side stores the same prompts' KV (`--remote-mib` MiB) and reads it all back:
+kvstrata through a remote-only `KVCacheStore` (`store()` then `flush()`, every block on the
+server; `retrieve(out=)` into a faulted-in buffer), LMCache through its `RESPConnector`
+(`batched_put` from its memory objects, `batched_get` into its allocator's). Each side runs
+in its own process, sides alternating within each size and round, the server emptied
+(FLUSHALL) before each; medians and kvstrata / LMCache ratios per size.
+
+Both sides are measured warm, as in a running engine: LMCache's KV is copied into its memory
+objects untimed (as in the disk rows), and kvstrata stores (and clears) another prompt of the
+same size untimed before the timed store, so its reused record buffers are in use. What
+differs, to read the ratios: kvstrata's store time includes building its records (a copy of
+the KV into checksummed records, as a store from a GPU or a reused buffer must), and
+kvstrata's reads verify each record's checksum, key, namespace, layout and token ids; LMCache
+stores the bare bytes and checks only their length.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cli.redis_servers import RedisServer, find_redis_binary
+
+SIZES = {"256K": 2, "2M": 16, "32M": 256}  # value size -> tokens per block (128 KiB of KV per token)
+_WORKER = Path(__file__).with_name("peer_lmcache.py")
+
+
+def kvstrata_side(spec: dict[str, Any]) -> dict[str, Any]:
+    """One size and round of the remote tier (run in a child process)."""
+    import torch
+
+    from bench.peer_lmcache import DIM, HEADS, LAYERS, _kv, _tokens
+    from kvstore import KVCacheStore, KVLayout, StoreConfig
+
+    layout = KVLayout(LAYERS, HEADS, DIM, torch.bfloat16)
+    cfg = StoreConfig(layout, block_size=spec["block_tokens"], cpu_bytes=0, remote_url=spec["url"],
+                      namespace="peer-remote", result_buffer_bytes=0)
+    prompts = [(_tokens(s, spec["prompt_tokens"]), _kv(s, spec["prompt_tokens"])) for s in spec["seeds"]]
+    dsts = [torch.zeros_like(kv) for _, kv in prompts]  # faulted in, as LMCache's allocator is
+    with KVCacheStore(cfg) as store:
+        for seed, (_, kv) in zip(spec["seeds"], prompts):  # warm: record buffers in use, as in an engine
+            store.store(_tokens(1000 + seed, spec["prompt_tokens"]), kv)
+        assert store.flush()
+        store.clear()
+        out: dict[str, Any] = {"bytes": sum(kv.numel() * kv.element_size() for _, kv in prompts)}
+        t0 = time.perf_counter()
+        for tokens, kv in prompts:
+            store.store(tokens, kv)
+        assert store.flush(), "the remote tier did not flush"
+        out["write_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for (tokens, _), dst in zip(prompts, dsts):
+            got = store.retrieve(tokens, out=dst).num_tokens
+            assert got == len(tokens), f"the remote tier read {got} of {len(tokens)} tokens"
+        out["read_s"] = time.perf_counter() - t0
+        assert all(torch.equal(d.view(torch.int16), kv.view(torch.int16)) for d, (_, kv) in zip(dsts, prompts))
+    return out
+
+
+def _child(side: str, spec: dict[str, Any], python: str) -> dict[str, Any]:
+    from bench.common import child_env
+
+    if side == "lmcache":
+        cmd = [python, str(_WORKER), json.dumps({**spec, "phase": "remote"})]
+    else:
+        cmd = [sys.executable, "-m", "bench.peer", json.dumps({**spec, "side": "kvstrata-remote"})]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    if done.returncode != 0:
+        raise click.ClickException(f"the {side} remote side failed:\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run(mib: int, rounds: int, lmcache: str | None) -> dict[str, Any] | None:
+    """Every size's rounds against one `redis-server` this starts; None (said) without one."""
+    if find_redis_binary() is None:
+        print("redis-server is not installed here: no remote rows")
+        return None
+    sides = ["kvstrata"] + (["lmcache"] if lmcache else [])
+    tokens = max(256, mib * 8 // 256 * 256)  # 128 KiB per token, whole 32 MiB chunks
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {k: [] for k in SIZES} for s in sides}
+    # No maxmemory: 8 of LMCache's 32 MiB SETs at once grow query buffers past a bound that
+    # holds the data, the server evicts, and LMCache's batched_get of an evicted key hangs.
+    server = RedisServer(None, "--maxmemory", "0").start()
+    try:
+        for r in range(rounds):
+            for label, block_tokens in SIZES.items():
+                for side in (sides if r % 2 == 0 else sides[::-1]):
+                    _flushall(server.url)
+                    spec = {"url": server.url, "block_tokens": block_tokens, "mib": tokens // 8,
+                            "seeds": [1], "prompt_tokens": tokens}
+                    results[side][label].append(_child(side, spec, lmcache or sys.executable))
+    finally:
+        server.stop()
+    return {"mib": tokens // 8, "rounds": rounds, "results": results}
+
+
+def _flushall(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+
+
+def rows(remote: dict[str, Any]) -> list[list[Any]]:
+    """Table rows: per size, store and read GB/s of both sides (medians) and their ratio."""
+    res = remote["results"]
+    out: list[list[Any]] = []
+
+    def med(side: str, label: str, key: str) -> float:
+        runs = res.get(side, {}).get(label, [])
+        return statistics.median(r["bytes"] / r[key] / 1e9 for r in runs) if runs else float("nan")
+
+    for label in SIZES:
+        for what, key in (("store", "write_s"), ("read", "read_s")):
+            k, lm = med("kvstrata", label, key), med("lmcache", label, key)
+            out.append([f"remote {what} {label} values (GB/s)", k, lm, k / lm if lm == lm else "-"])
+    return out
