@@ -18,6 +18,7 @@ from kvstore.errors import InvalidInputError
 from kvstore.hashing import ExtraKeys
 from kvstore.metrics import register_metrics
 from tests.conftest import BLOCK, LAYOUT, make_kv
+from tests.mooncake_fixtures import mooncake_master
 from tests.redis_fixtures import redis_server
 from tiers.changes import ChangeKind
 from tiers.keys import TierKind
@@ -40,11 +41,17 @@ def _store(tmp_path: Path, tier: str) -> Iterator[KVCacheStore]:
                 {"type": "remote", "url": server.url}])) as store:
             yield store
         return
+    if tier == "mooncake":
+        with mooncake_master() as master, KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, tiers=[
+                master.tier()])) as store:
+            yield store
+        return
+    tiers["sharedfs"] = {"type": "sharedfs", "path": str(tmp_path / "shared"), "capacity_bytes": 16 << 20}
     with KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, tiers=[tiers[tier]])) as store:
         yield store
 
 
-@pytest.mark.parametrize("tier", ["pool", "cpu", "disk", "remote"])
+@pytest.mark.parametrize("tier", ["pool", "cpu", "disk", "remote", "mooncake", "sharedfs"])
 def test_another_prefixs_kv_under_a_key_is_caught_and_removed_everywhere(tmp_path: Path, tier: str) -> None:
     kv, other_kv = make_kv(len(TOKENS), seed=1), make_kv(len(OTHER), seed=2)
     with _store(tmp_path, tier) as store:
