@@ -5,7 +5,9 @@ from `--control NAME=URL` or `/register`'s `control_url`). The router chooses th
 exactly as `/lookup` does, then POSTs `{"prompt_token_ids", "cache_salt"?, "wait_s"?}` to
 `URL/prefetch` with the router's own bearer token (if it has one), waits at most
 `FORWARD_TIMEOUT_S` (plus the `wait_s` asked for), and reads at most `MAX_ANSWER_BYTES` of the
-answer. A failed or timed-out forward is a counted 502 or 504; nothing is retried.
+answer. At most `MAX_IN_FLIGHT` forwards wait on instances at once (each holds its parsed
+body until it ends): one more is a counted 429 at once. A failed or timed-out forward is a
+counted 502 or 504; nothing is retried.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ FORWARD_TIMEOUT_S = 5.0
 MAX_WAIT_S = 10.0  # what an instance's control listener waits at most
 MAX_ANSWER_BYTES = 64 << 10
 MAX_CONNECTIONS = 64
+MAX_IN_FLIGHT = 4 * MAX_CONNECTIONS  # forwards waiting on instances at once, at most
 
 
 def check_control_url(url: object, what: str = "control_url") -> str:
@@ -65,7 +68,8 @@ class Forwarder:
     def __init__(self, token: str | None, timeout_s: float = FORWARD_TIMEOUT_S) -> None:
         self._token, self.timeout_s = token, timeout_s
         self._session: Any = None
-        self.num_forwarded = self.num_failed = self.num_timeouts = self.num_no_control = 0
+        self.max_in_flight, self.in_flight = MAX_IN_FLIGHT, 0  # read and changed on the router's loop only
+        self.num_forwarded = self.num_failed = self.num_timeouts = self.num_no_control = self.num_busy = 0
 
     async def start(self) -> None:
         import aiohttp
@@ -78,7 +82,18 @@ class Forwarder:
 
     async def forward(self, url: str, query: LookupQuery, wait_s: float) -> tuple[int, Any]:
         """POST the prefetch to `url`; (status, the instance's answer as JSON) if it answered,
-        (502, why) if it failed or answered something unreadable, (504, why) after the timeout."""
+        (502, why) if it failed or answered something unreadable, (504, why) after the timeout,
+        (429, why) at once if `max_in_flight` forwards wait already."""
+        if self.in_flight >= self.max_in_flight:
+            self.num_busy += 1
+            return 429, f"{self.max_in_flight} prefetches already wait on their instances"
+        self.in_flight += 1
+        try:
+            return await self._forward(url, query, wait_s)
+        finally:
+            self.in_flight -= 1
+
+    async def _forward(self, url: str, query: LookupQuery, wait_s: float) -> tuple[int, Any]:
         import aiohttp
 
         body: dict[str, Any] = {"prompt_token_ids": query.tokens.tolist()}

@@ -162,6 +162,36 @@ def test_dead_silent_and_missing_control_listeners_are_counted_errors(two: tuple
             sock.close()
 
 
+def test_forwards_waiting_on_their_instances_are_bounded(two: tuple[Instance, Instance]) -> None:
+    """Past `max_in_flight` forwards waiting on instances (each holding its parsed body for
+    up to the timeout), one more is a counted 429 at once, never another waiter."""
+    a, b = two
+    a.store.store(PROMPT, make_kv(len(PROMPT), seed=1))
+    silent, silent_url = _silent_listener()
+    router = RouterThread(RouterConfig(subscriptions=(a.subscription, b.subscription), token=TOKEN,
+                                       controls=(("a", silent_url),)))
+    forwarder = router.router.forwarder
+    try:
+        router.call(lambda: (setattr(forwarder, "timeout_s", 4.0), setattr(forwarder, "max_in_flight", 2)))
+        wait_for(lambda: held(router, "a", PROMPT), "a's events")
+        waiting: list[int] = []
+        threads = [threading.Thread(target=lambda: waiting.append(http(f"{router.url}/prefetch",
+                                                                       {"token_ids": PROMPT})[0]))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: router.call(lambda: forwarder.in_flight) == 2, "two forwards waiting")
+        status, answer = http(f"{router.url}/prefetch", {"token_ids": PROMPT})
+        assert status == 429 and "wait" in answer["error"], answer
+        for t in threads:
+            t.join(WAIT_S)
+        assert waiting == [504, 504]
+        assert router.call(lambda: (forwarder.num_busy, forwarder.num_timeouts, forwarder.in_flight)) == (1, 2, 0)
+    finally:
+        router.stop()
+        silent.close()
+
+
 def test_control_urls_are_http_host_port_only() -> None:
     assert check_control_url("http://127.0.0.1:8200/") == "http://127.0.0.1:8200"
     assert check_control_url("http://[::1]:8200") == "http://[::1]:8200"
