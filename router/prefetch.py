@@ -5,9 +5,10 @@ from `--control NAME=URL` or `/register`'s `control_url`). The router chooses th
 exactly as `/lookup` does, then POSTs `{"prompt_token_ids", "cache_salt"?, "wait_s"?}` to
 `URL/prefetch` with the router's own bearer token (if it has one), waits at most
 `FORWARD_TIMEOUT_S` (plus the `wait_s` asked for), and reads at most `MAX_ANSWER_BYTES` of the
-answer. At most `MAX_IN_FLIGHT` forwards wait on instances at once (each holds its parsed
-body until it ends): one more is a counted 429 at once. A failed or timed-out forward is a
-counted 502 or 504; nothing is retried.
+answer, nested at most `MAX_ANSWER_DEPTH` deep. At most `MAX_IN_FLIGHT` forwards wait on
+instances at once (each holds its parsed body until it ends): one more is a counted 429 at
+once. A failed or timed-out forward (or an answer past those bounds) is a counted 502 or
+504; nothing is retried.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from router.lookup import BadRequest, LookupQuery
 FORWARD_TIMEOUT_S = 5.0
 MAX_WAIT_S = 10.0  # what an instance's control listener waits at most
 MAX_ANSWER_BYTES = 64 << 10
+MAX_ANSWER_DEPTH = 16  # an instance's answer is a flat object: deeper nesting is refused
 MAX_CONNECTIONS = 64
 MAX_IN_FLIGHT = 4 * MAX_CONNECTIONS  # forwards waiting on instances at once, at most
 
@@ -108,7 +110,7 @@ class Forwarder:
         except asyncio.TimeoutError:
             self.num_timeouts += 1
             return 504, f"the instance did not answer within {self.timeout_s + wait_s:g} s"
-        except (aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             self.num_failed += 1
             return 502, f"the instance failed: {type(exc).__name__}: {str(exc)[:200]}"
         self.num_forwarded += 1
@@ -121,4 +123,18 @@ class Forwarder:
                 raw += chunk
                 if len(raw) > MAX_ANSWER_BYTES:
                     raise ValueError(f"an answer longer than {MAX_ANSWER_BYTES} bytes")
-            return resp.status, json.loads(raw)
+            answer = json.loads(raw)
+            if not _shallow(answer, MAX_ANSWER_DEPTH):
+                raise ValueError(f"an answer nested deeper than {MAX_ANSWER_DEPTH} levels")
+            return resp.status, answer
+
+
+def _shallow(value: object, depth: int) -> bool:
+    """Whether JSON `value` nests no deeper than `depth` levels (so the router's own answer,
+    which wraps it, is written without hitting the recursion limit)."""
+    if isinstance(value, (list, dict)):
+        if depth <= 0:
+            return False
+        items = value.values() if isinstance(value, dict) else value
+        return all(_shallow(v, depth - 1) for v in items)
+    return True
