@@ -227,7 +227,7 @@ class TierBlockStore(BlockStore):
                 if work.closing:
                     return closed
                 # What the reads below see; a clear() or a verify removal later voids them.
-                generation = (self.generation, self._quarantines)
+                generation, quarantines = self.generation, self._quarantines
                 plan = stack.plan_prefetch(hashes, reserved=len(self.retention))
             status, got = PrefetchStatus.DONE, 0
             if plan is not None and plan.positions:
@@ -237,8 +237,10 @@ class TierBlockStore(BlockStore):
                 with self._lock:
                     if work.closing:
                         return closed
-                    if generation != (self.generation, self._quarantines):
+                    if generation != self.generation:
                         status, got = PrefetchStatus.CLEARED, 0
+                    elif quarantines != self._quarantines:  # the read may hold a block verify removed
+                        status, got = PrefetchStatus.QUARANTINED, 0
                     elif got and not stack.insert_prefetched(keys, plan, buffer, got, counts):
                         status, got = PrefetchStatus.FULL, 0
             with self._lock:

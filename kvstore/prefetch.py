@@ -26,7 +26,8 @@ class PrefetchStatus(enum.Enum):
     DONE = "done"  # ran: `num_promoted` blocks moved (0 if memory held the prefix already)
     DROPPED = "dropped"  # too many prefetches waiting: not run (counted)
     CLOSED = "closed"  # `close()` found it waiting or running: nothing moved
-    CLEARED = "cleared"  # `clear()` ran, or verify removed blocks, during its reads: nothing inserted
+    CLEARED = "cleared"  # `clear()` ran during its reads: nothing inserted
+    QUARANTINED = "quarantined"  # verify removed blocks during its reads: nothing inserted
     FULL = "full"  # the memory tier's insert would evict into a full tier below: nothing inserted
     FAULT = "fault"  # a tier failed while it read: what was read before is inserted (counted)
 

@@ -202,6 +202,6 @@ def test_a_block_verify_removes_during_a_prefetchs_read_is_not_inserted(tmp_path
         assert store.lookup(tokens) == 0
         gate.release()
         result = future.result(WAIT_S)
-        assert (result.status, result.num_promoted, result.num_in_memory) == (PrefetchStatus.CLEARED, 0, 0)
+        assert (result.status, result.num_promoted, result.num_in_memory) == (PrefetchStatus.QUARANTINED, 0, 0)
         assert store.lookup(tokens) == 0  # not back in the CPU tier
         assert store.retrieve(tokens).num_tokens == 0
