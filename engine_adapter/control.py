@@ -17,17 +17,17 @@ and every refusal is counted (`counters`). aiohttp serves it on a thread of its 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+from kvevents import TokenBuckets
 from kvstore import ExtraKeys, InvalidInputError, KVCacheStore, PrefetchResult, PrefetchStatus, StoreClosedError
+from kvstore.bearer import bearer_matches
 from kvstore.errors import ConfigError
 from kvstore.prefetch import MAX_PREFETCH_BLOCKS
 from tiers.shared.ratelimit import RateLimitedWarning
@@ -119,36 +119,6 @@ def parse_endpoint(name: str, text: object) -> tuple[str, int]:
     return host, int(port)
 
 
-def read_token(name: str, path: str) -> str:
-    """The bearer token in the file `path` (its first line, at least 16 characters);
-    `ConfigError` naming `name` and the file, never the token."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{name} {path!r} cannot be read: {exc}") from None
-    if len(token) < 16:
-        raise ConfigError(f"{name} {path!r} holds no token of at least 16 characters")
-    return token
-
-
-class RateLimit:
-    """A token bucket: `rate` requests a second, bursts of `burst`. Call from one thread."""
-
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, burst
-        self._tokens, self._at = float(burst), time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
-
-
 class _ProtocolLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """aiohttp's server log: a request its HTTP parser refuses (answered 400 by aiohttp) is
     counted as a bad request and warned about at most every 10 s, without a traceback; any
@@ -181,7 +151,7 @@ class ControlListener:
             raise ConfigError("a control listener's token must be at least 16 characters")
         self.store, self.host, self.port = store, host, port
         self._token = token
-        self._limit = RateLimit(rate_per_s, burst)
+        self._limit = TokenBuckets(rate_per_s, burst, max_peers=1)  # one bucket for every client
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.on_count: Callable[[str, int], None] | None = None  # told each count (a connector's stats)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,10 +169,7 @@ class ControlListener:
             self.on_count(f"control_{name}", 1)
 
     def _authorized(self, header: str | None) -> bool:
-        if self._token is None:
-            return True
-        given = (header or "").removeprefix("Bearer ").strip()
-        return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), self._token.encode("utf-8", "surrogatepass"))
+        return self._token is None or bearer_matches(header, self._token)
 
     async def _prefetch(self, request: Any) -> Any:
         from aiohttp import web
@@ -211,7 +178,7 @@ class ControlListener:
         if not self._authorized(request.headers.get("Authorization")):
             self._count("unauthorized")
             return web.json_response({"error": "unauthorized: this listener needs its bearer token"}, status=401)
-        if not self._limit.take():
+        if not self._limit.take(""):
             self._count("rate_limited")
             return web.json_response({"error": f"rate limited ({RATE_PER_S:g}/s)"}, status=429)
         try:

@@ -3,9 +3,10 @@
 Its one job is moving whole blocks by key between an engine and the tiers: it validates the
 keys and tensors, takes the store's lock, asks `TierStack` (which places every byte) and
 counts. It owns the store's generation (bumped by `clear`, which it also runs, so work begun
-before a clear never brings its bytes back after it) and the event log `take_events`
-drains. What it shares with `KVCacheStore` (lock, counters, background work, whether the
-store is open) it is given at construction; it reads nothing of the store's.
+before a clear never brings its bytes back after it; a prefetch read before a verify removal
+inserts nothing either) and the event log `take_events` drains. What it shares with
+`KVCacheStore` (lock, counters, background work, whether the store is open) it is given at
+construction; it reads nothing of the store's.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class TierBlockStore(BlockStore):
         self._events = EventLog()
         self.block_size = config.block_size
         self.generation = 0  # clear() calls so far
+        self._quarantines = 0  # verify calls that removed blocks: a prefetch read before one inserts nothing
         memory = next((t for t in stack.tiers if t.traits.memory and not t.traits.engine_memory), None)
         budget = int(config.retain_share * memory.capacity_blocks) if memory is not None else 0
         self.retention = Retention(memory, budget)
@@ -167,6 +169,8 @@ class TierBlockStore(BlockStore):
             self._check_open()
             result = self._stack.verify(list(keys), computed, unbounded, self._config.namespace, bound)
             bad = [keys[i].block_hash for idx in result.mismatches.values() for i in idx]
+            if bad:
+                self._quarantines += 1
             if bad and self.retention.release(bad):  # a retained block is quarantined all the same
                 self._stack.discard(bad)
             c = self.counters
@@ -222,7 +226,8 @@ class TierBlockStore(BlockStore):
             with self._lock:
                 if work.closing:
                     return closed
-                generation = self.generation  # what the reads below see; a clear() later voids them
+                # What the reads below see; a clear() or a verify removal later voids them.
+                generation, quarantines = self.generation, self._quarantines
                 plan = stack.plan_prefetch(hashes, reserved=len(self.retention))
             status, got = PrefetchStatus.DONE, 0
             if plan is not None and plan.positions:
@@ -234,6 +239,8 @@ class TierBlockStore(BlockStore):
                         return closed
                     if generation != self.generation:
                         status, got = PrefetchStatus.CLEARED, 0
+                    elif quarantines != self._quarantines:  # the read may hold a block verify removed
+                        status, got = PrefetchStatus.QUARANTINED, 0
                     elif got and not stack.insert_prefetched(keys, plan, buffer, got, counts):
                         status, got = PrefetchStatus.FULL, 0
             with self._lock:

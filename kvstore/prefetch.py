@@ -27,6 +27,7 @@ class PrefetchStatus(enum.Enum):
     DROPPED = "dropped"  # too many prefetches waiting: not run (counted)
     CLOSED = "closed"  # `close()` found it waiting or running: nothing moved
     CLEARED = "cleared"  # `clear()` ran during its reads: nothing inserted
+    QUARANTINED = "quarantined"  # verify removed blocks during its reads: nothing inserted
     FULL = "full"  # the memory tier's insert would evict into a full tier below: nothing inserted
     FAULT = "fault"  # a tier failed while it read: what was read before is inserted (counted)
 

@@ -67,7 +67,7 @@ class Retention:
             if h in self._until:
                 if until > self._until[h]:
                     self._until[h] = until
-                    heapq.heappush(self._heap, (until, h))
+                    self._push(until, h)
                 retained += 1
                 continue
             tenant = key.tenant
@@ -77,10 +77,24 @@ class Retention:
                 continue
             self._until[h], self._owner[h] = until, tenant
             self._charged[tenant] = self._charged.get(tenant, 0) + 1
-            heapq.heappush(self._heap, (until, h))
+            self._push(until, h)
             retained += 1
         self.num_clipped += clipped
         return RetainResult(retained, clipped)
+
+    @property
+    def num_deadlines(self) -> int:
+        """Deadlines kept, stale ones included (at most about twice the retained blocks)."""
+        return len(self._heap)
+
+    def _push(self, until: float, h: BlockHash) -> None:
+        """Record `h`'s deadline; an extension leaves the old one stale, so once the stale
+        outnumber the live the heap is rebuilt from the live ones (bounded by the blocks
+        retained, however often a hot prefix is retained again)."""
+        heapq.heappush(self._heap, (until, h))
+        if len(self._heap) > 2 * len(self._until) + 64:
+            self._heap = [(t, b) for b, t in self._until.items() if t != math.inf]
+            heapq.heapify(self._heap)
 
     def protect(self, keys: Sequence[BlockKey], now: float | None = None) -> RetainResult:
         """Retain `keys`' blocks held in the memory tier with no deadline (high priority),

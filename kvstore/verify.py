@@ -14,8 +14,9 @@ it (`Codec.error_bound` of the computed block: half a quantization step of its g
 the output rounding); that bound holds in every tier of such a store, since a block promoted
 from or demoted to a lossy tier carries decoded values into exact tiers too. `tolerance`
 adds, per element, that share of the block's largest magnitude, for engines whose numerics
-vary with batch shape. A lossy codec that states no `error_bound` leaves the blocks of the
-tiers writing it unverified (counted, never compared or removed).
+vary with batch shape. A lossy codec that states no `error_bound` leaves the store's blocks
+unverified in every tier (counted, never compared or removed): its decoded values reach the
+other tiers too.
 """
 
 from __future__ import annotations
@@ -129,8 +130,8 @@ def check_tolerance(value: object) -> float:
 
 
 def store_bound(config: StoreConfig, tolerance: float) -> tuple[VerifyBound, frozenset[TierKind]]:
-    """The bound of a store's checks (see the module) and the tiers it leaves unverified (a
-    lossy codec with no `error_bound`)."""
+    """The bound of a store's checks (see the module) and the tiers whose lossy codec states
+    no `error_bound`."""
     codecs: list[Codec] = []
     unbounded: set[TierKind] = set()
     for t in config.tier_configs:
@@ -199,8 +200,11 @@ def verify_blocks(tiers: Sequence[Tier], unbounded: frozenset[TierKind], keys: S
                   computed: Sequence[torch.Tensor], namespace: str, bound: VerifyBound) -> VerifyResult:
     """Compare `computed[i]` with block `keys[i]` in every tier of `tiers` that holds it
     (but those in `unbounded`, whose lossy codec states no bound) and remove each block
-    beyond `bound` anywhere from every tier. The caller holds the store's lock; the tiers
-    record the removals as changes."""
+    beyond `bound` anywhere from every tier; none is compared where `unbounded` names any
+    (that codec's decoded values reach every tier). The caller holds the store's lock; the
+    tiers record the removals as changes."""
+    if unbounded:
+        unbounded = frozenset(t.kind for t in tiers)
     unverified = 0
     checks: dict[TierKind, TierCheck] = {}
     bad: set[int] = set()

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass, field
 
 from kvevents import CurveClient, check_endpoint, check_public_key
+from kvstore import bearer
+from kvstore.bearer import bearer_matches
 from kvstore.errors import ConfigError
 from router.fleet import Limits
 from router.lookup import Scoring
@@ -90,19 +91,9 @@ class RouterConfig:
         Any header text is an answer, never an error: bytes that are not UTF-8 reach here as
         aiohttp's surrogate escapes, which `surrogatepass` encodes (so they never match).
         """
-        if self.token is None:
-            return True
-        given = (header or "").removeprefix("Bearer ").strip()
-        return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), self.token.encode("utf-8", "surrogatepass"))
+        return self.token is None or bearer_matches(header, self.token)
 
 
 def read_token(path: str) -> str:
     """The bearer token in a file (its first line); `ConfigError` naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            token = f.readline().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--token-file {path!r} cannot be read: {exc}") from None
-    if len(token) < 16:
-        raise ConfigError(f"--token-file {path!r} holds no token of at least 16 characters")
-    return token
+    return bearer.read_token("--token-file", path)

@@ -55,6 +55,8 @@ class RouterCollector:
              r.forwarder.num_timeouts),
             ("kvstrata_router_prefetch_no_control", "Prefetches with no instance, or no control URL for it.",
              r.forwarder.num_no_control),
+            ("kvstrata_router_prefetch_busy", "Prefetches refused (429): too many forwards waited on instances.",
+             r.forwarder.num_busy),
             ("kvstrata_router_throttled", "Messages dropped over their source's budget (bytes, or restarts "
              "and clears, a second).", fleet.num_throttled),
         ):

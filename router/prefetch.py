@@ -5,7 +5,10 @@ from `--control NAME=URL` or `/register`'s `control_url`). The router chooses th
 exactly as `/lookup` does, then POSTs `{"prompt_token_ids", "cache_salt"?, "wait_s"?}` to
 `URL/prefetch` with the router's own bearer token (if it has one), waits at most
 `FORWARD_TIMEOUT_S` (plus the `wait_s` asked for), and reads at most `MAX_ANSWER_BYTES` of the
-answer. A failed or timed-out forward is a counted 502 or 504; nothing is retried.
+answer, nested at most `MAX_ANSWER_DEPTH` deep. At most `MAX_IN_FLIGHT` forwards wait on
+instances at once (each holds its parsed body until it ends): one more is a counted 429 at
+once. A failed or timed-out forward (or an answer past those bounds) is a counted 502 or
+504; nothing is retried.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from router.lookup import BadRequest, LookupQuery
 FORWARD_TIMEOUT_S = 5.0
 MAX_WAIT_S = 10.0  # what an instance's control listener waits at most
 MAX_ANSWER_BYTES = 64 << 10
+MAX_ANSWER_DEPTH = 16  # an instance's answer is a flat object: deeper nesting is refused
 MAX_CONNECTIONS = 64
+MAX_IN_FLIGHT = 4 * MAX_CONNECTIONS  # forwards waiting on instances at once, at most
 
 
 def check_control_url(url: object, what: str = "control_url") -> str:
@@ -65,7 +70,8 @@ class Forwarder:
     def __init__(self, token: str | None, timeout_s: float = FORWARD_TIMEOUT_S) -> None:
         self._token, self.timeout_s = token, timeout_s
         self._session: Any = None
-        self.num_forwarded = self.num_failed = self.num_timeouts = self.num_no_control = 0
+        self.max_in_flight, self.in_flight = MAX_IN_FLIGHT, 0  # read and changed on the router's loop only
+        self.num_forwarded = self.num_failed = self.num_timeouts = self.num_no_control = self.num_busy = 0
 
     async def start(self) -> None:
         import aiohttp
@@ -78,7 +84,18 @@ class Forwarder:
 
     async def forward(self, url: str, query: LookupQuery, wait_s: float) -> tuple[int, Any]:
         """POST the prefetch to `url`; (status, the instance's answer as JSON) if it answered,
-        (502, why) if it failed or answered something unreadable, (504, why) after the timeout."""
+        (502, why) if it failed or answered something unreadable, (504, why) after the timeout,
+        (429, why) at once if `max_in_flight` forwards wait already."""
+        if self.in_flight >= self.max_in_flight:
+            self.num_busy += 1
+            return 429, f"{self.max_in_flight} prefetches already wait on their instances"
+        self.in_flight += 1
+        try:
+            return await self._forward(url, query, wait_s)
+        finally:
+            self.in_flight -= 1
+
+    async def _forward(self, url: str, query: LookupQuery, wait_s: float) -> tuple[int, Any]:
         import aiohttp
 
         body: dict[str, Any] = {"prompt_token_ids": query.tokens.tolist()}
@@ -93,7 +110,7 @@ class Forwarder:
         except asyncio.TimeoutError:
             self.num_timeouts += 1
             return 504, f"the instance did not answer within {self.timeout_s + wait_s:g} s"
-        except (aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
             self.num_failed += 1
             return 502, f"the instance failed: {type(exc).__name__}: {str(exc)[:200]}"
         self.num_forwarded += 1
@@ -106,4 +123,18 @@ class Forwarder:
                 raw += chunk
                 if len(raw) > MAX_ANSWER_BYTES:
                     raise ValueError(f"an answer longer than {MAX_ANSWER_BYTES} bytes")
-            return resp.status, json.loads(raw)
+            answer = json.loads(raw)
+            if not _shallow(answer, MAX_ANSWER_DEPTH):
+                raise ValueError(f"an answer nested deeper than {MAX_ANSWER_DEPTH} levels")
+            return resp.status, answer
+
+
+def _shallow(value: object, depth: int) -> bool:
+    """Whether JSON `value` nests no deeper than `depth` levels (so the router's own answer,
+    which wraps it, is written without hitting the recursion limit)."""
+    if isinstance(value, (list, dict)):
+        if depth <= 0:
+            return False
+        items = value.values() if isinstance(value, dict) else value
+        return all(_shallow(v, depth - 1) for v in items)
+    return True

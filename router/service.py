@@ -114,7 +114,7 @@ class Router:
             return web.json_response({"error": why, "instance": best}, status=404 if best is None else 409)
         status, answer = await self.forwarder.forward(url, query, wait_s)
         out = {"instance": best, "forwarded_to": f"{url}/prefetch"}
-        if status in (502, 504):
+        if status in (429, 502, 504):
             return web.json_response({**out, "error": answer}, status=status)
         return web.json_response({**out, "instance_status": status, "instance_answer": answer})
 

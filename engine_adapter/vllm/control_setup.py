@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine_adapter.control import ControlListener, parse_endpoint, read_token
+from engine_adapter.control import ControlListener, parse_endpoint
 from engine_adapter.vllm.settings import ConnectorSettings
 from kvstore import KVCacheStore
+from kvstore.bearer import read_token
 from kvstore.errors import ConfigError
 
 

@@ -330,6 +330,28 @@ def test_a_lossy_codec_from_outside_enters_the_identity(plugin: Any, tmp_path: P
         assert store.lookup(tokens) == 0
 
 
+def test_decoded_copies_of_a_lossy_codec_with_no_bound_are_left_unverified_in_every_tier(
+        plugin: Any, tmp_path: Path) -> None:
+    """A lossy codec from outside that states no `error_bound`: blocks decoded from it and
+    promoted into the CPU tier hold its values too, so no tier's copy is compared (a false
+    alarm would remove right blocks); they are counted unverified and stay."""
+    tiers = plugin_tiers(tmp_path / "disk", "zlib_half")
+    lossy = StoreConfig(LAYOUT, block_size=BLOCK, tiers=[{"type": "cpu", "capacity_bytes": 4 * BLOCK_BYTES}, tiers[2]])
+    tokens = list(range(2 * BLOCK))
+    kv = (compressible_kv(len(tokens), 4) + 1 / 3).to(LAYOUT.dtype)  # low bytes the codec zeroes
+    with KVCacheStore(lossy) as store:
+        store.store(tokens, kv)
+    with KVCacheStore(lossy) as store:  # the disk holds them (spilled on close); the CPU tier is empty
+        assert store.locate(tokens) == ["disk"] * 2
+        got = store.retrieve(tokens)
+        assert got.num_tokens == len(tokens) and not torch.equal(got.kv, kv)  # lossy values
+        assert "cpu" in store.locate(tokens)  # promoted: the CPU tier holds the decoded values
+        result = store.verify(tokens, kv)
+        assert result.ok and result.num_quarantined == 0 and result.num_checked == 0
+        assert result.num_unverified >= 2
+        assert store.lookup(tokens) == len(tokens)
+
+
 def test_a_bad_plugin_config_is_one_error_naming_it(plugin: Any, tmp_path: Path) -> None:
     tiers = plugin_tiers(tmp_path / "disk")
     tiers[1]["capacity_blocks"] = 0

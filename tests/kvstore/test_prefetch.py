@@ -185,3 +185,23 @@ def test_work_is_bounded_by_the_cap_and_the_cpu_tiers_room_beside_retained_block
             with pytest.raises(InvalidInputError, match="max_blocks"):
                 store.prefetch(long, max_blocks=bad)  # type: ignore[arg-type]
         assert store.stats().num_prefetch_calls == 2  # refused calls counted nothing
+
+
+def test_a_block_verify_removes_during_a_prefetchs_read_is_not_inserted(tmp_path: Path) -> None:
+    """The disk holds another prefix's KV under these keys; a prefetch has read it (without
+    the lock) when verify finds it wrong and removes it everywhere: the prefetch inserts
+    nothing, so the wrong block never comes back in the CPU tier."""
+    tokens = list(range(4 * BLOCK))
+    right, wrong = make_kv(len(tokens), seed=7), make_kv(len(tokens), seed=8)
+    with _on_disk(tmp_path / "d", tokens, wrong) as store:
+        gate = DiskGate(store)  # the prefetch's read returns, its insert waits
+        future = store.prefetch(tokens)
+        assert gate.entered.wait(WAIT_S)
+        verified = store.verify(tokens, right)
+        assert sum(len(i) for i in verified.mismatches.values()) == 4
+        assert store.lookup(tokens) == 0
+        gate.release()
+        result = future.result(WAIT_S)
+        assert (result.status, result.num_promoted, result.num_in_memory) == (PrefetchStatus.QUARANTINED, 0, 0)
+        assert store.lookup(tokens) == 0  # not back in the CPU tier
+        assert store.retrieve(tokens).num_tokens == 0

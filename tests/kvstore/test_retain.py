@@ -104,6 +104,22 @@ def test_a_retained_block_found_wrong_by_verify_is_removed_all_the_same(tmp_path
         store.check_integrity()
 
 
+def test_retaining_a_hot_prefix_again_and_again_keeps_bounded_state(tmp_path: Path) -> None:
+    """Every retain of a prefix already retained extends its deadline; the deadlines kept
+    stay bounded by the blocks retained, not by the calls (a shared prompt retained by each
+    request), and the latest deadline is the one that counts."""
+    session = list(range(8 * BLOCK))
+    with _store(tmp_path) as store:
+        store.store(session, make_kv(len(session)))
+        for _ in range(2000):
+            assert store.retain(session, 600) == (8, 0)
+        assert store.blocks.retention.num_deadlines <= 2 * 8 + 64  # type: ignore[attr-defined]
+        assert store.retain(session, 0.3) == (8, 0)  # shorter: the 600 s deadline stays
+        time.sleep(0.4)
+        _flood(store, 20)
+        assert store.locate(session) == [TierKind.CPU] * 8
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), 24 * 3600 + 1, "10", True, None])
 def test_bad_seconds_are_one_clear_error_and_change_nothing(tmp_path: Path, seconds: object) -> None:
     with _store(tmp_path) as store:

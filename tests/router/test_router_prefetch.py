@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,69 @@ def test_dead_silent_and_missing_control_listeners_are_counted_errors(two: tuple
         silent.close()
         for sock in accepted:
             sock.close()
+
+
+def test_forwards_waiting_on_their_instances_are_bounded(two: tuple[Instance, Instance]) -> None:
+    """Past `max_in_flight` forwards waiting on instances (each holding its parsed body for
+    up to the timeout), one more is a counted 429 at once, never another waiter."""
+    a, b = two
+    a.store.store(PROMPT, make_kv(len(PROMPT), seed=1))
+    silent, silent_url = _silent_listener()
+    router = RouterThread(RouterConfig(subscriptions=(a.subscription, b.subscription), token=TOKEN,
+                                       controls=(("a", silent_url),)))
+    forwarder = router.router.forwarder
+    try:
+        router.call(lambda: (setattr(forwarder, "timeout_s", 4.0), setattr(forwarder, "max_in_flight", 2)))
+        wait_for(lambda: held(router, "a", PROMPT), "a's events")
+        waiting: list[int] = []
+        threads = [threading.Thread(target=lambda: waiting.append(http(f"{router.url}/prefetch",
+                                                                       {"token_ids": PROMPT})[0]))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: router.call(lambda: forwarder.in_flight) == 2, "two forwards waiting")
+        status, answer = http(f"{router.url}/prefetch", {"token_ids": PROMPT})
+        assert status == 429 and "wait" in answer["error"], answer
+        for t in threads:
+            t.join(WAIT_S)
+        assert waiting == [504, 504]
+        assert router.call(lambda: (forwarder.num_busy, forwarder.num_timeouts, forwarder.in_flight)) == (1, 2, 0)
+    finally:
+        router.stop()
+        silent.close()
+
+
+def test_an_instance_answering_json_too_deep_to_read_is_a_counted_502(two: tuple[Instance, Instance]) -> None:
+    """A control URL whose server answers 200 with JSON nested past the parser's recursion
+    limit (within the answer's byte bound) is a failed forward (502, counted), never a 500."""
+    a, b = two
+    a.store.store(PROMPT, make_kv(len(PROMPT), seed=1))
+
+    class Deep(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # http.server calls it by this name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            body = b"[" * 30000 + b"]" * 30000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Deep)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    router = RouterThread(RouterConfig(subscriptions=(a.subscription, b.subscription), token=TOKEN,
+                                       controls=(("a", f"http://127.0.0.1:{server.server_address[1]}"),)))
+    try:
+        wait_for(lambda: held(router, "a", PROMPT), "a's events")
+        status, answer = http(f"{router.url}/prefetch", {"token_ids": PROMPT})
+        assert (status, answer["instance"]) == (502, "a") and "failed" in answer["error"], answer
+        assert router.call(lambda: router.router.forwarder.num_failed) == 1
+    finally:
+        router.stop()
+        server.shutdown()
+        server.server_close()
 
 
 def test_control_urls_are_http_host_port_only() -> None:

@@ -192,6 +192,36 @@ def test_infinite_nan_and_overflowing_blocks_have_no_payload(kind: CodecKind, dt
         assert codec.encode(x) is None
 
 
+@pytest.mark.parametrize("kind", LOSSY)
+@pytest.mark.parametrize("opaque", [False, True])
+def test_blocks_of_any_strides_encode_and_decode_as_contiguous_ones(kind: CodecKind, opaque: bool) -> None:
+    """A source or destination whose heads are a slice of a wider tensor (tokens and heads
+    cannot merge into one view) codes as its contiguous copy does, never a RuntimeError; a
+    payload and a decoded block stay as they are through the thread's next encode and decode
+    (nothing returned aliases the per-thread scratch)."""
+    wide = special((2, 2, 16, 4, 64), torch.bfloat16)
+    other = gaussian((2, 2, 16, 2, 64), torch.bfloat16, seed=5)
+    if opaque:
+        wide, other = wide.view(torch.uint8), other.view(torch.uint8)
+    src = wide[:, :, :, 1:3]
+    kw = {"element_dtype": torch.bfloat16} if opaque else {}
+    codec = build_codec(kind, tuple(src.shape), src.dtype, **kw)  # type: ignore[arg-type]
+    payload = codec.encode(src)
+    expected = codec.encode(src.contiguous())
+    assert payload is not None and expected is not None and bytes(payload) == bytes(expected)
+    want = torch.zeros(src.shape, dtype=src.dtype)
+    codec.decode(bytes(expected), want)
+    dst_wide = torch.zeros(wide.shape, dtype=wide.dtype)
+    dst = dst_wide[:, :, :, 1:3]
+    codec.decode(bytes(payload), dst)
+    assert torch.equal(dst.contiguous().view(torch.uint8), want.view(torch.uint8))
+    assert not dst_wide[:, :, :, 0].any() and not dst_wide[:, :, :, 3].any()  # nothing outside the block written
+    kept = bytes(payload)
+    codec.decode(bytes(codec.encode(other) or b""), torch.zeros(src.shape, dtype=src.dtype))  # the thread codes on
+    assert bytes(payload) == kept
+    assert torch.equal(dst.contiguous().view(torch.uint8), want.view(torch.uint8))
+
+
 def test_threads_encode_the_same_bytes_at_once() -> None:
     """Each thread has its own scratch buffers: concurrent encodes of different blocks give
     each block's own payload."""

@@ -199,3 +199,11 @@ def test_every_policy_field_takes_or_names_each_hostile_value(policy: str) -> No
                 continue
             taken = getattr(made, f.name)
             assert isinstance(taken, float) and 0 < taken < 1e6, (policy, f.name, value, taken)
+
+
+def test_a_device_string_with_control_characters_is_named_on_one_line() -> None:
+    """torch's refusal quotes the string raw; the error names it by its repr, on one line."""
+    for bad in ("\n", "cuda:\r0", "cpu\n\x0b"):
+        with pytest.raises(ConfigError) as caught:
+            PoolTierConfig(num_blocks=4, device=bad)
+        assert "\n" not in str(caught.value) and "\r" not in str(caught.value) and repr(bad) in str(caught.value)

@@ -111,16 +111,17 @@ class ScaledCodec(Codec):
         return view.view(self._elem_shape)
 
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of `t` (a block) as the element dtype, K and V apart."""
+        """Views of `t` (a block) as the element dtype, K and V apart, each in its plan's
+        grouping shape; RuntimeError if its strides allow no such views."""
         view = self._view(t)
-        return view[:, 0], view[:, 1]
+        return view[:, 0].view(self._plans[0].shape), view[:, 1].view(self._plans[1].shape)
 
     def encode(self, src: torch.Tensor) -> bytearray | None:
         try:
-            view = self._view(src.detach())
-        except RuntimeError:  # strides a dtype view cannot express
-            view = self._view(src.detach().contiguous())
-        halves = (view[:, 0], view[:, 1])
+            view, halves = self._view(src.detach()), self._halves(src.detach())
+        except RuntimeError:  # strides a view cannot express: a contiguous copy
+            src = src.detach().contiguous()
+            view, halves = self._view(src), self._halves(src)
         limit = self._limit
         buf = bytearray(self.payload_bytes)
         device = halves[0].device
@@ -133,7 +134,7 @@ class ScaledCodec(Codec):
                 codes = torch.frombuffer(buf, dtype=torch.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
                 target = codes if device.type == "cpu" else torch.empty(plan.code_bytes, dtype=torch.uint8,
                                                                         device=device)
-                q = quantize(half.view(plan.shape), plan.dim, plan.fmt, target, limit)
+                q = quantize(half, plan.dim, plan.fmt, target, limit)
                 if q is None:
                     return None
                 meta[: plan.num_scales].copy_(q.scale.reshape(-1))
@@ -192,7 +193,7 @@ class ScaledCodec(Codec):
                 scale, zero = self._meta(payload, h, half.device)
                 codes = np.frombuffer(payload, dtype=np.uint8, count=plan.code_bytes, offset=self._code_offsets[h])
                 on_device = codes if half.device.type == "cpu" else torch.from_numpy(codes.copy()).to(half.device)
-                dequantize(on_device, plan.fmt, scale, zero, half.view(plan.shape))
+                dequantize(on_device, plan.fmt, scale, zero, half)
         if target is not dst:
             dst.copy_(target)
 
@@ -201,8 +202,8 @@ class ScaledCodec(Codec):
         trip: float32, shaped as `src` viewed in the element dtype."""
         out = torch.empty(self._elem_shape, dtype=torch.float32)
         for h, (plan, half) in enumerate(zip(self._plans, self._halves(src.detach().cpu().contiguous()))):
-            x = half.to(torch.float32, copy=True).reshape(plan.shape)
-            out[:, h] = error_bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(half.shape)
+            x = half.to(torch.float32, copy=True)
+            out[:, h] = error_bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(out[:, h].shape)
         return out
 
 

@@ -22,7 +22,8 @@ def check_device(value: object, what: str) -> None:
         if torch.device(value).type == "meta":
             raise ValueError("meta tensors hold no data")
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{what}={value!r} is not a device: {exc}") from None
+        why = " ".join(str(exc).split())[:200]  # torch's text quotes the value raw: no control characters
+        raise ConfigError(f"{what}={value!r} is not a device: {why}") from None
 
 
 def parse_demotion(value: object, what: str) -> DemotionPolicy:
