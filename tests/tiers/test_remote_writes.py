@@ -1,13 +1,15 @@
 """Writes into the remote tier, against real `redis-server` processes: a store larger than
 the write queue is shared whole (the caller waits for room), blocks go parents first so a
 server that fills up keeps a prefix, a drop is a counted tail and never a hole before kept
-blocks, and each block of a store reaches the server once.
+blocks, each block of a store reaches the server once, and a delete is never undone by a
+write still queued.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
 from tests.tiers.test_remote import _remote, _store, _tokens
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.tier import RemoteTier
+from tiers.remote.writer import Record
 
 LLAMA_3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)  # 128 KiB a token
 
@@ -158,3 +161,41 @@ def test_demo_remote_at_its_default_size_shares_the_whole_document(tmp_path: Pat
     rows = [line for line in out.splitlines() if line.startswith("host ")]
     assert "remote 8192" in rows[1] and [r.split()[-1] for r in rows] == ["yes"] * 3, out
     assert "demoS3cret" not in out
+
+
+def test_a_discard_is_not_undone_by_a_write_still_queued() -> None:
+    """Verify's quarantine deletes a key while a write of it may still wait in the writer: the
+    writer is held in its send (a real one, to a real server, once let go) with block A's
+    batch in flight and block B's record queued behind it; `discard([A, B])` takes B off the
+    queue and waits for A's send before it deletes. Once the writer has run, neither key is on
+    the server (before: the delete came first and both writes then put the blocks back)."""
+    keys, srcs = _keys(2, 6)
+    hashes = [k.block_hash for k in keys]
+    with redis_server() as server:
+        tier = _tier(server.url)
+        raw = redis.Redis(port=server.port)
+        held, let_go = threading.Event(), threading.Event()
+        send = tier._writes._send
+
+        def held_send(batch: list[Record]) -> list[bool]:
+            held.set()
+            assert let_go.wait(30)
+            return send(batch)
+
+        tier._writes._send = held_send
+        try:
+            assert tier.put([keys[0]], [srcs[0]]) == 1
+            assert held.wait(30)  # A's batch is in flight, held
+            assert tier.put([keys[1]], [srcs[1]]) == 1  # B's record waits in the queue
+            threading.Timer(0.5, let_go.set).start()
+            tier.discard(hashes)
+            let_go.set()
+            assert tier.flush()
+            assert _present(raw, tier, hashes) == [False, False]
+            assert tier.match_prefix(hashes) == 0 and tier.num_write_drops == 0
+            tier.check_integrity()
+            assert tier.put(keys, srcs) == 2 and tier.flush()  # the keys are writable again
+            assert _present(raw, tier, hashes) == [True, True]
+        finally:
+            let_go.set()
+            tier.close()

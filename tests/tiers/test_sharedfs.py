@@ -313,3 +313,37 @@ def test_events_announce_its_blocks_as_shared_naming_the_directory(tmp_path: Pat
             assert all(str((tmp_path / "shared").resolve()) in e["kvstrata"]["remote"] for e in stored)
         finally:
             reader.close()
+
+
+def test_a_discard_is_not_undone_by_a_write_still_running(tmp_path: Path) -> None:
+    """A write held past its put's timeout (as on a hung mount; the real write runs once let
+    go) is still running when verify's quarantine discards its block: when it ends, the file
+    it put in place is removed again; a write of the same block later stays."""
+    t = _open(tmp_path / "shared", timeout_s=0.3, cooldown_s=0.01)
+    let_go, ended = threading.Event(), threading.Event()
+    write = t._write
+
+    def held_write(k: BlockKey, parts: Any) -> bool:
+        assert let_go.wait(30)
+        try:
+            return write(k, parts)
+        finally:
+            ended.set()
+
+    t._write = held_write  # type: ignore[method-assign]
+    try:
+        assert t.put([key(1)], [block(1)]) == 0 and t.num_timeouts == 1  # the put gave up; the write runs on
+        assert t.discard([key(1).block_hash]) == 0  # not there yet
+        let_go.set()
+        assert ended.wait(30)
+        deadline = time.monotonic() + 30
+        while _path(t, 1).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the write's thread removes it right after the write
+        assert not _path(t, 1).exists() and t.match_prefix([key(1).block_hash]) == 0
+        t._write = write  # type: ignore[method-assign]
+        time.sleep(0.05)  # the pause after the timeout is over
+        assert t.put([key(1)], [block(1)]) == 1 and _path(t, 1).exists()
+        assert len(t._in_flight) == 0
+    finally:
+        let_go.set()
+        t.close()

@@ -101,8 +101,9 @@ class RemoteTier(Tier):
         self._gen.sync()
         recycle = self.codec.block_bytes >= _RECYCLE_FROM
         self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if recycle else 0)
+        self._stall_s = 2 * self._server.limit(_BATCH_BYTES) + 1.0  # a batch's longest send, and then some
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
-                                  batch_bytes=_BATCH_BYTES, stall_s=2 * self._server.limit(_BATCH_BYTES) + 1.0,
+                                  batch_bytes=_BATCH_BYTES, stall_s=self._stall_s,
                                   on_idle=self._buffers.trim, idle_s=_IDLE_S)
 
     # -- faults ------------------------------------------------------------------------------
@@ -331,6 +332,13 @@ class RemoteTier(Tier):
         if not block_hashes:
             return 0
         keys = [self.server_key(h) for h in block_hashes]
+        # A write of these keys still queued would land after the delete: taken off, or waited for.
+        cancelled = self._writes.cancel(keys, self._stall_s)
+        for r in cancelled.records:
+            self._buffers.give(r.value.obj)
+        if not cancelled.settled:
+            self._warn_drop(f"remote tier {redacted(self._url)}: a write of a block being deleted was still being "
+                            "sent after the wait; it may land after the delete")
         deleted = self._server.pipelined(self.writes, "delete", _REPLY_BYTES * len(block_hashes),
                                          lambda pipe: [pipe.delete(k) for k in keys]) or []
         gone = [h for h, n in zip(block_hashes, deleted) if n == 1]

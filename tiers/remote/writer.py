@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
 from tiers.keys import BlockKey
@@ -31,6 +31,15 @@ class Record(NamedTuple):
     key: bytes
     value: memoryview
     block: BlockKey
+
+
+class Cancelled(NamedTuple):
+    """What `WriteQueue.cancel` did: the queued records it took off (never sent; their
+    buffers are the caller's again) and whether no batch in flight still holds one of the
+    keys (False: one was still being sent when the wait ran out)."""
+
+    records: list[Record]
+    settled: bool
 
 
 # Sends a batch; returns, for each record, whether the server stored it.
@@ -63,6 +72,7 @@ class WriteQueue:
         self._queue: deque[Record] = deque()
         self.queued_bytes = 0
         self._in_flight = 0
+        self._in_flight_keys: frozenset[bytes] = frozenset()  # the server keys of the batch being sent
         self._progress = 0  # batches taken off the queue so far
         self._groups = 0
         self._failed: set[int] = set()  # groups with a record the server refused
@@ -152,6 +162,7 @@ class WriteQueue:
                           "an earlier block of the same write was not stored")
         self._progress += 1
         self._in_flight = len(batch)
+        self._in_flight_keys = frozenset(r.key for r in batch)
         self._cond.notify_all()
         return batch
 
@@ -174,7 +185,28 @@ class WriteQueue:
             with self._cond:
                 self._failed |= failed
                 self._in_flight = 0
+                self._in_flight_keys = frozenset()
                 self._cond.notify_all()
+
+    def cancel(self, keys: Collection[bytes], timeout_s: float) -> Cancelled:
+        """Take every queued record of `keys` (server keys) off the queue, so none is sent,
+        then wait (up to `timeout_s`) until no batch in flight holds one of them: a delete of
+        those keys made after this returns settled cannot be undone by a write queued before
+        it. Later records of the same `put` are still sent (a delete never drops a child)."""
+        wanted = frozenset(keys)
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            taken = [r for r in self._queue if r.key in wanted]
+            if taken:
+                self._queue = deque(r for r in self._queue if r.key not in wanted)
+                self.queued_bytes -= sum(r.value.nbytes for r in taken)
+                self._cond.notify_all()  # room for puts waiting; `flush` may see the queue empty
+            while self._in_flight and not wanted.isdisjoint(self._in_flight_keys):
+                left = end - time.monotonic()
+                if left <= 0:
+                    return Cancelled(taken, False)
+                self._cond.wait(left)
+        return Cancelled(taken, True)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every record queued so far was sent or dropped; False if `timeout_s`

@@ -42,6 +42,7 @@ from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import Payload, RecordCodec
 from tiers.sharedfs import blockio, files
 from tiers.sharedfs.clear import sweep_dirs, walk_blocks
+from tiers.sharedfs.inflight import WritesInFlight
 from tiers.sharedfs.space import Space
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class SharedFSTier(Tier):
         self._warn_fault, self._warn_data, self._warn_drop = (RateLimitedWarning(logger) for _ in range(3))
         self._paused_until = 0.0
         self._closed = False
+        self._in_flight = WritesInFlight()  # a discard is never undone by a write still running
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvstrata-sharedfs")
         self.io_threads = io_threads
         self.space = Space(self.root, capacity_bytes, scan_interval_s=scan_interval_s,
@@ -278,7 +280,7 @@ class SharedFSTier(Tier):
                 seen.add(keys[i].block_hash)
                 todo.append(keys[i])
                 parts = self.codec.encode_parts(keys[i], srcs[i]) or (self.codec.encode(keys[i], srcs[i]),)
-                futures.append(self._pool.submit(self._write, keys[i], parts))
+                futures.append(self._submit_write(keys[i], parts))
         results = self._wait(futures, time.monotonic() + self.timeout_s, "write")
         written = [key for key, ok in zip(todo, results) if ok]
         self._dropped(sum(1 for ok in results if ok is None), "filesystem faults or time out")
@@ -288,6 +290,38 @@ class SharedFSTier(Tier):
         elif self.space.scan_due():  # a periodic scan runs in the background (its faults are counted)
             self._pool.submit(self.space.maintain)
         return len(written)
+
+    def _submit_write(self, key: BlockKey, parts: Sequence[bytearray | memoryview]) -> Future[bool]:
+        """`_write` on the tier's threads, tracked until it ends (`tiers/sharedfs/inflight.py`)."""
+        h = key.block_hash
+        self._in_flight.start(h)
+        fut = self._pool.submit(self._tracked_write, key, parts)
+        fut.add_done_callback(lambda f: self._in_flight.end(h) if f.cancelled() else None)  # never ran
+        return fut
+
+    def _tracked_write(self, key: BlockKey, parts: Sequence[bytearray | memoryview]) -> bool:
+        """`_write`; then, if the block was discarded meanwhile, its file removed again."""
+        written = False
+        try:
+            written = self._write(key, parts)
+            return written
+        finally:
+            if self._in_flight.end(key.block_hash) and written:
+                self._unlink([key.block_hash])  # it never entered (its put gave up): no change
+
+    def _unlink(self, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """Remove the blocks' files (on a tier thread); those that were there."""
+        gone = []
+        for h in block_hashes:
+            path = files.block_path(self.ns_dir, h)
+            try:
+                size = os.stat(path).st_size
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+            self.space.add(os.path.dirname(os.path.dirname(path)), -size)
+            gone.append(h)
+        return gone
 
     def _evicted(self, entry: files.Entry) -> None:
         with self._count_lock:
@@ -301,21 +335,8 @@ class SharedFSTier(Tier):
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
         self._check_open()
-
-        def remove() -> list[BlockHash]:
-            gone = []
-            for h in block_hashes:
-                path = files.block_path(self.ns_dir, h)
-                try:
-                    size = os.stat(path).st_size
-                    os.unlink(path)
-                except FileNotFoundError:
-                    continue
-                self.space.add(os.path.dirname(os.path.dirname(path)), -size)
-                gone.append(h)
-            return gone
-
-        gone = self._run(remove, "discard") if block_hashes else []
+        self._in_flight.doom(block_hashes)  # a write of one still running removes it again when it ends
+        gone = self._run(lambda: self._unlink(block_hashes), "discard") if block_hashes else []
         self._record(ChangeKind.LEFT, gone or [])
         return len(gone or [])
 
