@@ -9,10 +9,13 @@ from every tier (its removal goes out as KV events, so routers forget it), count
 and named in one rate-limited warning with the error seen and the bound it broke.
 
 The bound (`VerifyBound`): byte for byte in a store whose tiers all keep exact KV. Where a
-tier writes a lossy codec, every element may differ by what that codec's round trip may cost
-it (`Codec.error_bound` of the computed block: half a quantization step of its group, and
-the output rounding); that bound holds in every tier of such a store, since a block promoted
-from or demoted to a lossy tier carries decoded values into exact tiers too. `tolerance`
+tier writes a lossy codec, every element may differ by what that codec's round trips may
+cost it: a decoded copy is encoded again where a block promoted from a lossy tier is demoted
+back (or moves between lossy tiers), so the bound is the codec's `reencoded_error_bound` of
+the computed block (after any number of round trips: 2-3x the one-trip `error_bound`, half
+a quantization step of its group and the output rounding; `tiers/codecs/quant.py`), or its
+`error_bound` if it states only that. It holds in every tier of such a store, since a block
+promoted from or demoted to a lossy tier carries decoded values into exact tiers too. `tolerance`
 adds, per element, that share of the block's largest magnitude, for engines whose numerics
 vary with batch shape. A lossy codec that states no `error_bound` leaves the store's blocks
 unverified in every tier (counted, never compared or removed): its decoded values reach the
@@ -114,7 +117,8 @@ class VerifyBound:
         """The largest error each element of `computed` (`values`: its elements, finite) may show."""
         out = torch.zeros_like(values)
         for codec in self.codecs:
-            out = torch.maximum(out, codec.error_bound(computed).reshape(-1))  # type: ignore[attr-defined]
+            bound = getattr(codec, "reencoded_error_bound", None) or codec.error_bound  # type: ignore[attr-defined]
+            out = torch.maximum(out, bound(computed).reshape(-1))
         if self.tolerance:
             out = out + self.tolerance * float(values.abs().max()) if values.numel() else out
         return out

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvstore import KVCacheStore, StoreConfig
+from kvstore import KVCacheStore, KVLayout, StoreConfig
 from kvstore.errors import InvalidInputError
 from kvstore.hashing import ExtraKeys
 from kvstore.metrics import register_metrics
@@ -133,11 +133,12 @@ def test_a_lossy_tier_is_compared_within_its_codecs_bound(tmp_path: Path, codec:
         store.blocks.save(keys, rows)
         result = store.verify(TOKENS, kv)
         check = result.tiers[TierKind.DISK]
-        assert result.mismatches == {TierKind.DISK: [4]} and check.max_error > 10 * check.bound
+        # The bound covers any number of round trips (2-3 one-trip bounds): still far inside.
+        assert result.mismatches == {TierKind.DISK: [4]} and check.max_error > 4 * check.bound
         assert store.lookup(TOKENS) == 4 * BLOCK
         stats = store.stats()
         assert stats.verify_mismatches == {TierKind.DISK: 1}
-        assert stats.verify_bound[TierKind.DISK] > 0 and stats.verify_max_error[TierKind.DISK] > 10 * check.bound
+        assert stats.verify_bound[TierKind.DISK] > 0 and stats.verify_max_error[TierKind.DISK] > 4 * check.bound
         registry = pytest.importorskip("prometheus_client").CollectorRegistry()
         name = register_metrics(store, registry)
         [labels] = [dict(m.samples[0].labels) for m in registry.collect() if m.name == "kvstrata_verify_bound"]
@@ -166,6 +167,45 @@ def test_a_block_promoted_from_a_lossy_tier_is_no_false_alarm_in_an_exact_one(tm
         result = store.verify(TOKENS, kv)
         assert result.ok and result.tiers[TierKind.CPU].num_checked > 0 and result.tiers[TierKind.CPU].bound > 0
         assert store.lookup(TOKENS) == len(TOKENS)
+
+
+BF16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp8", "k8v4"])
+def test_a_block_encoded_again_and_again_is_no_false_alarm_and_a_wrong_one_is_caught(tmp_path: Path,
+                                                                                     codec: str) -> None:
+    """Six times over: a disk hit promoted into the CPU tier (decoded values), the disk's own
+    copy evicted, then the CPU tier evicting the block demotes its decoded values to disk (a
+    second encode, a third...). Verify against the KV computed once finds every copy within
+    the bound (`reencoded_error_bound`; before: int8 reached 2.1x the one-round-trip bound in
+    bfloat16, FP8 and K8V4 grew without end); another prefix's KV is still caught."""
+    block, tokens = 16, list(range(4 * 16))
+    bb = BF16.block_bytes(block)
+    cfg = StoreConfig(BF16, block_size=block, cpu_bytes=8 * bb, disk_path=str(tmp_path / "d"), disk_bytes=64 << 20,
+                      disk_sync=False, disk_codec=codec, write_through=True)
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(tokens), seed=5, layout=BF16)
+        kv[:, 0, :, :, [3, 40]] *= 10  # outlier key channels, as real keys have
+        store.store(tokens, kv)
+        hashes = [k.block_hash for k in store.keys(tokens)]
+        cpu, disk = (next(t for t in store.tiers if t.kind is kind) for kind in (TierKind.CPU, TierKind.DISK))
+        for cycle in range(6):
+            for seed in range(3):  # evict the blocks from the CPU tier (into the disk tier where it lacks them)
+                filler = [100_000 * (cycle + 1) + seed * 1000 + t for t in range(4 * block)]
+                store.store(filler, make_kv(len(filler), seed=10 + seed, layout=BF16))
+            assert cpu.match_prefix(hashes) == 0 and disk.match_prefix(hashes) == len(hashes)
+            assert store.retrieve(tokens).num_tokens == len(tokens)  # from disk, promoted: decoded values
+            assert cpu.match_prefix(hashes) == len(hashes)
+            assert disk.discard(hashes) == len(hashes)  # the disk evicts its copy; the next eviction re-encodes
+        result = store.verify(tokens, kv)
+        assert result.ok, {k: (c.max_error, c.bound) for k, c in result.tiers.items()}
+        assert result.tiers[TierKind.CPU].num_checked == len(hashes)
+        wrong = make_kv(len(tokens), seed=2, layout=BF16)[:, :, 2 * block:3 * block]
+        cpu.discard([hashes[2]])
+        cpu.put([list(store.keys(tokens))[2]], [wrong])
+        assert store.verify(tokens, kv).mismatches == {TierKind.CPU: [2]}
+        assert store.lookup(tokens) == 2 * block
 
 
 def test_a_tolerance_admits_batch_variant_numerics_and_still_catches_a_wrong_block(tmp_path: Path) -> None:

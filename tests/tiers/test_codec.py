@@ -92,6 +92,32 @@ def test_lossy_within_bound(kind: CodecKind, dtype: torch.dtype) -> None:
         assert torch.equal(out[0, 1, 0, 0], torch.zeros_like(out[0, 1, 0, 0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", LOSSY)
+def test_decoded_kv_encoded_again_settles_within_the_reencoded_bound(kind: CodecKind, dtype: torch.dtype) -> None:
+    """A block decoded and encoded again, 16 times over (a block promoted from a lossy tier and
+    demoted back, again and again): its payload stops changing within 10 round trips, so its
+    error against the original stops growing, and stays within `reencoded_error_bound`
+    (`REENCODE_FACTOR` one-pass bounds); another block's KV is far outside it. Before, FP8's
+    and INT4's scales grew a step each round trip, every decoded value with them."""
+    for seed, mag in enumerate((0.01, 1.0, 50.0)):
+        x = kv(dtype=torch.float32, seed=seed) * mag
+        x[:, :, 5, 1, 7] *= 20  # an outlier token
+        x = (x + mag * (seed - 1)).to(dtype)  # groups off centre: INT4's zeros far from 0
+        codec = build_codec(kind, SHAPE, dtype)
+        assert isinstance(codec, ScaledCodec)
+        bound = codec.reencoded_error_bound(x)
+        y, payloads = x, []
+        for _ in range(16):
+            y, payload = round_trip(kind, y)
+            payloads.append(payload)
+            err = (y.float() - x.float()).abs()
+            assert bool((err <= bound).all()), float((err / codec.error_bound(x)).max())
+        assert payloads[9:] == [payloads[9]] * 7, "decoded KV still changes when encoded again"
+        other = kv(dtype=torch.float32, seed=seed + 10) * mag + mag * (seed - 1)
+        assert float(((other - x.float()).abs() > bound).float().mean()) > 0.5
+
+
 def test_lossy_sizes_and_precision_order() -> None:
     x = kv()
     raw = x.numel() * 2

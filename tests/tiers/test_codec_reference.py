@@ -5,8 +5,9 @@ NaN values: no payload, the caller stores them raw).
 
 The reference follows the documented format (`tiers/codecs/scaled.py`, `quant.py`) in the
 plainest torch: the block in float32, `amin`/`amax` per group, scales rounded up to bfloat16
-(zeros down), `round(x / s)` half to even, clamped, codes packed low nibble first; decoding
-multiplies in float32 (then adds the zero) and rounds once into the block's dtype.
+(INT8: to nearest after a margin; FP8, INT4: to the next one up; zeros to the next one down),
+`round(x / s)` half to even, clamped, codes packed low nibble first; decoding multiplies in
+float32 (then adds the zero) and rounds once into the block's dtype.
 """
 
 from __future__ import annotations
@@ -43,9 +44,20 @@ def _groups(half: torch.Tensor, fmt: str, opaque_group: int | None, key: bool) -
 def _scales(x: torch.Tensor, dim: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     lo, hi = x.amin(dim=dim, keepdim=True), x.amax(dim=dim, keepdim=True)
     if fmt == "int4":
-        zero = (lo - lo.abs() * (2 * (UP - 1)) - TINY).to(torch.bfloat16)
-        return ((hi - zero.float()) / 15.0 * UP).clamp(min=TINY).to(torch.bfloat16), zero
+        zero = _bf16(lo, up=False)
+        return _bf16(((hi - zero.float()) / 15.0).clamp(min=TINY), up=True), zero
+    if fmt == "fp8":
+        return _bf16((torch.maximum(hi, -lo) / QMAX[fmt]).clamp(min=TINY), up=True), None
     return (torch.maximum(hi, -lo) / QMAX[fmt] * UP).clamp(min=TINY).to(torch.bfloat16), None
+
+
+def _bf16(v: torch.Tensor, up: bool) -> torch.Tensor:
+    """`v` (float32) rounded to bfloat16 towards +inf (`up`) or -inf: the nearest, moved one
+    step where it lies on the wrong side."""
+    b = v.to(torch.bfloat16)
+    wrong = b.float() < v if up else b.float() > v
+    step = torch.nextafter(b, torch.full_like(b, float("inf") if up else float("-inf")))
+    return torch.where(wrong, step, b)
 
 
 def reference_encode(kind: CodecKind, block: torch.Tensor, elem: torch.dtype, group: int | None) -> bytes | None:
@@ -182,7 +194,9 @@ def test_opaque_fast_path_equals_the_reference(kind: CodecKind, elem: torch.dtyp
 @pytest.mark.parametrize("kind", LOSSY)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_infinite_nan_and_overflowing_blocks_have_no_payload(kind: CodecKind, dtype: torch.dtype) -> None:
-    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan"), torch.finfo(dtype).max):
+    # The dtype's lowest value, not its largest: in bfloat16 `max / 15` is a bfloat16 value, so
+    # an INT4 group holding the largest value is encodable (`15 s + zero` rounds to it).
+    for bad in (float("inf"), float("-inf"), float("nan"), -float("nan"), -torch.finfo(dtype).max):
         x = gaussian((2, 2, 16, 1, 64), dtype, seed=1)
         x[1, 1, 3, 0, 7] = bad
         assert reference_encode(kind, x, dtype, None) is None  # the reference agrees

@@ -13,19 +13,30 @@ half: layout-agnostic, and exact about which bytes a scale covers whatever the e
 packing. With `group` a multiple of the head size, a run is one token's head vectors.
 
 Payload = each half's scales (and zeros), then each half's codes; its size is fixed by the
-shape. `error_bound` states the largest error of each element (`tiers/codecs/quant.py`).
+shape. `error_bound` states the largest error of each element after one round trip,
+`reencoded_error_bound` after any number of them (`tiers/codecs/quant.py`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tiers.codecs.base import Codec, CodecConfig, CodecKind, register_codec
-from tiers.codecs.quant import ROUNDING, Fmt, dequantize, error_bound, quantize, quantize_pair, scratch
+from tiers.codecs.quant import (
+    ROUNDING,
+    Fmt,
+    dequantize,
+    error_bound,
+    quantize,
+    quantize_pair,
+    reencoded_error_bound,
+    scratch,
+)
 from tiers.codecs.threads import one_thread
 from tiers.errors import ConfigError, CorruptRecordError
 
@@ -200,12 +211,21 @@ class ScaledCodec(Codec):
     def error_bound(self, src: torch.Tensor) -> torch.Tensor:
         """The largest error each element of block `src` (finite) may have after a round
         trip: float32, shaped as `src` viewed in the element dtype."""
+        return self._bound(src, error_bound)
+
+    def reencoded_error_bound(self, src: torch.Tensor) -> torch.Tensor:
+        """The largest error each element of block `src` (finite) may have after any number of
+        round trips (decoded KV encoded again, as a promoted block demoted back down is), as
+        `error_bound` (`tiers/codecs/quant.py`: `REENCODE_FACTOR`)."""
+        return self._bound(src, reencoded_error_bound)
+
+    def _bound(self, src: torch.Tensor, bound: Callable[[torch.Tensor, int, Fmt, torch.dtype], torch.Tensor]
+               ) -> torch.Tensor:
         out = torch.empty(self._elem_shape, dtype=torch.float32)
         for h, (plan, half) in enumerate(zip(self._plans, self._halves(src.detach().cpu().contiguous()))):
             x = half.to(torch.float32, copy=True)
-            out[:, h] = error_bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(out[:, h].shape)
+            out[:, h] = bound(x, plan.dim, plan.fmt, self.element_dtype).reshape(out[:, h].shape)
         return out
-
 
 
 @dataclass(frozen=True)
