@@ -12,7 +12,6 @@ does the same from a module outside the packages, named by `module_path`.)
 
 from __future__ import annotations
 
-import socket
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import pytest
 import torch
 import zmq
 
+from cli.ports import free_port_pair
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.metrics import register_metrics
@@ -124,18 +124,12 @@ class DictTierConfig(TierConfig):
         return DictTier(self.capacity_blocks, ctx.block_bytes)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def store() -> Iterator[KVCacheStore]:
     # The dict tier goes below the CPU tier, named in the config as any tier is.
     cpu = {"type": "cpu", "capacity_bytes": 4 * LAYOUT.block_bytes(BLOCK)}
     config = StoreConfig(LAYOUT, block_size=BLOCK, tiers=[cpu, {"type": "dict"}],
-                         events_endpoint=f"tcp://127.0.0.1:{_free_port()}", load_policy="always")
+                         events_endpoint=f"tcp://127.0.0.1:{free_port_pair()}", load_policy="always")
     with KVCacheStore(config) as s:
         yield s
 
