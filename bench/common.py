@@ -72,3 +72,23 @@ def child_env() -> dict[str, str]:
     started with `python -m bench...` or `-m cli.main` imports the same kvstrata."""
     paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+
+
+def time_store_retrieve(store: Any, tokens: Any, kv: Any, out: Any, what: str = "") -> tuple[float, float]:
+    """Seconds to `store` `kv` for `tokens` and flush it, and the better of two `retrieve`s into
+    `out`; asserts the whole prompt came back bit-exact, then clears the store."""
+    import torch
+
+    t0 = time.perf_counter()
+    store.store(tokens, kv)
+    assert store.flush()
+    t_store = time.perf_counter() - t0
+    t_get = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        res = store.retrieve(tokens, out=out)
+        t_get = min(t_get, time.perf_counter() - t0)
+    assert res.num_tokens == len(tokens), f"{what}retrieved {res.num_tokens} of {len(tokens)} tokens"
+    assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
+    store.clear()
+    return t_store, t_get

@@ -35,6 +35,7 @@ import click
 import numpy as np
 import torch
 
+from bench.common import time_store_retrieve
 from cli.args import CONTEXT, Choices, invoke, positive
 from cli.output import print_table, write_results
 from cli.progress import tqdm
@@ -60,18 +61,7 @@ def _tier(url: str, label: str, rnd: int, kv: torch.Tensor, out: torch.Tensor) -
     cfg = StoreConfig(layout, block_size=block_size, namespace=f"bench-remote-{label}", cpu_bytes=0,
                       remote_url=url)  # the default remote_timeout_s: the deadlines users get
     with KVCacheStore(cfg) as store:
-        t0 = time.perf_counter()
-        store.store(tokens, kv)
-        assert store.flush()
-        t_store = time.perf_counter() - t0
-        t_get = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            res = store.retrieve(tokens, out=out)
-            t_get = min(t_get, time.perf_counter() - t0)
-        assert res.num_tokens == len(tokens), f"{label}: retrieved {res.num_tokens} of {len(tokens)} tokens"
-        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
-        store.clear()
+        t_store, t_get = time_store_retrieve(store, tokens, kv, out, f"{label}: ")
     nbytes = kv.numel() * kv.element_size()
     return {"store": _gbps(nbytes, t_store), "retrieve": _gbps(nbytes, t_get)}
 

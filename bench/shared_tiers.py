@@ -39,6 +39,7 @@ import click
 import numpy as np
 import torch
 
+from bench.common import time_store_retrieve
 from cli.args import CONTEXT, Choices, invoke, positive
 from cli.output import print_table, write_results
 from cli.progress import tqdm
@@ -141,18 +142,7 @@ def _store(config: dict[str, Any], layout: KVLayout, block: int, tag: str) -> KV
 def _tier_round(config: dict[str, Any], block: int, kv: torch.Tensor, out: torch.Tensor, rnd: int) -> dict[str, float]:
     tokens = np.arange(rnd * 10_000_000, rnd * 10_000_000 + kv.shape[2], dtype=np.uint32)
     with _store(config, LAYOUT, block, f"{block}-{rnd}") as store:
-        t0 = time.perf_counter()
-        store.store(tokens, kv)
-        assert store.flush()
-        t_store = time.perf_counter() - t0
-        t_get = float("inf")
-        for _ in range(2):
-            t0 = time.perf_counter()
-            res = store.retrieve(tokens, out=out)
-            t_get = min(t_get, time.perf_counter() - t0)
-        assert res.num_tokens == len(tokens), f"retrieved {res.num_tokens} of {len(tokens)} tokens"
-        assert torch.equal(out.view(torch.int16), kv.view(torch.int16))
-        store.clear()
+        t_store, t_get = time_store_retrieve(store, tokens, kv, out)
     nbytes = kv.numel() * kv.element_size()
     return {"tier_store_gbps": _gbps(nbytes, t_store), "tier_retrieve_gbps": _gbps(nbytes, t_get)}
 
