@@ -4,11 +4,8 @@ naming its field, and changes nothing."""
 
 from __future__ import annotations
 
-import json
 import logging
 import socket
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,7 @@ import torch
 from engine_adapter.control import MAX_BODY_BYTES, ControlListener
 from kvstore import ConfigError, ExtraKeys, KVCacheStore, StoreConfig
 from tests.conftest import BLOCK, LAYOUT, make_kv
+from tests.http_json import post_json
 from tiers.keys import TierKind
 
 TOKEN = "a-control-token-of-some-length"
@@ -26,15 +24,7 @@ TOKENS = list(range(7, 7 + 5 * BLOCK))
 
 
 def post(url: str, body: object, token: str | None = None, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}/prefetch", data=data, method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(f"{url}/prefetch", body, token=token, raw=raw)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ instance's CPU tier is warmed; a dead, silent or unknown control listener is a c
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from router.config import RouterConfig, Subscription
 from router.prefetch import check_control_url, parse_control
 from router.thread import RouterThread
 from tests.conftest import BLOCK, LAYOUT, make_kv
+from tests.http_json import post_json
 from tiers.keys import TierKind
 
 TOKEN = "the-router-and-its-instances-token"
@@ -33,14 +33,7 @@ WAIT_S = 20.0
 
 
 def http(url: str, body: object, token: str | None = TOKEN) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          **({"Authorization": f"Bearer {token}"} if token else {})})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    return post_json(url, body, token=token)
 
 
 def wait_for(check: Callable[[], bool], what: str) -> None:
