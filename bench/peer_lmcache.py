@@ -68,20 +68,28 @@ def _lookup(disk: Any, db: Any, tokens: list[int]) -> int:
     return hit
 
 
-def run(spec: dict[str, Any]) -> dict[str, Any]:
+def _memory_objects(db: Any, cpu: Any, spec: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """Every prompt's chunks copied into LMCache's memory objects (untimed, as its engine
+    does), and their keys."""
     from lmcache.v1.memory_management import MemoryFormat
 
-    disk, cpu, db, _ = _open(spec)
-    out: dict[str, Any] = {}
-    prompts = [(s, _tokens(s, spec["prompt_tokens"])) for s in spec["seeds"]]
     objs, keys = [], []
-    for seed, tokens in prompts:  # copy the KV into LMCache's memory objects (untimed, as its engine does)
+    for seed in spec["seeds"]:
+        tokens = _tokens(seed, spec["prompt_tokens"])
         kv = _kv(seed, len(tokens))
         for start, end, key in db.process_tokens(tokens=tokens):
             obj = cpu.allocate(torch.Size([2, LAYERS, end - start, HEADS * DIM]), torch.bfloat16, MemoryFormat.KV_2LTD)
             obj.tensor.copy_(kv[:, :, start:end].permute(1, 0, 2, 3, 4).reshape(obj.tensor.shape))
             objs.append(obj)
             keys.append(key)
+    return objs, keys
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    disk, cpu, db, _ = _open(spec)
+    out: dict[str, Any] = {}
+    prompts = [(s, _tokens(s, spec["prompt_tokens"])) for s in spec["seeds"]]
+    objs, keys = _memory_objects(db, cpu, spec)
     nbytes = sum(o.get_physical_size() for o in objs)
     t0 = time.perf_counter()
     for key, obj in zip(keys, objs):
@@ -113,7 +121,6 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 def remote(spec: dict[str, Any]) -> dict[str, Any]:
     """Store, then read back, every chunk of the prompts through LMCache's `resp://` connector."""
     from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
     from lmcache.v1.storage_backend.connector.redis_connector import RESPConnector
     from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
@@ -136,16 +143,8 @@ def remote(spec: dict[str, Any]) -> dict[str, Any]:
     def call(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
-    objs, keys, sources = [], [], []
-    for seed in spec["seeds"]:  # the chunks in LMCache's memory objects (untimed, as its engine does)
-        tokens = _tokens(seed, spec["prompt_tokens"])
-        kv = _kv(seed, len(tokens))
-        for start, end, key in db.process_tokens(tokens=tokens):
-            obj = cpu.allocate(torch.Size([2, LAYERS, end - start, HEADS * DIM]), torch.bfloat16, MemoryFormat.KV_2LTD)
-            obj.tensor.copy_(kv[:, :, start:end].permute(1, 0, 2, 3, 4).reshape(obj.tensor.shape))
-            objs.append(obj)
-            keys.append(key)
-            sources.append(obj.tensor.clone())
+    objs, keys = _memory_objects(db, cpu, spec)
+    sources = [obj.tensor.clone() for obj in objs]
     out: dict[str, Any] = {"bytes": sum(o.get_physical_size() for o in objs)}
     t0 = time.perf_counter()
     call(conn.batched_put(keys, objs))
