@@ -24,7 +24,7 @@ from kvstore.engine_api import BlockStore, Destinations, EventBatch, LoadResult,
 from kvstore.errors import InvalidInputError, StoreClosedError
 from kvstore.keying import ChainKeys, key_hashes
 from kvstore.lifecycle import Lifecycle
-from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD, PrefetchResult, PrefetchSlots, PrefetchStatus, check_max_blocks
+from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD, PrefetchResult, PrefetchStatus, check_max_blocks
 from kvstore.priority import PriorityResult, parse_priority, prioritize
 from kvstore.results import ClearResult, StoreCounters
 from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
@@ -72,7 +72,8 @@ class TierBlockStore(BlockStore):
         # Called with ("store" | "load", seconds) after each such call when set (the store's
         # `observe_latency` sets it too).
         self.observe_latency: Callable[[str, float], None] | None = None
-        self._prefetches = PrefetchSlots(PREFETCH_QUEUE_PER_THREAD * config.io_threads)
+        self._prefetch_limit = PREFETCH_QUEUE_PER_THREAD * config.io_threads  # prefetches waiting or running
+        self._prefetches = threading.BoundedSemaphore(self._prefetch_limit)
         self._warn = RateLimitedWarning(logger)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
@@ -190,10 +191,10 @@ class TierBlockStore(BlockStore):
         capped = len(keys) - len(built)
         with self._lock:
             self.counters.num_prefetch_calls += 1
-        if not self._prefetches.take():  # too many waiting: a hint, never a pile of work
+        if not self._prefetches.acquire(blocking=False):  # too many waiting: a hint, never a pile of work
             with self._lock:
                 self.counters.num_prefetch_dropped += 1
-            self._warn(f"prefetch dropped: {self._prefetches.limit} prefetches already wait or run "
+            self._warn(f"prefetch dropped: {self._prefetch_limit} prefetches already wait or run "
                        "(counted in num_prefetch_dropped)")
             dropped: Future[PrefetchResult] = Future()
             dropped.set_result(PrefetchResult(PrefetchStatus.DROPPED, num_capped=capped))
@@ -201,9 +202,9 @@ class TierBlockStore(BlockStore):
         try:
             future = self._work.submit(self._prefetch, built, capped)
         except BaseException:
-            self._prefetches.give()
+            self._prefetches.release()
             raise
-        future.add_done_callback(lambda _: self._prefetches.give())  # run, or cancelled by the caller while queued
+        future.add_done_callback(lambda _: self._prefetches.release())  # run, or cancelled by the caller while queued
         return future
 
     def _prefetch(self, keys: list[BlockKey], capped: int) -> PrefetchResult:

@@ -11,7 +11,6 @@ dropped and counted (`PrefetchStatus.DROPPED`), its future already resolved.
 from __future__ import annotations
 
 import enum
-import threading
 from typing import NamedTuple
 
 from kvstore.errors import InvalidInputError
@@ -68,25 +67,3 @@ def check_max_blocks(max_blocks: object) -> int:
         raise InvalidInputError(f"prefetch max_blocks must be an int in [1, {MAX_PREFETCH_BLOCKS}] or None, "
                                 f"got {max_blocks!r}")
     return max_blocks
-
-
-class PrefetchSlots:
-    """How many prefetches wait or run, bounded (`limit`). Thread-safe."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self.in_flight = 0
-
-    def take(self) -> bool:
-        """Take a slot; False (nothing taken) if `limit` prefetches already hold one."""
-        with self._lock:
-            if self.in_flight >= self.limit:
-                return False
-            self.in_flight += 1
-            return True
-
-    def give(self) -> None:
-        """Give back a slot `take` gave."""
-        with self._lock:
-            self.in_flight -= 1
