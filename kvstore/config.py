@@ -307,10 +307,11 @@ def _flat_values(c: StoreConfig) -> dict[str, object]:
     if c.disk_path is not None:
         out["disk_path"] = check_path(c.disk_path, "StoreConfig.disk_path")
         if c.disk_bytes < 2 * c.block_bytes:
-            raise ConfigError(f"StoreConfig.disk_bytes={c.disk_bytes} is below two blocks ({2 * c.block_bytes} bytes)")
+            raise ConfigError(f"StoreConfig.disk_bytes={c.disk_bytes} is below two blocks ({2 * c.block_bytes} bytes "
+                              f"at block_size={c.block_size})")
     if 0 < c.cpu_bytes < c.block_bytes:
-        raise ConfigError(f"StoreConfig.cpu_bytes={c.cpu_bytes} holds no block of {c.block_bytes} bytes; "
-                          "use 0 to disable the CPU tier")
+        raise ConfigError(f"StoreConfig.cpu_bytes={c.cpu_bytes} holds no block of {c.block_bytes} bytes "
+                          f"(block_size={c.block_size}); use 0 to disable the CPU tier")
     if c.remote_url is not None:
         check_url(c.remote_url)
     if c.remote_ttl_s is not None:

@@ -14,7 +14,7 @@ import typing
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cli.settings import BenchSettings
@@ -165,6 +165,7 @@ def test_connector_keys_under_generated_values(key: str, value: object) -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from(STORE_FIELDS), values)
+@example("block_size", 4194305)  # found by a run: a block too large for the CPU tier's default bytes
 def test_store_config_fields_under_generated_values(name: str, value: object) -> None:
     check_store_field(name, value)
 
