@@ -28,11 +28,11 @@ from kvstore.prefetch import PREFETCH_QUEUE_PER_THREAD, PrefetchResult, Prefetch
 from kvstore.priority import PriorityResult, parse_priority, prioritize
 from kvstore.results import ClearResult, StoreCounters
 from kvstore.retention import MAX_RETAIN_S, RetainResult, Retention
-from kvstore.tier_stack import TierStack
+from kvstore.tier_stack import Prefetch, TierStack
 from kvstore.timing import timed
 from kvstore.validate import check_block_tensors
 from kvstore.verify import VerifyResult, check_tolerance, store_bound
-from tiers.keys import BlockKey
+from tiers.keys import BlockHash, BlockKey
 from tiers.shared.blockbatch import BlockBatch
 from tiers.shared.ratelimit import RateLimitedWarning
 
@@ -74,6 +74,7 @@ class TierBlockStore(BlockStore):
         self.observe_latency: Callable[[str, float], None] | None = None
         self._prefetch_limit = PREFETCH_QUEUE_PER_THREAD * config.io_threads  # prefetches waiting or running
         self._prefetches = threading.BoundedSemaphore(self._prefetch_limit)
+        self._prefetch_planned = 0  # blocks running prefetches read into buffers: room they hold in memory
         self._warn = RateLimitedWarning(logger)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
@@ -222,38 +223,53 @@ class TierBlockStore(BlockStore):
     def _prefetch_now(self, keys: list[BlockKey], capped: int) -> PrefetchResult:
         hashes = key_hashes(keys)
         work, stack = self._work, self._stack
-        closed = PrefetchResult(PrefetchStatus.CLOSED, num_capped=capped)
         with work.outside():
             with self._lock:
                 if work.closing:
-                    return closed
+                    return PrefetchResult(PrefetchStatus.CLOSED, num_capped=capped)
                 # What the reads below see; a clear() or a verify removal later voids them.
                 generation, quarantines = self.generation, self._quarantines
-                plan = stack.plan_prefetch(hashes, reserved=len(self.retention))
-            status, got = PrefetchStatus.DONE, 0
-            if plan is not None and plan.positions:
-                buffer = BlockBatch(torch.empty((len(plan.positions), *self._config.block_shape),
-                                                dtype=self._config.layout.dtype))
-                got, counts = stack.read_prefetch(keys, plan, buffer, lambda: work.closing)
+                # Room other running prefetches planned is theirs: together their buffers
+                # never exceed the memory tier's room, nor do their inserts evict each other.
+                plan = stack.plan_prefetch(hashes, reserved=len(self.retention) + self._prefetch_planned)
+                planned = len(plan.positions) if plan is not None else 0
+                self._prefetch_planned += planned
+            try:
+                return self._prefetch_planned_run(keys, hashes, capped, plan, generation, quarantines)
+            finally:
                 with self._lock:
-                    if work.closing:
-                        return closed
-                    if generation != self.generation:
-                        status, got = PrefetchStatus.CLEARED, 0
-                    elif quarantines != self._quarantines:  # the read may hold a block verify removed
-                        status, got = PrefetchStatus.QUARANTINED, 0
-                    elif got and not stack.insert_prefetched(keys, plan, buffer, got, counts):
-                        status, got = PrefetchStatus.FULL, 0
+                    self._prefetch_planned -= planned
+
+    def _prefetch_planned_run(self, keys: list[BlockKey], hashes: list[BlockHash], capped: int,
+                              plan: Prefetch | None, generation: int, quarantines: int) -> PrefetchResult:
+        """Read `plan`'s blocks into a buffer and insert them into memory unless a clear, a
+        verify removal or close() came between (see `_prefetch_now`)."""
+        work, stack = self._work, self._stack
+        closed = PrefetchResult(PrefetchStatus.CLOSED, num_capped=capped)
+        status, got = PrefetchStatus.DONE, 0
+        if plan is not None and plan.positions:
+            buffer = BlockBatch(torch.empty((len(plan.positions), *self._config.block_shape),
+                                            dtype=self._config.layout.dtype))
+            got, counts = stack.read_prefetch(keys, plan, buffer, lambda: work.closing)
             with self._lock:
                 if work.closing:
                     return closed
-                planned = len(plan.positions) if plan is not None else 0
-                failed = planned - got if status is PrefetchStatus.DONE else 0
-                c = self.counters
-                c.num_prefetch_promoted += got
-                c.num_prefetch_failed += failed
-                return PrefetchResult(status, plan.num_held if plan else 0, plan.num_already if plan else 0, got,
-                                      failed, plan.num_unfit if plan else 0, capped, stack.leading_in_memory(hashes))
+                if generation != self.generation:
+                    status, got = PrefetchStatus.CLEARED, 0
+                elif quarantines != self._quarantines:  # the read may hold a block verify removed
+                    status, got = PrefetchStatus.QUARANTINED, 0
+                elif got and not stack.insert_prefetched(keys, plan, buffer, got, counts):
+                    status, got = PrefetchStatus.FULL, 0
+        with self._lock:
+            if work.closing:
+                return closed
+            planned = len(plan.positions) if plan is not None else 0
+            failed = planned - got if status is PrefetchStatus.DONE else 0
+            c = self.counters
+            c.num_prefetch_promoted += got
+            c.num_prefetch_failed += failed
+            return PrefetchResult(status, plan.num_held if plan else 0, plan.num_already if plan else 0, got,
+                                  failed, plan.num_unfit if plan else 0, capped, stack.leading_in_memory(hashes))
 
     def take_events(self) -> EventBatch:
         with self._lock:

@@ -3,7 +3,8 @@
 A prefetch is a hint: an engine or a control endpoint asks for it so that a request arriving
 later finds its prefix in memory. It must never block its caller nor pile up work, so each
 call reads at most `MAX_PREFETCH_BLOCKS` blocks (or the caller's smaller `max_blocks`), never
-more than the memory tier can take beside its retained blocks, and at most
+more than the memory tier can take beside its retained blocks and the blocks other running
+prefetches will insert (so their buffers together stay within that tier's size), and at most
 `PREFETCH_QUEUE_PER_THREAD` prefetches per I/O thread wait or run at once: one more is
 dropped and counted (`PrefetchStatus.DROPPED`), its future already resolved.
 """

@@ -205,3 +205,31 @@ def test_a_block_verify_removes_during_a_prefetchs_read_is_not_inserted(tmp_path
         assert (result.status, result.num_promoted, result.num_in_memory) == (PrefetchStatus.QUARANTINED, 0, 0)
         assert store.lookup(tokens) == 0  # not back in the CPU tier
         assert store.retrieve(tokens).num_tokens == 0
+
+
+def test_running_prefetches_share_the_cpu_tiers_room(tmp_path: Path) -> None:
+    """Two prefixes, each as large as the CPU tier, wait on disk; while the first prefetch
+    reads, the second finds the room planned by it (not free room): it reads nothing, so
+    the buffers of running prefetches never exceed the tier's room and the first one's
+    blocks are not pushed out by the second's insert."""
+    first, second = list(range(4 * BLOCK)), list(range(7000, 7000 + 4 * BLOCK))
+    kv_first, kv_second = make_kv(len(first), seed=9), make_kv(len(second), seed=10)
+    kw = {"cpu_bytes": 4 * LAYOUT.block_bytes(BLOCK), "io_threads": 2}
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as writer:
+        writer.store(first, kv_first)
+        writer.store(second, kv_second)
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as store:
+        assert store.locate(first) == store.locate(second) == [TierKind.DISK] * 4
+        gate = DiskGate(store)  # the first prefetch has read its 4 blocks; its insert waits
+        running = store.prefetch(first)
+        assert gate.entered.wait(WAIT_S)
+        later = store.prefetch(second).result(WAIT_S)
+        assert (later.status, later.num_held, later.num_unfit, later.num_promoted) == (PrefetchStatus.DONE, 4, 4, 0)
+        gate.release()
+        done = running.result(WAIT_S)
+        assert (done.num_promoted, done.num_in_memory) == (4, 4)
+        assert store.locate(first) == [TierKind.CPU] * 4
+        got = store.retrieve(first)
+        assert torch.equal(_bits(got.kv), _bits(kv_first))
+        after = store.prefetch(second).result(WAIT_S)  # room planned by nobody now: it runs
+        assert (after.num_promoted, after.num_unfit) == (4, 0)
