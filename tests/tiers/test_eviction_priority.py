@@ -146,3 +146,21 @@ def test_a_residency_sends_a_low_prefix_tail_first_and_keeps_older_blocks(name: 
     assert victims == chain[::-1]  # the tail first: the prefix stays reachable as it shrinks
     assert all(k in res for k in range(8))
     res.check_integrity()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_victims_put_back_are_again_the_first_to_go(name: str) -> None:
+    """An eviction that takes two low keys and a normal one and cannot be carried out puts
+    them back as they were: the next eviction takes the same keys in the same order, the
+    low ones first (before, ARC and S3-FIFO put a low key back among the normal ones)."""
+    policy: EvictionPolicy[int] = make_policy(name, 16)
+    for k in range(10):
+        policy.insert(k)
+    for k in (7, 8, 9):
+        policy.deprioritize(k)  # cold: 9, 8, 7 (the last deprioritized goes first)
+    victims = policy.pop_many(4)
+    assert victims[:3] == [9, 8, 7]
+    for key in reversed(victims):
+        policy.restore(key)
+    policy.check_integrity()
+    assert policy.pop_many(4) == victims

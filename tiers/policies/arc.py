@@ -14,8 +14,10 @@ from tiers.policies.eviction import (
     EvictionPolicy,
     K,
     check_ratio,
+    pop_cold,
     register_eviction,
     trim,
+    unpop_cold,
 )
 
 GHOST_X = 4.0  # entries of each ghost list, in tier capacities (ARC: one; 4x measured better here)
@@ -44,6 +46,7 @@ class ARCPolicy(EvictionPolicy[K]):
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
         self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
+        self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
         self.p = 0.0
 
     def __len__(self) -> int:
@@ -54,6 +57,7 @@ class ARCPolicy(EvictionPolicy[K]):
 
     def insert(self, key: K) -> None:
         b1, b2 = self._b1, self._b2
+        self._cold_popped.pop(key, None)  # returns as new
         if key in b1:
             self.p = min(float(self.capacity_blocks), self.p + max(1.0, len(b2) / len(b1)))
             del b1[key]
@@ -95,7 +99,7 @@ class ARCPolicy(EvictionPolicy[K]):
     def pop(self) -> K:
         t1 = self._t1
         if self._cold:
-            return self._cold.popitem(last=False)[0]
+            return pop_cold(self._cold, self._cold_popped, self._ghost_limit)
         if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
             key = t1.popitem(last=False)[0]
             self._b1[key] = None
@@ -109,6 +113,8 @@ class ARCPolicy(EvictionPolicy[K]):
         return key
 
     def restore(self, key: K) -> None:
+        if unpop_cold(self._cold, self._cold_popped, key):
+            return
         if key in self._b1:
             del self._b1[key]
             self._t1[key] = None
@@ -144,7 +150,7 @@ class ARCPolicy(EvictionPolicy[K]):
         trim(self._b2, cap)
 
     def clear(self) -> None:
-        for d in (self._t1, self._t2, self._b1, self._b2, self._cold):
+        for d in (self._t1, self._t2, self._b1, self._b2, self._cold, self._cold_popped):
             d.clear()
         self.p = 0.0
 
@@ -152,6 +158,8 @@ class ARCPolicy(EvictionPolicy[K]):
         lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys(), self._cold.keys()]
         if sum(len(x) for x in lists) != len(set().union(*lists)):
             raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2, cold (a bug)")
+        if self._cold_popped.keys() & (self._t1.keys() | self._t2.keys() | self._cold.keys()):
+            raise RuntimeError("ARC: a held key is also remembered as popped from the cold list (a bug)")
         if not 0.0 <= self.p <= self.capacity_blocks:
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
         if max(len(self._b1), len(self._b2)) > self._ghost_limit:

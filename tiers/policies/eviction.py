@@ -216,6 +216,26 @@ def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
         ghosts.popitem(last=False)
 
 
+def pop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], limit: int) -> K:
+    """Take the front key of a cold (low-priority) queue, remembering it in `popped` (the
+    latest `limit` of them) so that `unpop_cold` can put it back where it was."""
+    key = cold.popitem(last=False)[0]
+    popped[key] = None
+    trim(popped, limit)
+    return key
+
+
+def unpop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], key: K) -> bool:
+    """Undo `pop_cold` of `key`: back at the cold queue's front; False if it was not popped
+    from it (lately)."""
+    if key not in popped:
+        return False
+    del popped[key]
+    cold[key] = None
+    cold.move_to_end(key, last=False)
+    return True
+
+
 MAX_RATIO = 1e6  # a policy's multiple of its tier's capacity: far past any use
 
 

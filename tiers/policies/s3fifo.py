@@ -14,8 +14,10 @@ from tiers.policies.eviction import (
     EvictionPolicy,
     K,
     check_ratio,
+    pop_cold,
     register_eviction,
     trim,
+    unpop_cold,
 )
 
 MAX_FREQ = 3  # uses counted per key (2 bits in the paper)
@@ -50,6 +52,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
         self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
+        self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
         self._freq: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -60,6 +63,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
 
     def insert(self, key: K) -> None:
         self._freq[key] = 0
+        self._cold_popped.pop(key, None)  # returns as new
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = None
@@ -93,7 +97,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         if not freq:
             raise IndexError("pop from an empty S3-FIFO policy")
         if self._cold:
-            key = self._cold.popitem(last=False)[0]
+            key = pop_cold(self._cold, self._cold_popped, self._ghost_limit)
             del freq[key]  # no ghost: a low-priority key returns as new
             return key
         while True:
@@ -118,6 +122,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
 
     def restore(self, key: K) -> None:
         self._freq[key] = 0
+        if unpop_cold(self._cold, self._cold_popped, key):
+            return
         if key in self._ghost:  # the small queue evicted it; the main queue leaves no ghost
             del self._ghost[key]
             queue = self._small
@@ -152,7 +158,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         trim(self._ghost, self.history_limit(capacity_blocks))
 
     def clear(self) -> None:
-        for d in (self._small, self._main, self._ghost, self._cold, self._freq):
+        for d in (self._small, self._main, self._ghost, self._cold, self._cold_popped, self._freq):
             d.clear()
 
     def check_integrity(self) -> None:
@@ -160,7 +166,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         if small & main or cold & (small | main) or len(small) + len(main) + len(cold) != len(self._freq) \
                 or (small | main | cold) != self._freq.keys():
             raise RuntimeError("S3-FIFO: the cold, small and main queues do not partition the held keys (a bug)")
-        if self._ghost.keys() & self._freq.keys():
+        if (self._ghost.keys() | self._cold_popped.keys()) & self._freq.keys():
             raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
         if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):
             raise RuntimeError("S3-FIFO: a use count is out of range (a bug)")
