@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -200,6 +200,32 @@ def compare(held: torch.Tensor, computed: Computed) -> tuple[bool, float, float]
     return within, err if math.isfinite(err) else math.inf, float(allowed.max()) if allowed.numel() else 0.0
 
 
+READ_BYTES = 4 << 20  # what verify reads from a tier in one call, at most (a block at least): fresh scratch past
+# a few MiB costs more in page faults than the calls it saves (measured)
+
+
+def _scratch(computed: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Host buffers for one read: as many blocks as fit in `READ_BYTES` (at least one)."""
+    if not computed:
+        return []
+    one = computed[0]
+    count = max(1, min(len(computed), READ_BYTES // max(1, one.numel() * one.element_size())))
+    return list(torch.empty((count, *one.shape), dtype=one.dtype))
+
+
+def _read(tier: Tier, keys: Sequence[BlockKey], held: Sequence[int],
+          scratch: Sequence[torch.Tensor]) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each block `keys[i]` (i in `held`) that `tier` gives, with its bytes (valid until the
+    next one is taken), read in calls of up to `len(scratch)` blocks; one it no longer holds
+    or finds damaged (then deleted by it) is skipped."""
+    at = 0
+    while at < len(held):
+        batch = held[at : at + len(scratch)]
+        got = tier.get_into([keys[i] for i in batch], scratch[: len(batch)])
+        yield from zip(batch[:got], scratch[:got])
+        at += got + (got < len(batch))  # a tier's read stops at a block it cannot give: skip that one
+
+
 def verify_blocks(tiers: Sequence[Tier], unbounded: frozenset[TierKind], keys: Sequence[BlockKey],
                   computed: Sequence[torch.Tensor], namespace: str, bound: VerifyBound) -> VerifyResult:
     """Compare `computed[i]` with block `keys[i]` in every tier of `tiers` that holds it
@@ -212,21 +238,17 @@ def verify_blocks(tiers: Sequence[Tier], unbounded: frozenset[TierKind], keys: S
     unverified = 0
     checks: dict[TierKind, TierCheck] = {}
     bad: set[int] = set()
-    scratch = torch.empty_like(computed[0].cpu()) if computed else None
     refs = [Computed(block, bound) for block in computed]
+    scratch = _scratch(computed)
     for tier in tiers:
         n, worst, most, wrong = 0, 0.0, 0.0, []
-        for i, key in enumerate(keys):
-            if tier.match_prefix([key.block_hash]) != 1:
-                continue
-            if tier.kind in unbounded:
-                unverified += 1
-                continue
-            assert scratch is not None
-            if tier.get_into([key], [scratch]) != 1:  # gone meanwhile, or damaged (the tier deleted it)
-                continue
+        held = [i for i, key in enumerate(keys) if tier.match_prefix([key.block_hash]) == 1]
+        if tier.kind in unbounded:
+            unverified += len(held)
+            held = []
+        for i, block in _read(tier, keys, held, scratch):
             n += 1
-            within, err, allowed = compare(scratch, refs[i])
+            within, err, allowed = compare(block, refs[i])
             worst, most = max(worst, err), max(most, allowed)
             if not within:
                 wrong.append(i)

@@ -276,3 +276,35 @@ def test_the_comparison_sees_nan_patterns_and_a_nan_is_never_within_a_bound() ->
     within, err, allowed = compare(y, Computed(x, loose))  # a NaN held where a number was computed
     assert not within and err == float("inf") and allowed > 0
     assert compare(y, Computed(y.clone(), loose))[0]  # not finite: byte for byte, and the same bytes
+
+
+def test_reads_in_batches_skip_a_missing_or_damaged_block_and_check_the_rest(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verify reads a tier in calls of several blocks; a block the tier lacks (2) or finds
+    damaged (0: its payload overwritten on disk; the tier deletes it) is skipped, and the
+    blocks after it, in the same call or later ones, are still compared: the wrong one (4)
+    is caught."""
+    import kvstore.verify as verify_module
+
+    bb = LAYOUT.block_bytes(BLOCK)
+    monkeypatch.setattr(verify_module, "READ_BYTES", 2 * bb)  # calls of two blocks
+    cfg = StoreConfig(LAYOUT, block_size=BLOCK, cpu_bytes=16 * bb, disk_path=str(tmp_path / "d"), disk_bytes=16 << 20,
+                      disk_sync=False, write_through=True)
+    with KVCacheStore(cfg) as store:
+        kv = make_kv(len(TOKENS), seed=1)
+        store.store(TOKENS, kv)
+        store.flush()
+        keys = list(store.keys(TOKENS))
+        disk = next(t for t in store.tiers if t.kind is TierKind.DISK)
+        disk.discard([keys[2].block_hash, keys[4].block_hash])
+        disk.put([keys[4]], [make_kv(BLOCK, seed=9)])  # intact, wrong
+        store.flush()
+        where = disk.payload_location(keys[0].block_hash)  # type: ignore[attr-defined]
+        with open(where.file, "r+b") as f:
+            f.seek(where.offset + where.length // 2)
+            f.write(b"\xff" * 64)
+        result = store.verify(TOKENS, kv)
+        assert result.mismatches == {TierKind.DISK: [4]}
+        assert result.tiers[TierKind.CPU].num_checked == 6 and result.tiers[TierKind.DISK].num_checked == 4
+        assert disk.match_prefix([keys[0].block_hash]) == 0 and disk.counters.num_corrupt == 1  # deleted
+        assert store.stats().verify_mismatches == {TierKind.DISK: 1}
