@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from kvevents import TokenBuckets
 from kvstore import ExtraKeys, InvalidInputError, KVCacheStore, PrefetchResult, PrefetchStatus, StoreClosedError
-from kvstore.bearer import bearer_matches
+from kvstore.bearer import BearerGate
 from kvstore.errors import ConfigError
 from kvstore.prefetch import MAX_PREFETCH_BLOCKS
 from tiers.shared.ratelimit import RateLimitedWarning
@@ -150,7 +150,7 @@ class ControlListener:
         if token is not None and (not isinstance(token, str) or len(token) < 16):
             raise ConfigError("a control listener's token must be at least 16 characters")
         self.store, self.host, self.port = store, host, port
-        self._token = token
+        self._gate = BearerGate(token, f"control listener on {host}:{port}")
         self._limit = TokenBuckets(rate_per_s, burst, max_peers=1)  # one bucket for every client
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.on_count: Callable[[str, int], None] | None = None  # told each count (a connector's stats)
@@ -168,14 +168,11 @@ class ControlListener:
         if self.on_count is not None:
             self.on_count(f"control_{name}", 1)
 
-    def _authorized(self, header: str | None) -> bool:
-        return self._token is None or bearer_matches(header, self._token)
-
     async def _prefetch(self, request: Any) -> Any:
         from aiohttp import web
 
         self._count("requests")
-        if not self._authorized(request.headers.get("Authorization")):
+        if not self._gate.check(request.headers.get("Authorization"), request.remote):
             self._count("unauthorized")
             return web.json_response({"error": "unauthorized: this listener needs its bearer token"}, status=401)
         if not self._limit.take(""):

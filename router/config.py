@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from kvevents import CurveClient, check_endpoint, check_public_key
 from kvstore import bearer
-from kvstore.bearer import bearer_matches
 from kvstore.errors import ConfigError
 from router.fleet import Limits
 from router.lookup import Scoring
@@ -85,13 +84,6 @@ class RouterConfig:
         object.__setattr__(self, "controls", tuple((name, check_control_url(url, f"control URL of {name!r}"))
                                                    for name, url in self.controls))
 
-    def authorized(self, header: str | None) -> bool:
-        """Whether an `Authorization` header carries the token (compared in constant time).
-
-        Any header text is an answer, never an error: bytes that are not UTF-8 reach here as
-        aiohttp's surrogate escapes, which `surrogatepass` encodes (so they never match).
-        """
-        return self.token is None or bearer_matches(header, self.token)
 
 
 def read_token(path: str) -> str:

@@ -16,6 +16,7 @@ import signal
 import time
 from typing import Any
 
+from kvstore.bearer import BearerGate
 from kvstore.errors import ConfigError
 from router.config import RouterConfig, Subscription
 from router.fleet import FleetFull, FleetView
@@ -80,6 +81,7 @@ class Router:
         self.chooser = Chooser(self.fleet, config.scoring)
         self.latency = LatencyHistogram()
         self.num_bad_requests = self.num_unauthorized = 0
+        self._gate = BearerGate(config.token, "kvstrata router")
         self.subscriber: Any = None
         self._registry: Any = None
         self.controls = dict(config.controls)  # instance name -> its control URL (`router/prefetch.py`)
@@ -204,7 +206,7 @@ class Router:
         if request.path in _OPEN:
             return True
         if self.config.token is not None:
-            return self.config.authorized(request.headers.get("Authorization"))
+            return self._gate.check(request.headers.get("Authorization"), request.remote)
         return request.path not in ("/register", "/unregister") or _is_loopback(request.remote)
 
     async def _expect(self, request: Any) -> None:

@@ -54,10 +54,13 @@ def test_post_prefetch_warms_the_cpu_tier_under_the_requests_salt(store: KVCache
         assert listener.counters["accepted"] == 2 and listener.counters["bad_requests"] == 0
 
 
-def test_bad_requests_are_counted_refusals_naming_the_field(store: KVCacheStore) -> None:
+def test_bad_requests_are_counted_refusals_naming_the_field(store: KVCacheStore,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     with ControlListener(store, token=TOKEN) as listener:
         assert post(listener.url, {"prompt_token_ids": TOKENS})[0] == 401
         assert post(listener.url, {"prompt_token_ids": TOKENS}, token="x" * 20)[0] == 401
+        refused = [r.getMessage() for r in caplog.records if "bearer token" in r.getMessage()]
+        assert refused and "from 127.0.0.1" in refused[0] and "x" * 20 not in refused[0]  # never silent
         cases: list[tuple[object, str]] = [
             ({"prompt_token_ids": TOKENS, "lora_name": "adapter"}, "lora_name"),
             ({"prompt_token_ids": TOKENS, "multi_modal_data": {}}, "multi_modal_data"),

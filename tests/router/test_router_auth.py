@@ -48,13 +48,16 @@ def bearer(value: bytes) -> bytes:
     return b"Authorization: " + value
 
 
-def test_an_authorization_header_that_is_not_utf8_is_a_counted_401(served: RouterThread) -> None:
+def test_an_authorization_header_that_is_not_utf8_is_a_counted_401(served: RouterThread,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     bad = [b"Bearer \xff\xfe\xfd", b"\xc3\x28", b"Bearer " + TOKEN.encode() + b"\xff", b"\xed\xa0\x80", b"\x80" * 4000]
     for value in bad:
         for method, path in ((b"POST", b"/lookup"), (b"GET", b"/instances"), (b"POST", b"/register")):
             status, body = send(served, method, path, [bearer(value)], b'{"token_ids": [1]}')
             assert status == 401 and b"unauthorized" in body, (value[:20], path, status, body[:200])
     assert served.call(lambda: served.router.num_unauthorized) == 3 * len(bad)
+    refused = [r.getMessage() for r in caplog.records if "without the right bearer token" in r.getMessage()]
+    assert refused and "kvstrata router" in refused[0] and "127.0.0.1" in refused[0]  # counted and never silent
     status, body = send(served, b"GET", b"/metrics", [bearer(b"Bearer " + TOKEN.encode())])
     assert status == 200 and f"kvstrata_router_unauthorized_total {3.0 * len(bad)}".encode() in body
     assert send(served, b"POST", b"/lookup", [bearer(b"Bearer " + TOKEN.encode())], b'{"token_ids": [1]}')[0] == 200
