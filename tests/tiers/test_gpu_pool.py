@@ -13,7 +13,7 @@ from kvstore import KVCacheStore, KVLayout, StoreConfig
 from tests.conftest import POOL_DEVICE, make_kv
 from tiers.keys import TierKind
 from tiers.pool.free_queue import FreeBlockQueue, PoolBlock
-from tiers.pool.gpu_pool import NoFreeBlocksError
+from tiers.pool.gpu_pool import BlockPool, NoFreeBlocksError
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
 
@@ -395,3 +395,24 @@ def test_allocation_does_not_push_out_the_cpu_blocks_it_is_about_to_load(tmp_pat
         assert torch.equal(got.cpu(), kv_doc)
         mgr.free("q")
         store.check_integrity()
+
+
+def test_discard_uncaches_a_block_in_use_so_no_later_lookup_finds_it() -> None:
+    """Verify found a wrong block that a running request still holds: `discard` takes its
+    hash out of the cache at once (the request keeps its block); once freed it joins the
+    free queue uncached. Before, a block in use was skipped and stayed a hit."""
+    from tiers.keys import BlockHash, BlockKey
+
+    pool = BlockPool(4, (1, 2, 2, 1, 4), torch.float32, device="cpu")
+    keys = [BlockKey(BlockHash(bytes([i]) * 16), bytes([i]) * 8) for i in range(3)]
+    blocks = pool.allocate(3)
+    assert pool.cache_blocks(blocks, keys) == 3
+    pool.free_blocks(blocks[2:])  # block 2 is free (cached); 0 and 1 stay in use
+    hashes = [k.block_hash for k in keys]
+    assert pool.discard(hashes[1:]) == 2
+    assert pool.get_cached_blocks(hashes) == blocks[:1] and pool.match_prefix(hashes[1:]) == 0
+    assert blocks[1].ref_cnt == 1 and blocks[1].block_hash is None  # still the request's
+    pool.check_integrity()
+    pool.free_blocks(blocks[:2])
+    pool.check_integrity()
+    assert len(pool) == 1 and pool.num_free_blocks == 4

@@ -311,13 +311,17 @@ class BlockPool(Tier):
         return n
 
     def discard(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Uncache the given blocks: a free one goes to the free queue's head (reused first);
+        one in use stays with its requests, uncached (no later lookup finds it), and joins the
+        queue as any free block once they free it."""
         self._check_open()
         n = 0
         for h in block_hashes:
             block = self.cached.get(h)
-            if block is not None and block.ref_cnt == 0:
+            if block is not None:
                 self._uncache(block)
-                self.free_queue.move_to_head(block)
+                if block.ref_cnt == 0:
+                    self.free_queue.move_to_head(block)
                 n += 1
         return n
 
