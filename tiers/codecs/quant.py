@@ -88,28 +88,45 @@ class Quantized(NamedTuple):
     zero: torch.Tensor | None
 
 
-def _round_up(v: torch.Tensor, fmt: Fmt) -> torch.Tensor:
-    """bfloat16 scales >= `v` (float32, non-negative, overwritten), at least `_TINY`. INT8: to
-    nearest after a margin (`_UP`); FP8 and INT4: the nearest bfloat16 above (`_directed`).
-    Either keeps decoded KV encoded again on the same scales (see the module)."""
-    if fmt is Fmt.INT8:
-        return v.mul_(_UP).clamp_(min=_TINY).to(torch.bfloat16)
-    return _directed(v.clamp_(min=_TINY), up=True)
+def _round_up(v: torch.Tensor) -> torch.Tensor:
+    """INT8's bfloat16 scales from `v` (float32, non-negative, overwritten): to nearest after
+    a margin (`_UP`), at least `_TINY`; it keeps decoded KV encoded again on the same scales
+    (see the module)."""
+    return v.mul_(_UP).clamp_(min=_TINY).to(torch.bfloat16)
 
 
-def _round_down(v: torch.Tensor) -> torch.Tensor:
-    """INT4's zeros: the nearest bfloat16 values <= `v` (float32, not changed)."""
-    return _directed(v.clone(), up=False)
+def _ceil_bf16(v: torch.Tensor) -> torch.Tensor | None:
+    """FP8's and INT4's scales: `v` (float32, contiguous, non-negative or NaN) clamped to
+    `_TINY` and rounded up to the nearest bfloat16 value in place; returns `v`, float32 holding
+    bfloat16 values (a bfloat16 value stays), or None (`v` overwritten) if one is infinite or
+    NaN. On the bits of a positive finite float, adding 0xFFFF and clearing the low 16 bits is
+    the ceiling (a carry moves to the next binade, the largest float to infinity); checked
+    finite first, so no NaN payload can carry into the sign bit."""
+    v.clamp_(min=_TINY)
+    if not math.isfinite(float(v.max())):  # NaN propagates through max
+        return None
+    v.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
+    return v
 
 
-def _directed(v: torch.Tensor, up: bool) -> torch.Tensor:
-    """`v` (float32, overwritten) rounded to bfloat16 towards +inf (`up`) or -inf, on the bits:
-    dropping the low 16 bits rounds the magnitude down; where that dropped anything and the
-    direction is away from zero, the magnitude goes one step up. A bfloat16 value stays."""
+def _floor_bf16(v: torch.Tensor) -> torch.Tensor:
+    """INT4's zeros: `v` (float32, contiguous, any sign) rounded down to the nearest bfloat16
+    value in place: a negative value's magnitude goes up (0xFFFF added where the sign bit is
+    set, then the low 16 bits cleared), a positive one's is cut; infinities stay. A NaN's
+    result is undefined, but its group's scale is NaN and refused (`_int4_scales`)."""
     bits = v.view(torch.int32)
-    away = torch.bitwise_and(bits, 0xFFFF).ne_(0).logical_and_((bits >= 0) if up else (bits < 0))
-    top = torch.bitwise_right_shift(bits, 16).add_(away.to(torch.int32))  # arithmetic: the sign stays
-    return top.to(torch.int16).view(torch.bfloat16)
+    away = torch.bitwise_right_shift(bits, 31, out=scratch("sign", tuple(v.shape), torch.int32, v.device))
+    bits.add_(away.bitwise_and_(0xFFFF)).bitwise_and_(-0x10000)
+    return v
+
+
+def _int4_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """INT4 from each group's min `lo` and max `hi` (float32, contiguous, both overwritten):
+    `lo` becomes the zeros (rounded down) and the scales `(hi - zero) / 15` (rounded up) are
+    returned in `hi`; None if a scale is not finite (a group with an infinite or NaN value:
+    `amin`/`amax` propagate NaN)."""
+    _floor_bf16(lo)
+    return _ceil_bf16(hi.sub_(lo).div_(Fmt.INT4.qmax))
 
 
 _BITS = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
@@ -152,12 +169,17 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each group's scale (and zero) for `x` (a float dtype, any strides; INT4: float32),
-    groups along `dim`; a group holding an infinite or NaN value gets a scale that is not
-    finite."""
+    groups along `dim`, as new tensors (INT8: bfloat16; FP8, INT4: float32 holding bfloat16
+    values); a group holding an infinite or NaN value makes every scale NaN."""
     if fmt.has_zero:
-        zero = _round_down(x.amin(dim=dim, keepdim=True).float())  # aminmax is 10x slower on CPU
-        return _round_up(x.amax(dim=dim, keepdim=True).float().sub_(zero.float()).div_(fmt.qmax), fmt), zero
-    return _round_up(_absmax(x, dim).div_(fmt.qmax), fmt), None
+        lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
+        got = _int4_scales(lo, hi)
+        return (hi.fill_(math.nan) if got is None else got), lo
+    v = _absmax(x, dim).div_(fmt.qmax).clone()
+    if fmt is Fmt.FP8:
+        got = _ceil_bf16(v)
+        return (v.fill_(math.nan) if got is None else got), None
+    return _round_up(v), None
 
 
 def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
@@ -179,24 +201,37 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
     even (INT8, INT4) or cast (FP8), then clamped to the format (which changes nothing).
     """
     buf = scratch("float", tuple(x.shape), torch.float32, x.device).copy_(x)
-    scale, zero = scales(buf if fmt.has_zero else x, dim, fmt)
-    if not peak(scale, zero, fmt) <= limit:  # not finite, or past the dtype once decoded
+    zero: torch.Tensor | None = None
+    if fmt is Fmt.INT4:  # each group's min and max into scratch, then zeros and scales in place
+        zero = torch.amin(buf, dim=dim, keepdim=True, out=_group_scratch("lo", buf, dim))
+        got = _int4_scales(zero, torch.amax(buf, dim=dim, keepdim=True, out=_group_scratch("hi", buf, dim)))
+    elif fmt is Fmt.FP8:
+        got = _ceil_bf16(_absmax(x, dim).div_(fmt.qmax))
+    else:
+        got = _round_up(_absmax(x, dim).div_(fmt.qmax))
+    if got is None or not peak(got, zero, fmt) <= limit:  # not finite, or past the dtype once decoded
         return None
-    if zero is not None:
-        buf.sub_(zero.float())
+    scale = got
     # No clamp: a scale rounded up (and a zero rounded down) keeps every finite quotient in
     # [-qmax, qmax] (INT4: [0, 15]) but for float32's rounding of the quotient (at most a unit
     # in the last place above, which rounding or the FP8 cast takes back), and `peak` refused
-    # the rest.
+    # the rest. FP8's and INT4's scales and zeros are float32 already (holding bfloat16 values).
     if fmt is Fmt.FP8:
-        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(_float(scale)))
+        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(scale))
+        return Quantized(codes, scale, zero)
+    if zero is not None:
+        buf.sub_(zero).div_(scale).round_()
+        _pack4(buf, codes.view(*x.shape[:-1], -1))
         return Quantized(codes, scale, zero)
     buf.div_(_float(scale)).round_()  # one dtype: a division of mixed dtypes converts a copy first
-    if fmt is Fmt.INT8:
-        codes.view(torch.int8).view(x.shape).copy_(buf)
-    else:
-        codes.view(*x.shape[:-1], -1).copy_(_pack4(buf))
+    codes.view(torch.int8).view(x.shape).copy_(buf)
     return Quantized(codes, scale, zero)
+
+
+def _group_scratch(slot: str, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A float32 scratch tensor of `x`'s shape reduced along `dim` (keepdim)."""
+    shape = tuple(1 if i == dim % x.dim() else n for i, n in enumerate(x.shape))
+    return scratch(slot, shape, torch.float32, x.device)
 
 
 def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, ...]], dims: tuple[int, int],
@@ -204,7 +239,8 @@ def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, 
     """`quantize` both halves of a block at once when they share a format without zeros
     (INT8, FP8): `pair` is `[2, ...]` (K then V, a float dtype, any strides), half h grouped
     as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns the
-    two scales (bfloat16), or None as `quantize` does. The same codes as `quantize` on each
+    two scales (INT8: bfloat16; FP8: float32 scratch holding bfloat16 values, valid until the
+    thread's next encode), or None as `quantize` does. The same codes as `quantize` on each
     half, in four fewer passes: the cast, the bits, the rounding and the codes' copy each
     span the whole block."""
     buf = scratch("float", tuple(pair.shape), torch.float32, pair.device).copy_(pair)
@@ -213,12 +249,12 @@ def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, 
     found = []
     for h in (0, 1):
         top = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
-        scale = _round_up(scratch("scale", tuple(top.shape), torch.float32, pair.device).copy_(top).div_(fmt.qmax),
-                          fmt)
-        if not peak(scale, None, fmt) <= limit:  # not finite, or past the dtype once decoded
+        v = scratch(f"scale{h}", tuple(top.shape), torch.float32, pair.device).copy_(top).div_(fmt.qmax)
+        got = _ceil_bf16(v) if fmt is Fmt.FP8 else _round_up(v)  # FP8: float32 already, its own slot per half
+        if got is None or not peak(got, None, fmt) <= limit:  # not finite, or past the dtype once decoded
             return None
-        buf[h].view(shapes[h]).div_(_float(scale))  # no clamp needed: see `quantize`
-        found.append(scale)
+        buf[h].view(shapes[h]).div_(got if fmt is Fmt.FP8 else _float(got))  # no clamp needed: see `quantize`
+        found.append(got)
     if fmt is Fmt.FP8:
         codes.view(torch.float8_e4m3fn).copy_(buf.view(-1))
     else:
@@ -231,16 +267,19 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return scratch("scale", tuple(t.shape), torch.float32, t.device).copy_(t)
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 (`q`, float32 integers, contiguous, last dimension even) two per
-    byte, low nibble first: each pair read as one little-endian int16 `a + 256 b` gives
-    `a + 16 b` in two integer passes, where strided nibble ops cost several times more."""
+def _pack4(q: torch.Tensor, out: torch.Tensor) -> None:
+    """Write codes 0..15 (`q`, float32 integers, contiguous, last dimension even) into `out`
+    (uint8, `q`'s shape with the last dimension halved) two per byte, low nibble first: each
+    pair read as one little-endian int16 `a + 256 b` gives `(w >> 4) | w`, whose low byte is
+    `a + 16 b`, and the copy into uint8 keeps the low byte (integer narrowing is modulo 256):
+    two integer passes, where strided nibble ops cost several times more."""
     u = scratch("pack8", tuple(q.shape), torch.int8, q.device).copy_(q)
     if sys.byteorder != "little":
-        return u[..., 0::2] | (u[..., 1::2] << 4)
+        out.copy_(u[..., 0::2] | (u[..., 1::2] << 4))
+        return
     w = u.view(torch.int16)
     packed = torch.bitwise_right_shift(w, 4, out=scratch("pack16", tuple(w.shape), torch.int16, w.device))
-    return packed.bitwise_or_(w).bitwise_and_(0xFF)
+    out.copy_(packed.bitwise_or_(w))
 
 
 def _widen(codes: torch.Tensor | np.ndarray, signed: bool) -> torch.Tensor:
