@@ -151,9 +151,11 @@ def test_scale_rounding_on_the_bits_equals_the_reference_rounding() -> None:
     finite = v[torch.isfinite(v)]
     up_in = finite.abs().clamp(min=2.0**-100)
     want_up = _bf16(up_in, up=True).float()
-    got_up = _ceil_bf16(up_in.clone())
-    assert got_up is not None
+    got_up = up_in.clone()
+    assert _ceil_bf16(got_up) == float(want_up.max())  # the largest, as `peak` takes it
     assert torch.equal(got_up.view(torch.int32), want_up.view(torch.int32))
+    for part in up_in.split(4099):  # the largest of each part, from its largest unrounded value
+        assert _ceil_bf16(part.clone()) == float(_bf16(part, up=True).float().max())
     down_in = torch.cat([finite, torch.tensor([float("inf"), float("-inf")])])
     want_down = _bf16(down_in, up=False).float()
     assert torch.equal(_floor_bf16(down_in.clone()).view(torch.int32), want_down.view(torch.int32))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 import sys
 import threading
 from typing import NamedTuple
@@ -95,18 +96,20 @@ def _round_up(v: torch.Tensor) -> torch.Tensor:
     return v.mul_(_UP).clamp_(min=_TINY).to(torch.bfloat16)
 
 
-def _ceil_bf16(v: torch.Tensor) -> torch.Tensor | None:
+def _ceil_bf16(v: torch.Tensor) -> float | None:
     """FP8's and INT4's scales: `v` (float32, contiguous, non-negative or NaN) clamped to
-    `_TINY` and rounded up to the nearest bfloat16 value in place; returns `v`, float32 holding
-    bfloat16 values (a bfloat16 value stays), or None (`v` overwritten) if one is infinite or
-    NaN. On the bits of a positive finite float, adding 0xFFFF and clearing the low 16 bits is
-    the ceiling (a carry moves to the next binade, the largest float to infinity); checked
-    finite first, so no NaN payload can carry into the sign bit."""
+    `_TINY` and rounded up to the nearest bfloat16 value in place (float32 holding bfloat16
+    values; a bfloat16 value stays). Returns the largest of them, or None (`v` overwritten) if
+    one is infinite or NaN. On the bits of a positive finite float, adding 0xFFFF and clearing
+    the low 16 bits is the ceiling (a carry moves to the next binade, the largest float to
+    infinity); checked finite first, so no NaN payload can carry into the sign bit."""
     v.clamp_(min=_TINY)
-    if not math.isfinite(float(v.max())):  # NaN propagates through max
+    top = float(v.max())  # NaN propagates through max
+    if not math.isfinite(top):
         return None
     v.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
-    return v
+    bits = (struct.unpack("<I", struct.pack("<f", top))[0] + 0xFFFF) & 0xFFFF0000  # the ceiling is monotonic:
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])  # the largest rounded is the largest's
 
 
 def _floor_bf16(v: torch.Tensor) -> torch.Tensor:
@@ -126,7 +129,7 @@ def _int4_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
     returned in `hi`; None if a scale is not finite (a group with an infinite or NaN value:
     `amin`/`amax` propagate NaN)."""
     _floor_bf16(lo)
-    return _ceil_bf16(hi.sub_(lo).div_(Fmt.INT4.qmax))
+    return None if _ceil_bf16(hi.sub_(lo).div_(Fmt.INT4.qmax)) is None else hi
 
 
 _BITS = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
@@ -177,8 +180,7 @@ def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Ten
         return (hi.fill_(math.nan) if got is None else got), lo
     v = _absmax(x, dim).div_(fmt.qmax).clone()
     if fmt is Fmt.FP8:
-        got = _ceil_bf16(v)
-        return (v.fill_(math.nan) if got is None else got), None
+        return (v.fill_(math.nan) if _ceil_bf16(v) is None else v), None
     return _round_up(v), None
 
 
@@ -187,7 +189,7 @@ def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
     finite if the quantized input was not."""
     if zero is None:
         return float(scale.max()) * fmt.qmax  # in double precision: never rounds a past-limit peak down
-    return float((scale.float() * fmt.qmax + zero.float().abs()).max())
+    return float((scale.float() * fmt.qmax).add_(zero.float().abs()).max())
 
 
 def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: float) -> Quantized | None:
@@ -205,11 +207,15 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
     if fmt is Fmt.INT4:  # each group's min and max into scratch, then zeros and scales in place
         zero = torch.amin(buf, dim=dim, keepdim=True, out=_group_scratch("lo", buf, dim))
         got = _int4_scales(zero, torch.amax(buf, dim=dim, keepdim=True, out=_group_scratch("hi", buf, dim)))
+        top = math.nan if got is None else peak(got, zero, fmt)
     elif fmt is Fmt.FP8:
-        got = _ceil_bf16(_absmax(x, dim).div_(fmt.qmax))
+        got = _absmax(x, dim).div_(fmt.qmax)
+        largest = _ceil_bf16(got)
+        top = math.nan if largest is None else largest * fmt.qmax  # `peak`, from the largest scale
     else:
         got = _round_up(_absmax(x, dim).div_(fmt.qmax))
-    if got is None or not peak(got, zero, fmt) <= limit:  # not finite, or past the dtype once decoded
+        top = peak(got, None, fmt)
+    if got is None or not top <= limit:  # not finite, or past the dtype once decoded
         return None
     scale = got
     # No clamp: a scale rounded up (and a zero rounded down) keeps every finite quotient in
@@ -248,10 +254,15 @@ def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, 
     bits = torch.bitwise_and(pair.view(ints), mask, out=scratch("ints", tuple(pair.shape), ints, pair.device))
     found = []
     for h in (0, 1):
-        top = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
-        v = scratch(f"scale{h}", tuple(top.shape), torch.float32, pair.device).copy_(top).div_(fmt.qmax)
-        got = _ceil_bf16(v) if fmt is Fmt.FP8 else _round_up(v)  # FP8: float32 already, its own slot per half
-        if got is None or not peak(got, None, fmt) <= limit:  # not finite, or past the dtype once decoded
+        amax = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
+        v = scratch(f"scale{h}", tuple(amax.shape), torch.float32, pair.device).copy_(amax).div_(fmt.qmax)
+        if fmt is Fmt.FP8:  # float32 already, in its own slot per half; `peak` from the largest scale
+            largest, got = _ceil_bf16(v), v
+            top = math.nan if largest is None else largest * fmt.qmax
+        else:
+            got = _round_up(v)
+            top = peak(got, None, fmt)
+        if not top <= limit:  # not finite, or past the dtype once decoded
             return None
         buf[h].view(shapes[h]).div_(got if fmt is Fmt.FP8 else _float(got))  # no clamp needed: see `quantize`
         found.append(got)
