@@ -1,15 +1,17 @@
-"""The lossy codecs' encode and decode speed per core, two checkouts in alternating processes.
+"""The lossy codecs' encode and decode speed per core, two checkouts side by side.
 
-Each process (a fresh interpreter with `PYTHONPATH` at one checkout, torch on one thread)
-times, per codec, the best of `--batches` batches of `--blocks` Llama-3-8B blocks (2 MiB):
-encode "streamed" (each payload dropped before the next, as a writer that sends as it
-encodes), encode "kept" (all held, as a tier's write batch), decode into blocks already in
-memory, and a `memcpy` of the same bytes between blocks (the ceiling of one pass). Processes
-alternate A, B, B, A, ... so the machine's noise falls on both; the table gives each side's
-median over its processes, B/A, and each rate over the same processes' `memcpy`. Only
-`tiers.codecs` is imported from the checkouts, so any revision with the codecs can be A.
+Two processes stay up, one importing the codecs from each checkout (`PYTHONPATH`; torch on
+one thread), and take turns: each figure is timed as one batch of `--blocks` Llama-3-8B
+blocks (2 MiB) in A, then in B (then B, then A on the next round), for `--rounds` rounds, so
+the noise of a shared machine falls on both alike within milliseconds. Figures: encode
+"streamed" (each payload dropped before the next, as a writer that sends as it encodes),
+encode "kept" (all held, as a tier's write batch), decode into blocks already in memory, and
+a `memcpy` of the same bytes between blocks (the ceiling of one pass). The table gives each
+side's best batch (the rate with the least interference) and median, B/A of each, and the
+best over the same process's best `memcpy`. Only `tiers.codecs` is imported from the
+checkouts, so any revision with the codecs can be A.
 
-    python -m bench.codec_ab --before /tmp/old-codec --after . --procs 3
+    python -m bench.codec_ab --before /tmp/old-codec --after . --rounds 40
 
 `scripts/codec_before_after.sh REV` makes the "before" checkout with `git worktree`.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -30,8 +33,35 @@ KINDS = ("int8", "fp8", "k8v4")
 FIGURES = ("encode_streamed", "encode_kept", "decode")
 
 
-def measure(dtype_name: str, blocks: int, batches: int) -> dict[str, object]:
-    """This process's rates (GB/s of block bytes) for every codec and a memcpy."""
+class Child:
+    """One process timing batches with the codecs of `checkout` (`serve`), on request."""
+
+    def __init__(self, checkout: Path, dtype: str, blocks: int) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
+        env["PYTHONPATH"] = str(checkout)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", dtype, str(blocks)],
+                                     env=env, cwd=str(checkout), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        self.checkout = checkout
+        self.ask("ready")
+
+    def ask(self, what: str) -> float:
+        """Seconds of one batch of figure `what` ("memcpy", "fp8 decode", ...)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(what + "\n")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"codec timing from {self.checkout} ended (exit {self.proc.wait()})")
+        return float(line)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def serve(dtype_name: str, blocks: int) -> None:
+    """The child: build the blocks and codecs, then time one batch per line of stdin."""
     import torch
 
     from tiers.codecs import CodecKind, build_codec
@@ -45,97 +75,94 @@ def measure(dtype_name: str, blocks: int, batches: int) -> dict[str, object]:
         x[:, 0, :, :, [10, 74, 50, 114]] *= 10  # outlier key channels, as `bench codecs`
         srcs.append(x.to(dtype))
     dsts = [torch.empty_like(s) for s in srcs]
-    nbytes = blocks * srcs[0].numel() * srcs[0].element_size()
-
-    def best(fn) -> float:  # type: ignore[no-untyped-def]
-        fn()  # warm: scratch buffers, the allocator
-        times = []
-        for _ in range(batches):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return nbytes / min(times) / 1e9
-
-    out: dict[str, object] = {"memcpy": best(lambda: [d.copy_(s) for s, d in zip(srcs, dsts)])}
+    jobs = {"memcpy": lambda: [d.copy_(s) for s, d in zip(srcs, dsts)], "ready": lambda: None}
     for name in KINDS:
-        out[name] = _rates(build_codec(getattr(CodecKind, name.upper()), SHAPE, dtype), srcs, dsts, best)
-    return out
+        jobs.update(_jobs(name, build_codec(getattr(CodecKind, name.upper()), SHAPE, dtype), srcs, dsts))
+    for job in jobs.values():
+        job()  # warm: scratch buffers, the allocator
+    for line in sys.stdin:
+        job = jobs[line.strip()]
+        t0 = time.perf_counter()
+        job()
+        print(time.perf_counter() - t0, flush=True)
 
 
-def _rates(codec, srcs, dsts, best) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    """One codec's encode (streamed, kept) and decode rates, timed by `best`."""
+def _jobs(name, codec, srcs, dsts):  # type: ignore[no-untyped-def]
+    """One codec's timed batches by figure name."""
     payloads = [bytes(codec.encode(s) or b"") for s in srcs]
 
     def streamed() -> None:
         for s in srcs:
             codec.encode(s)
 
-    return {"encode_streamed": best(streamed), "encode_kept": best(lambda: [codec.encode(s) for s in srcs]),
-            "decode": best(lambda: [codec.decode(p, d) for p, d in zip(payloads, dsts)])}
+    return {f"{name} encode_streamed": streamed, f"{name} encode_kept": lambda: [codec.encode(s) for s in srcs],
+            f"{name} decode": lambda: [codec.decode(p, d) for p, d in zip(payloads, dsts)]}
 
 
-def run_once(checkout: Path, dtype: str, blocks: int, batches: int) -> dict[str, object]:
-    """`measure` in a fresh process importing the codecs from `checkout`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSTRATA_")}
-    env["PYTHONPATH"] = str(checkout)
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", dtype, str(blocks), str(batches)],
-                          env=env, capture_output=True, text=True, timeout=1800, cwd=str(checkout))
-    if done.returncode != 0:
-        raise SystemExit(f"codec timing from {checkout} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    loaded: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-    return loaded
+def summary(times: dict[str, dict[str, list[float]]], nbytes: int) -> list[list[object]]:
+    """Rows (figure, A best, B best, B/A best, A median, B median, B/A median, A/memcpy,
+    B/memcpy), rates in GB/s."""
+    def rate(t: float) -> float:
+        return nbytes / t / 1e9
 
-
-def summary(runs: dict[str, list[dict[str, object]]]) -> list[list[object]]:
-    """Rows (codec, figure, median A, median B, B/A, A/memcpy, B/memcpy)."""
-    med = {side: {"memcpy": statistics.median(float(r["memcpy"]) for r in rs)}  # type: ignore[arg-type]
-           for side, rs in runs.items()}
+    best = {side: {k: rate(min(v)) for k, v in figs.items()} for side, figs in times.items()}
+    med = {side: {k: rate(statistics.median(v)) for k, v in figs.items()} for side, figs in times.items()}
     rows: list[list[object]] = []
-    for name in KINDS:
-        for fig in FIGURES:
-            a = statistics.median(float(r[name][fig]) for r in runs["before"])  # type: ignore[index]
-            b = statistics.median(float(r[name][fig]) for r in runs["after"])  # type: ignore[index]
-            rows.append([name, fig, round(a, 3), round(b, 3), round(b / a, 2),
-                         round(a / med["before"]["memcpy"], 3), round(b / med["after"]["memcpy"], 3)])
+    for fig in times["before"]:
+        a, b = best["before"][fig], best["after"][fig]
+        ma, mb = med["before"][fig], med["after"][fig]
+        rows.append([fig, round(a, 3), round(b, 3), round(b / a, 2), round(ma, 3), round(mb, 3), round(mb / ma, 2),
+                     round(a / best["before"]["memcpy"], 3), round(b / best["after"]["memcpy"], 3)])
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["--child"]:
-        print(json.dumps(measure(args[1], int(args[2]), int(args[3]))))
+        serve(args[1], int(args[2]))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.codec_ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="checkout A (the baseline)")
     parser.add_argument("--after", type=Path, default=Path("."), help="checkout B (default: here)")
-    parser.add_argument("--procs", type=int, default=3, help="processes of each side, alternating")
+    parser.add_argument("--rounds", type=int, default=40, help="batches of each figure per side, taking turns")
     parser.add_argument("--blocks", type=int, default=8, help="blocks of 2 MiB per batch")
-    parser.add_argument("--batches", type=int, default=7, help="batches per figure (the best is kept)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here as well")
     ns = parser.parse_args(args)
     for side in (ns.before, ns.after):
         if not (side / "tiers" / "codecs" / "scaled.py").is_file():
             parser.error(f"{side} is not a kvstrata checkout with tiers/codecs/scaled.py")
-    if min(ns.procs, ns.blocks, ns.batches) < 1:
-        parser.error("--procs, --blocks and --batches must be >= 1")
-    runs: dict[str, list[dict[str, object]]] = {"before": [], "after": []}
-    for i in range(ns.procs):
-        for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
-            runs[side].append(run_once(getattr(ns, side).resolve(), ns.dtype, ns.blocks, ns.batches))
-    rows = summary(runs)
+    if min(ns.rounds, ns.blocks) < 1:
+        parser.error("--rounds and --blocks must be >= 1")
+    children = {side: Child(getattr(ns, side).resolve(), ns.dtype, ns.blocks) for side in ("before", "after")}
+    figures = ["memcpy"] + [f"{k} {f}" for k in KINDS for f in FIGURES]
+    times: dict[str, dict[str, list[float]]] = {side: {f: [] for f in figures} for side in children}
+    load = [os.getloadavg()[0]]
+    try:
+        for i in range(ns.rounds):
+            for fig in figures:
+                for side in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                    times[side][fig].append(children[side].ask(fig))
+            load.append(os.getloadavg()[0])
+    finally:
+        for child in children.values():
+            child.close()
+    nbytes = ns.blocks * math.prod(SHAPE) * 2
+    rows = summary(times, nbytes)
     from cli.output import print_table
 
-    print_table(f"codecs per core ({ns.dtype}, GB/s, medians of {ns.procs} alternating processes each): "
-                f"A = {ns.before}, B = {ns.after}",
-                ["codec", "figure", "A", "B", "B/A", "A/memcpy", "B/memcpy"], rows)
-    memcpy = {side: [r["memcpy"] for r in rs] for side, rs in runs.items()}
-    print(f"memcpy GB/s, A: {memcpy['before']}; B: {memcpy['after']}; load average {os.getloadavg()}")
-    result = {"how": f"A vs B in alternating processes, {ns.procs} each; per process best of {ns.batches} batches "
-                     f"of {ns.blocks} blocks of 2 MiB; torch.set_num_threads(1)",
-              "dtype": ns.dtype, "before": str(ns.before), "after": str(ns.after), "rows": rows, "runs": runs,
-              "load_average_end": os.getloadavg()}
+    print_table(f"codecs per core ({ns.dtype}, GB/s of 2 MiB blocks, {ns.rounds} batches of {ns.blocks} per side, "
+                f"taking turns): A = {ns.before}, B = {ns.after}",
+                ["figure", "A best", "B best", "B/A", "A median", "B median", "B/A median", "A/memcpy", "B/memcpy"],
+                rows)
+    print(f"load average (1 min) during the run: {min(load):.1f}-{max(load):.1f}")
+    result = {"how": f"A and B in two processes taking turns per batch, {ns.rounds} batches of {ns.blocks} blocks "
+                     "of 2 MiB per figure and side; best and median batch; torch.set_num_threads(1)",
+              "dtype": ns.dtype, "before": str(ns.before), "after": str(ns.after),
+              "columns": ["figure", "A best", "B best", "B/A", "A median", "B median", "B/A median", "A/memcpy",
+                          "B/memcpy"],
+              "rows": rows, "load_average_1min": [min(load), max(load)], "seconds": times}
     if ns.out is not None:
         ns.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
