@@ -27,9 +27,13 @@ scales grew a step on every round trip, and every decoded value with them, witho
 Speed: each op spans a whole half-block (a dozen vectorized passes per block, about 0.65 ms
 to encode and 0.4 ms to decode 2 MiB of int8 on one core here), in per-thread scratch
 buffers (`scratch`): a fresh half-block temporary costs a page fault per 4 KiB, more than
-the pass. FP8 encoding is bound by torch's float32 -> float8 cast (about 0.3 ms per half
-block), INT4 by `amin`/`amax` over groups of 32. The results are the bytes of the plain
-formulas above (`tests/tiers/test_codec_reference.py`).
+the pass. FP8's and INT4's scales (and zeros) are rounded on their float32 bits in place
+(`_ceil_bf16`, `_floor_bf16`: three ops, where a bfloat16 round trip and its masks took
+ten) and divide as they are. FP8 encoding is bound by torch's float32 -> float8 cast (about
+0.55 ms per block, half the encode; an exact emulation in vectorized ops costs more), INT4
+by `amin`/`amax` over groups of 32 (`aminmax` is 10x slower); `bench/codec_floor.py`
+measures each step and the alternatives. The results are the bytes of the plain formulas
+above (`tests/tiers/test_codec_reference.py`, `tests/tiers/test_codec_random.py`).
 """
 
 from __future__ import annotations
@@ -82,7 +86,9 @@ _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 15.0}
 
 
 class Quantized(NamedTuple):
-    """Codes (uint8, packed for INT4) and the groups' bfloat16 scales (and zeros for INT4)."""
+    """Codes (uint8, packed for INT4) and the groups' scales (and zeros for INT4): INT8's
+    bfloat16; FP8's and INT4's float32 holding bfloat16 values, in per-thread scratch (valid
+    until the thread's next `quantize`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
