@@ -26,6 +26,8 @@ import statistics
 import subprocess
 import sys
 import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 SHAPE = (32, 2, 16, 8, 128)
@@ -60,6 +62,78 @@ class Child:
         self.proc.wait(timeout=60)
 
 
+class Local:
+    """Both sides in this process (`--same-process`): B's codecs from the import path, A's
+    from `before`'s `quant.py` and `scaled.py` loaded under other module names (their other
+    imports are B's: the tier errors, codec base and thread guard, unchanged between the
+    revisions compared here). Each batch of A runs right beside B's on the same core."""
+
+    def __init__(self, before: Path, dtype: str, blocks: int) -> None:
+        import torch
+
+        from tiers.codecs import CodecKind, build_codec
+
+        old = _load_old_codecs(before)
+        torch.set_num_threads(1)
+        srcs, dsts = _blocks(getattr(torch, dtype), blocks)
+        self.jobs: dict[str, dict[str, Callable[[], object]]] = {"before": {}, "after": {}}
+        for side in self.jobs:
+            self.jobs[side]["memcpy"] = lambda: [d.copy_(s) for s, d in zip(srcs, dsts)]
+            for name in KINDS:
+                kind = getattr(CodecKind, name.upper())
+                codec = old.ScaledCodec(kind, SHAPE, getattr(torch, dtype)) if side == "before" else build_codec(
+                    kind, SHAPE, getattr(torch, dtype))
+                self.jobs[side].update(_jobs(name, codec, srcs, dsts))
+            for job in self.jobs[side].values():
+                job()
+
+    def ask(self, side: str, what: str) -> float:
+        job = self.jobs[side][what]
+        t0 = time.perf_counter()
+        job()
+        return time.perf_counter() - t0
+
+
+def _load_old_codecs(before: Path) -> types.ModuleType:
+    """`before`'s `tiers/codecs/scaled.py` as a module of its own, over its own `quant.py`."""
+    modules = {}
+    for name in ("quant", "scaled"):
+        text = (before / "tiers" / "codecs" / f"{name}.py").read_text()
+        text = text.replace("from tiers.codecs.quant import", "from tiers.codecs._ab_before_quant import")
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("@register_codec("))
+        module = types.ModuleType(f"tiers.codecs._ab_before_{name}")
+        sys.modules[module.__name__] = module
+        exec(compile(text, str(before / "tiers" / "codecs" / f"{name}.py"), "exec"), module.__dict__)
+        modules[name] = module
+    return modules["scaled"]
+
+
+def _blocks(dtype, blocks: int):  # type: ignore[no-untyped-def]
+    """`blocks` Llama-3-8B blocks of `dtype` (as `bench codecs`) and as many destinations."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    srcs = []
+    for _ in range(blocks):
+        x = torch.randn(SHAPE, generator=g)
+        x[:, 0, :, :, [10, 74, 50, 114]] *= 10  # outlier key channels, as `bench codecs`
+        srcs.append(x.to(dtype))
+    return srcs, [torch.empty_like(s) for s in srcs]
+
+
+class _Side:
+    """One side of a `Local`, asked as a `Child` is."""
+
+    def __init__(self, local: Local, side: str) -> None:
+        self.local, self.side = local, side
+
+    def ask(self, what: str) -> float:
+        return self.local.ask(self.side, what)
+
+    def close(self) -> None:
+        pass
+
+
 def serve(dtype_name: str, blocks: int) -> None:
     """The child: build the blocks and codecs, then time one batch per line of stdin."""
     import torch
@@ -68,14 +142,9 @@ def serve(dtype_name: str, blocks: int) -> None:
 
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype_name)
-    g = torch.Generator().manual_seed(0)
-    srcs = []
-    for _ in range(blocks):
-        x = torch.randn(SHAPE, generator=g)
-        x[:, 0, :, :, [10, 74, 50, 114]] *= 10  # outlier key channels, as `bench codecs`
-        srcs.append(x.to(dtype))
-    dsts = [torch.empty_like(s) for s in srcs]
-    jobs = {"memcpy": lambda: [d.copy_(s) for s, d in zip(srcs, dsts)], "ready": lambda: None}
+    srcs, dsts = _blocks(dtype, blocks)
+    jobs: dict[str, Callable[[], object]] = {"memcpy": lambda: [d.copy_(s) for s, d in zip(srcs, dsts)],
+                                             "ready": lambda: None}
     for name in KINDS:
         jobs.update(_jobs(name, build_codec(getattr(CodecKind, name.upper()), SHAPE, dtype), srcs, dsts))
     for job in jobs.values():
@@ -129,13 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=8, help="blocks of 2 MiB per batch")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here as well")
+    parser.add_argument("--same-process", action="store_true",
+                        help="both sides in this process, batch beside batch (A: --before's quant.py and scaled.py)")
     ns = parser.parse_args(args)
     for side in (ns.before, ns.after):
         if not (side / "tiers" / "codecs" / "scaled.py").is_file():
             parser.error(f"{side} is not a kvstrata checkout with tiers/codecs/scaled.py")
     if min(ns.rounds, ns.blocks) < 1:
         parser.error("--rounds and --blocks must be >= 1")
-    children = {side: Child(getattr(ns, side).resolve(), ns.dtype, ns.blocks) for side in ("before", "after")}
+    if ns.same_process:
+        local = Local(ns.before.resolve(), ns.dtype, ns.blocks)
+        children: dict[str, Child | _Side] = {side: _Side(local, side) for side in ("before", "after")}
+    else:
+        children = {side: Child(getattr(ns, side).resolve(), ns.dtype, ns.blocks) for side in ("before", "after")}
     figures = ["memcpy"] + [f"{k} {f}" for k in KINDS for f in FIGURES]
     times: dict[str, dict[str, list[float]]] = {side: {f: [] for f in figures} for side in children}
     load = [os.getloadavg()[0]]
@@ -153,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     from cli.output import print_table
 
     print_table(f"codecs per core ({ns.dtype}, GB/s of 2 MiB blocks, {ns.rounds} batches of {ns.blocks} per side, "
-                f"taking turns): A = {ns.before}, B = {ns.after}",
+                f"taking turns{', one process' if ns.same_process else ''}): A = {ns.before}, B = {ns.after}",
                 ["figure", "A best", "B best", "B/A", "A median", "B median", "B/A median", "A/memcpy", "B/memcpy"],
                 rows)
     print(f"load average (1 min) during the run: {min(load):.1f}-{max(load):.1f}")
-    result = {"how": f"A and B in two processes taking turns per batch, {ns.rounds} batches of {ns.blocks} blocks "
+    where = "one process, batch beside batch" if ns.same_process else "two processes taking turns per batch"
+    result = {"how": f"A and B in {where}, {ns.rounds} batches of {ns.blocks} blocks "
                      "of 2 MiB per figure and side; best and median batch; torch.set_num_threads(1)",
               "dtype": ns.dtype, "before": str(ns.before), "after": str(ns.after),
               "columns": ["figure", "A best", "B best", "B/A", "A median", "B median", "B/A median", "A/memcpy",
