@@ -238,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
               "dtype": ns.dtype, "before": str(ns.before), "after": str(ns.after),
               "columns": ["figure", "A best", "B best", "B/A", "A median", "B median", "B/A median", "A/memcpy",
                           "B/memcpy"],
-              "rows": rows, "load_average_1min": [min(load), max(load)], "seconds": times}
+              "rows": rows, "load_average_1min": [min(load), max(load)],
+              "seconds": {side: {fig: {"best": min(t), "median": statistics.median(t), "batches": len(t)}
+                                 for fig, t in figs.items()} for side, figs in times.items()}}
     if ns.out is not None:
         ns.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0

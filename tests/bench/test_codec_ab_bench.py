@@ -23,7 +23,8 @@ def test_codec_ab_times_both_checkouts_in_turn(tmp_path: Path, capsys: pytest.Ca
     assert set(rows) == {"memcpy"} | {f"{k} {f}" for k in codec_ab.KINDS for f in codec_ab.FIGURES}
     for name, a, b, ratio, *_ in rows.values():
         assert a > 0 and b > 0 and ratio == pytest.approx(b / a, abs=0.01), name
-    assert all(len(times) == 2 for side in result["seconds"].values() for times in side.values())
+    assert all(fig["batches"] == 2 and 0 < fig["best"] <= fig["median"]
+               for side in result["seconds"].values() for fig in side.values())
     assert "fp8 encode_streamed" in capsys.readouterr().out
 
 
