@@ -124,8 +124,8 @@ def _floor_bf16(v: torch.Tensor) -> torch.Tensor:
     set, then the low 16 bits cleared), a positive one's is cut; infinities stay. A NaN's
     result is undefined, but its group's scale is NaN and refused (`_int4_scales`)."""
     bits = v.view(torch.int32)
-    away = torch.bitwise_right_shift(bits, 31, out=scratch("sign", tuple(v.shape), torch.int32, v.device))
-    bits.add_(away.bitwise_and_(0xFFFF)).bitwise_and_(-0x10000)
+    negative = torch.bitwise_right_shift(bits, 31, out=scratch("sign", tuple(v.shape), torch.int32, v.device))
+    bits.add_(negative, alpha=-0xFFFF).bitwise_and_(-0x10000)  # -1 where negative: + 0xFFFF there
     return v
 
 
@@ -247,36 +247,40 @@ def _group_scratch(slot: str, x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, ...]], dims: tuple[int, int],
-                  fmt: Fmt, codes: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  fmt: Fmt, codes: torch.Tensor, limit: float) -> torch.Tensor | None:
     """`quantize` both halves of a block at once when they share a format without zeros
     (INT8, FP8): `pair` is `[2, ...]` (K then V, a float dtype, any strides), half h grouped
-    as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns the
-    two scales (INT8: bfloat16; FP8: float32 scratch holding bfloat16 values, valid until the
-    thread's next encode), or None as `quantize` does. The same codes as `quantize` on each
-    half, in four fewer passes: the cast, the bits, the rounding and the codes' copy each
-    span the whole block."""
+    as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns both
+    halves' scales in one flat tensor, K's first (INT8: bfloat16; FP8: float32 scratch holding
+    bfloat16 values, valid until the thread's next encode), or None as `quantize` does (if
+    either half's would). The same codes as `quantize` on each half, in fewer passes: the
+    cast, the bits, the rounding and the codes' copy each span the whole block, and the
+    scales of both halves are rounded and checked together."""
     buf = scratch("float", tuple(pair.shape), torch.float32, pair.device).copy_(pair)
     ints, mask = _BITS[pair.element_size()]
     bits = torch.bitwise_and(pair.view(ints), mask, out=scratch("ints", tuple(pair.shape), ints, pair.device))
-    found = []
-    for h in (0, 1):
-        amax = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
-        v = scratch(f"scale{h}", tuple(amax.shape), torch.float32, pair.device).copy_(amax).div_(fmt.qmax)
-        if fmt is Fmt.FP8:  # float32 already, in its own slot per half; `peak` from the largest scale
-            largest, got = _ceil_bf16(v), v
-            top = math.nan if largest is None else largest * fmt.qmax
-        else:
-            got = _round_up(v)
-            top = peak(got, None, fmt)
-        if not top <= limit:  # not finite, or past the dtype once decoded
-            return None
-        buf[h].view(shapes[h]).div_(got if fmt is Fmt.FP8 else _float(got))  # no clamp needed: see `quantize`
-        found.append(got)
+    grouped = [tuple(1 if i == dims[h] % len(shapes[h]) else n for i, n in enumerate(shapes[h])) for h in (0, 1)]
+    counts = [math.prod(g) for g in grouped]
+    v = scratch("scales", (counts[0] + counts[1],), torch.float32, pair.device)
+    for h, part in enumerate((v[: counts[0]], v[counts[0] :])):
+        part.view(grouped[h]).copy_(bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype))
+    v.div_(fmt.qmax)
+    if fmt is Fmt.FP8:  # float32 already; `peak` from the largest scale
+        largest, got = _ceil_bf16(v), v
+        top = math.nan if largest is None else largest * fmt.qmax
+    else:
+        got = _round_up(v)
+        top = peak(got, None, fmt)
+    if not top <= limit:  # not finite, or past the dtype once decoded
+        return None
+    divisor = got if fmt is Fmt.FP8 else _float(got)
+    for h, part in enumerate((divisor[: counts[0]], divisor[counts[0] :])):
+        buf[h].view(shapes[h]).div_(part.view(grouped[h]))  # no clamp needed: see `quantize`
     if fmt is Fmt.FP8:
         codes.view(torch.float8_e4m3fn).copy_(buf.view(-1))
     else:
         codes.view(torch.int8).copy_(buf.round_().view(-1))
-    return found[0], found[1]
+    return got
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:

@@ -172,10 +172,8 @@ class ScaledCodec(Codec):
         got = quantize_pair(pair, (k.shape, v.shape), (k.dim, v.dim), k.fmt, target, self._limit)
         if got is None:
             return None
-        for h, scale in enumerate(got):
-            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=self._plans[h].num_scales,
-                                    offset=self._meta_offsets[h])
-            meta.copy_(scale.reshape(-1))
+        # Both halves' scales, K's then V's, as their meta lies (no zeros: K's meta, then V's).
+        torch.frombuffer(buf, dtype=torch.bfloat16, count=k.num_scales + v.num_scales, offset=0).copy_(got)
         if target is not codes:  # the encoded bytes cross from the device, not the block
             codes.copy_(target)
         return buf
