@@ -179,7 +179,8 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each group's scale (and zero) for `x` (a float dtype, any strides; INT4: float32),
     groups along `dim`, as new tensors (INT8: bfloat16; FP8, INT4: float32 holding bfloat16
-    values); a group holding an infinite or NaN value makes every scale NaN."""
+    values); a group holding an infinite or NaN value gets a scale that is not finite (FP8,
+    INT4: every scale is NaN then)."""
     if fmt.has_zero:
         lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
         got = _int4_scales(lo, hi)
