@@ -27,15 +27,20 @@ scales grew a step on every round trip, and every decoded value with them, witho
 Speed: each op spans a whole half-block (a dozen vectorized passes per block, about 0.65 ms
 to encode and 0.4 ms to decode 2 MiB of int8 on one core here), in per-thread scratch
 buffers (`scratch`): a fresh half-block temporary costs a page fault per 4 KiB, more than
-the pass. FP8 encoding is bound by torch's float32 -> float8 cast (about 0.3 ms per half
-block), INT4 by `amin`/`amax` over groups of 32. The results are the bytes of the plain
-formulas above (`tests/tiers/test_codec_reference.py`).
+the pass. FP8's and INT4's scales (and zeros) are rounded on their float32 bits in place
+(`_ceil_bf16`, `_floor_bf16`: three ops, where a bfloat16 round trip and its masks took
+ten) and divide as they are. FP8 encoding is bound by torch's float32 -> float8 cast (about
+0.55 ms per block, half the encode; an exact emulation in vectorized ops costs more), INT4
+by `amin`/`amax` over groups of 32 (`aminmax` is 10x slower); `bench/codec_floor.py`
+measures each step and the alternatives. The results are the bytes of the plain formulas
+above (`tests/tiers/test_codec_reference.py`, `tests/tiers/test_codec_random.py`).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import struct
 import sys
 import threading
 from typing import NamedTuple
@@ -81,35 +86,56 @@ _QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 15.0}
 
 
 class Quantized(NamedTuple):
-    """Codes (uint8, packed for INT4) and the groups' bfloat16 scales (and zeros for INT4)."""
+    """Codes (uint8, packed for INT4) and the groups' scales (and zeros for INT4): INT8's
+    bfloat16; FP8's and INT4's float32 holding bfloat16 values, in per-thread scratch (valid
+    until the thread's next `quantize`)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
 
 
-def _round_up(v: torch.Tensor, fmt: Fmt) -> torch.Tensor:
-    """bfloat16 scales >= `v` (float32, non-negative, overwritten), at least `_TINY`. INT8: to
-    nearest after a margin (`_UP`); FP8 and INT4: the nearest bfloat16 above (`_directed`).
-    Either keeps decoded KV encoded again on the same scales (see the module)."""
-    if fmt is Fmt.INT8:
-        return v.mul_(_UP).clamp_(min=_TINY).to(torch.bfloat16)
-    return _directed(v.clamp_(min=_TINY), up=True)
+def _round_up(v: torch.Tensor) -> torch.Tensor:
+    """INT8's bfloat16 scales from `v` (float32, non-negative, overwritten): to nearest after
+    a margin (`_UP`), at least `_TINY`; it keeps decoded KV encoded again on the same scales
+    (see the module)."""
+    return v.mul_(_UP).clamp_(min=_TINY).to(torch.bfloat16)
 
 
-def _round_down(v: torch.Tensor) -> torch.Tensor:
-    """INT4's zeros: the nearest bfloat16 values <= `v` (float32, not changed)."""
-    return _directed(v.clone(), up=False)
+def _ceil_bf16(v: torch.Tensor) -> float | None:
+    """FP8's and INT4's scales: `v` (float32, contiguous, non-negative or NaN) clamped to
+    `_TINY` and rounded up to the nearest bfloat16 value in place (float32 holding bfloat16
+    values; a bfloat16 value stays). Returns the largest of them, or None (`v` overwritten) if
+    one is infinite or NaN. On the bits of a positive finite float, adding 0xFFFF and clearing
+    the low 16 bits is the ceiling (a carry moves to the next binade, the largest float to
+    infinity); checked finite first, so no NaN payload can carry into the sign bit."""
+    v.clamp_(min=_TINY)
+    top = float(v.max())  # NaN propagates through max
+    if not math.isfinite(top):
+        return None
+    v.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
+    bits = (struct.unpack("<I", struct.pack("<f", top))[0] + 0xFFFF) & 0xFFFF0000  # the ceiling is monotonic:
+    return float(struct.unpack("<f", struct.pack("<I", bits))[0])  # the largest rounded is the largest's
 
 
-def _directed(v: torch.Tensor, up: bool) -> torch.Tensor:
-    """`v` (float32, overwritten) rounded to bfloat16 towards +inf (`up`) or -inf, on the bits:
-    dropping the low 16 bits rounds the magnitude down; where that dropped anything and the
-    direction is away from zero, the magnitude goes one step up. A bfloat16 value stays."""
+def _floor_bf16(v: torch.Tensor) -> torch.Tensor:
+    """INT4's zeros: `v` (float32, contiguous, any sign) rounded down to the nearest bfloat16
+    value in place: a negative value's magnitude goes up (0xFFFF added where the sign bit is
+    set, then the low 16 bits cleared), a positive one's is cut; infinities stay. A NaN's
+    result is undefined, but its group's scale is NaN and refused (`_int4_scales`)."""
     bits = v.view(torch.int32)
-    away = torch.bitwise_and(bits, 0xFFFF).ne_(0).logical_and_((bits >= 0) if up else (bits < 0))
-    top = torch.bitwise_right_shift(bits, 16).add_(away.to(torch.int32))  # arithmetic: the sign stays
-    return top.to(torch.int16).view(torch.bfloat16)
+    negative = torch.bitwise_right_shift(bits, 31, out=scratch("sign", tuple(v.shape), torch.int32, v.device))
+    bits.add_(negative, alpha=-0xFFFF).bitwise_and_(-0x10000)  # -1 where negative: + 0xFFFF there
+    return v
+
+
+def _int4_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
+    """INT4 from each group's min `lo` and max `hi` (float32, contiguous, both overwritten):
+    `lo` becomes the zeros (rounded down) and the scales `(hi - zero) / 15` (rounded up) are
+    returned in `hi`; None if a scale is not finite (a group with an infinite or NaN value:
+    `amin`/`amax` propagate NaN)."""
+    _floor_bf16(lo)
+    return None if _ceil_bf16(hi.sub_(lo).div_(Fmt.INT4.qmax)) is None else hi
 
 
 _BITS = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
@@ -152,12 +178,17 @@ def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each group's scale (and zero) for `x` (a float dtype, any strides; INT4: float32),
-    groups along `dim`; a group holding an infinite or NaN value gets a scale that is not
-    finite."""
+    groups along `dim`, as new tensors (INT8: bfloat16; FP8, INT4: float32 holding bfloat16
+    values); a group holding an infinite or NaN value gets a scale that is not finite (FP8,
+    INT4: every scale is NaN then)."""
     if fmt.has_zero:
-        zero = _round_down(x.amin(dim=dim, keepdim=True).float())  # aminmax is 10x slower on CPU
-        return _round_up(x.amax(dim=dim, keepdim=True).float().sub_(zero.float()).div_(fmt.qmax), fmt), zero
-    return _round_up(_absmax(x, dim).div_(fmt.qmax), fmt), None
+        lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
+        got = _int4_scales(lo, hi)
+        return (hi.fill_(math.nan) if got is None else got), lo
+    v = _absmax(x, dim).div_(fmt.qmax).clone()
+    if fmt is Fmt.FP8:
+        return (v.fill_(math.nan) if _ceil_bf16(v) is None else v), None
+    return _round_up(v), None
 
 
 def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
@@ -165,7 +196,7 @@ def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
     finite if the quantized input was not."""
     if zero is None:
         return float(scale.max()) * fmt.qmax  # in double precision: never rounds a past-limit peak down
-    return float((scale.float() * fmt.qmax + zero.float().abs()).max())
+    return float((scale.float() * fmt.qmax).add_(zero.float().abs()).max())
 
 
 def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: float) -> Quantized | None:
@@ -179,51 +210,78 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
     even (INT8, INT4) or cast (FP8), then clamped to the format (which changes nothing).
     """
     buf = scratch("float", tuple(x.shape), torch.float32, x.device).copy_(x)
-    scale, zero = scales(buf if fmt.has_zero else x, dim, fmt)
-    if not peak(scale, zero, fmt) <= limit:  # not finite, or past the dtype once decoded
+    zero: torch.Tensor | None = None
+    if fmt is Fmt.INT4:  # each group's min and max into scratch, then zeros and scales in place
+        zero = torch.amin(buf, dim=dim, keepdim=True, out=_group_scratch("lo", buf, dim))
+        got = _int4_scales(zero, torch.amax(buf, dim=dim, keepdim=True, out=_group_scratch("hi", buf, dim)))
+        top = math.nan if got is None else peak(got, zero, fmt)
+    elif fmt is Fmt.FP8:
+        got = _absmax(x, dim).div_(fmt.qmax)
+        largest = _ceil_bf16(got)
+        top = math.nan if largest is None else largest * fmt.qmax  # `peak`, from the largest scale
+    else:
+        got = _round_up(_absmax(x, dim).div_(fmt.qmax))
+        top = peak(got, None, fmt)
+    if got is None or not top <= limit:  # not finite, or past the dtype once decoded
         return None
-    if zero is not None:
-        buf.sub_(zero.float())
+    scale = got
     # No clamp: a scale rounded up (and a zero rounded down) keeps every finite quotient in
     # [-qmax, qmax] (INT4: [0, 15]) but for float32's rounding of the quotient (at most a unit
     # in the last place above, which rounding or the FP8 cast takes back), and `peak` refused
-    # the rest.
+    # the rest. FP8's and INT4's scales and zeros are float32 already (holding bfloat16 values).
     if fmt is Fmt.FP8:
-        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(_float(scale)))
+        codes.view(torch.float8_e4m3fn).view(x.shape).copy_(buf.div_(scale))
+        return Quantized(codes, scale, zero)
+    if zero is not None:
+        buf.sub_(zero).div_(scale).round_()
+        _pack4(buf, codes.view(*x.shape[:-1], -1))
         return Quantized(codes, scale, zero)
     buf.div_(_float(scale)).round_()  # one dtype: a division of mixed dtypes converts a copy first
-    if fmt is Fmt.INT8:
-        codes.view(torch.int8).view(x.shape).copy_(buf)
-    else:
-        codes.view(*x.shape[:-1], -1).copy_(_pack4(buf))
+    codes.view(torch.int8).view(x.shape).copy_(buf)
     return Quantized(codes, scale, zero)
 
 
+def _group_scratch(slot: str, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """A float32 scratch tensor of `x`'s shape reduced along `dim` (keepdim)."""
+    shape = tuple(1 if i == dim % x.dim() else n for i, n in enumerate(x.shape))
+    return scratch(slot, shape, torch.float32, x.device)
+
+
 def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, ...]], dims: tuple[int, int],
-                  fmt: Fmt, codes: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  fmt: Fmt, codes: torch.Tensor, limit: float) -> torch.Tensor | None:
     """`quantize` both halves of a block at once when they share a format without zeros
     (INT8, FP8): `pair` is `[2, ...]` (K then V, a float dtype, any strides), half h grouped
-    as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns the
-    two scales (bfloat16), or None as `quantize` does. The same codes as `quantize` on each
-    half, in four fewer passes: the cast, the bits, the rounding and the codes' copy each
-    span the whole block."""
+    as `shapes[h]` along `dims[h]`; `codes` holds both halves' codes, K's first. Returns both
+    halves' scales in one flat tensor, K's first (INT8: bfloat16; FP8: float32 scratch holding
+    bfloat16 values, valid until the thread's next encode), or None as `quantize` does (if
+    either half's would). The same codes as `quantize` on each half, in fewer passes: the
+    cast, the bits, the rounding and the codes' copy each span the whole block, and the
+    scales of both halves are rounded and checked together."""
     buf = scratch("float", tuple(pair.shape), torch.float32, pair.device).copy_(pair)
     ints, mask = _BITS[pair.element_size()]
     bits = torch.bitwise_and(pair.view(ints), mask, out=scratch("ints", tuple(pair.shape), ints, pair.device))
-    found = []
-    for h in (0, 1):
-        top = bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype)
-        scale = _round_up(scratch("scale", tuple(top.shape), torch.float32, pair.device).copy_(top).div_(fmt.qmax),
-                          fmt)
-        if not peak(scale, None, fmt) <= limit:  # not finite, or past the dtype once decoded
-            return None
-        buf[h].view(shapes[h]).div_(_float(scale))  # no clamp needed: see `quantize`
-        found.append(scale)
+    grouped = [tuple(1 if i == dims[h] % len(shapes[h]) else n for i, n in enumerate(shapes[h])) for h in (0, 1)]
+    counts = [math.prod(g) for g in grouped]
+    v = scratch("scales", (counts[0] + counts[1],), torch.float32, pair.device)
+    for h, part in enumerate((v[: counts[0]], v[counts[0] :])):
+        part.view(grouped[h]).copy_(bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype))
+    v.div_(fmt.qmax)
+    if fmt is Fmt.FP8:  # float32 already; `peak` from the largest scale
+        largest, got = _ceil_bf16(v), v
+        top = math.nan if largest is None else largest * fmt.qmax
+    else:
+        got = _round_up(v)
+        top = peak(got, None, fmt)
+    if not top <= limit:  # not finite, or past the dtype once decoded
+        return None
+    divisor = got if fmt is Fmt.FP8 else _float(got)
+    for h, part in enumerate((divisor[: counts[0]], divisor[counts[0] :])):
+        buf[h].view(shapes[h]).div_(part.view(grouped[h]))  # no clamp needed: see `quantize`
     if fmt is Fmt.FP8:
         codes.view(torch.float8_e4m3fn).copy_(buf.view(-1))
     else:
         codes.view(torch.int8).copy_(buf.round_().view(-1))
-    return found[0], found[1]
+    return got
 
 
 def _float(t: torch.Tensor) -> torch.Tensor:
@@ -231,16 +289,19 @@ def _float(t: torch.Tensor) -> torch.Tensor:
     return scratch("scale", tuple(t.shape), torch.float32, t.device).copy_(t)
 
 
-def _pack4(q: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 (`q`, float32 integers, contiguous, last dimension even) two per
-    byte, low nibble first: each pair read as one little-endian int16 `a + 256 b` gives
-    `a + 16 b` in two integer passes, where strided nibble ops cost several times more."""
+def _pack4(q: torch.Tensor, out: torch.Tensor) -> None:
+    """Write codes 0..15 (`q`, float32 integers, contiguous, last dimension even) into `out`
+    (uint8, `q`'s shape with the last dimension halved) two per byte, low nibble first: each
+    pair read as one little-endian int16 `a + 256 b` gives `(w >> 4) | w`, whose low byte is
+    `a + 16 b`, and the copy into uint8 keeps the low byte (integer narrowing is modulo 256):
+    two integer passes, where strided nibble ops cost several times more."""
     u = scratch("pack8", tuple(q.shape), torch.int8, q.device).copy_(q)
     if sys.byteorder != "little":
-        return u[..., 0::2] | (u[..., 1::2] << 4)
+        out.copy_(u[..., 0::2] | (u[..., 1::2] << 4))
+        return
     w = u.view(torch.int16)
     packed = torch.bitwise_right_shift(w, 4, out=scratch("pack16", tuple(w.shape), torch.int16, w.device))
-    return packed.bitwise_or_(w).bitwise_and_(0xFF)
+    out.copy_(packed.bitwise_or_(w))
 
 
 def _widen(codes: torch.Tensor | np.ndarray, signed: bool) -> torch.Tensor:

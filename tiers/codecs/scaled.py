@@ -124,20 +124,26 @@ class ScaledCodec(Codec):
     def _halves(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of `t` (a block) as the element dtype, K and V apart, each in its plan's
         grouping shape; RuntimeError if its strides allow no such views."""
-        view = self._view(t)
+        return self._split(self._view(t))
+
+    def _split(self, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_halves` of a block already in `_view`'s shape."""
         return view[:, 0].view(self._plans[0].shape), view[:, 1].view(self._plans[1].shape)
 
     def encode(self, src: torch.Tensor) -> bytearray | None:
-        try:
-            view, halves = self._view(src.detach()), self._halves(src.detach())
+        src = src.detach()
+        try:  # the pair path needs only the element view (each op takes any strides)
+            view = self._view(src)
+            halves = None if self._pairs else self._split(view)
         except RuntimeError:  # strides a view cannot express: a contiguous copy
-            src = src.detach().contiguous()
-            view, halves = self._view(src), self._halves(src)
+            src = src.contiguous()
+            view = self._view(src)
+            halves = None if self._pairs else self._split(view)
         limit = self._limit
         buf = bytearray(self.payload_bytes)
-        device = halves[0].device
+        device = src.device
         with one_thread():
-            if self._pairs:
+            if halves is None:
                 return self._encode_pair(view.transpose(0, 1), buf)
             for h, (plan, half) in enumerate(zip(self._plans, halves)):
                 n_meta = plan.num_scales * (2 if plan.fmt.has_zero else 1)
@@ -166,10 +172,8 @@ class ScaledCodec(Codec):
         got = quantize_pair(pair, (k.shape, v.shape), (k.dim, v.dim), k.fmt, target, self._limit)
         if got is None:
             return None
-        for h, scale in enumerate(got):
-            meta = torch.frombuffer(buf, dtype=torch.bfloat16, count=self._plans[h].num_scales,
-                                    offset=self._meta_offsets[h])
-            meta.copy_(scale.reshape(-1))
+        # Both halves' scales, K's then V's, as their meta lies (no zeros: K's meta, then V's).
+        torch.frombuffer(buf, dtype=torch.bfloat16, count=k.num_scales + v.num_scales, offset=0).copy_(got)
         if target is not codes:  # the encoded bytes cross from the device, not the block
             codes.copy_(target)
         return buf
