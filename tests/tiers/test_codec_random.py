@@ -163,3 +163,27 @@ def test_scale_rounding_on_the_bits_equals_the_reference_rounding() -> None:
         assert _ceil_bf16(torch.tensor([1.0, bad, 2.0])) is None
     nan_payloads = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000], dtype=torch.int32).view(torch.float32)
     assert _ceil_bf16(nan_payloads.clone()) is None  # none carries into the sign bit unseen
+
+
+def test_a_block_holding_a_nan_of_any_payload_is_refused() -> None:
+    """Every lossy codec refuses (stores raw) a block holding a NaN, whatever the NaN's sign and
+    payload and however the dtype widens it. Before, an FP8 block whose NaN widened to float32
+    with low payload bits set (float16's 0x7FFF, float32's 0x7FFFFFFF or 0xFFFFFFFF) had the
+    payload carried into the sign of its bfloat16 scale: the block was stored with a scale of
+    -0.0, a record every later read refused as corrupt (a lost block, counted as damage)."""
+    patterns = {torch.float16: (torch.int16, [0x7E00, 0x7C01, 0x7FFF, -1, -0x200]),
+                torch.bfloat16: (torch.int16, [0x7FC0, 0x7F81, 0x7FFF, -1]),
+                torch.float32: (torch.int32, [0x7FC00000, 0x7F800001, 0x7FFFFFFF, -1, 0x7FFF0001])}
+    for kind in KINDS.values():
+        for dtype, (ints, pats) in patterns.items():
+            for pat in pats:
+                for where in ("one", "group", "all"):
+                    x = torch.randn(2, 2, 16, 2, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+                    bits = x.view(ints)
+                    if where == "one":
+                        bits[0, 1, 3, 1, 5] = pat
+                    elif where == "group":
+                        bits[0, 0, 3, 1, :] = pat
+                    else:
+                        bits[...] = pat
+                    assert build_codec(kind, tuple(x.shape), dtype).encode(x) is None, (kind, dtype, hex(pat), where)
