@@ -164,3 +164,33 @@ def test_low_victims_put_back_are_again_the_first_to_go(name: str) -> None:
         policy.restore(key)
     policy.check_integrity()
     assert policy.pop_many(4) == victims
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo"])
+@pytest.mark.parametrize("capacity, ghost_x", [(16, 0.25), (2, 4.0)])
+def test_more_low_victims_than_ghosts_put_back_are_still_low(name: str, capacity: int, ghost_x: float) -> None:
+    """An undone eviction of more low keys than the policy keeps ghosts puts every one back
+    at the cold front: a small `ghost_x` (16 blocks at 0.25: four ghosts), or a quota
+    tenant's policy holding more keys than its capacity (the tier lets a tenant exceed its
+    quota). Before, the memory of keys popped from the cold queue was trimmed to the ghost
+    limit, so the earliest popped came back among the normal keys, no longer low."""
+    from tiers.policies.arc import ARCPolicy
+    from tiers.policies.s3fifo import S3FIFOPolicy
+
+    policy: EvictionPolicy[int] = (ARCPolicy if name == "arc" else S3FIFOPolicy)(capacity, ghost_x=ghost_x)
+    for k in range(16):
+        policy.insert(k)
+    for k in range(10):
+        policy.deprioritize(k)  # cold: 9, 8, ..., 0
+    victims = policy.pop_many(10)
+    assert victims == list(range(9, -1, -1))
+    for key in reversed(victims):
+        policy.restore(key)
+    policy.check_integrity()
+    assert list(policy.order())[:10] == victims
+    assert policy.pop_many(10) == victims
+    for k in range(16, 40):  # committed pops are not remembered past the policy's bound
+        policy.insert(k)
+        policy.deprioritize(k)
+        policy.pop()
+    policy.check_integrity()

@@ -14,6 +14,7 @@ from tiers.policies.eviction import (
     EvictionPolicy,
     K,
     check_ratio,
+    cold_limit,
     pop_cold,
     register_eviction,
     trim,
@@ -47,6 +48,7 @@ class ARCPolicy(EvictionPolicy[K]):
         self._b2: OrderedDict[K, None] = OrderedDict()
         self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
         self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
+        self._most_held = 0  # the most keys held at a pop (bounds `_cold_popped`)
         self.p = 0.0
 
     def __len__(self) -> int:
@@ -99,7 +101,8 @@ class ARCPolicy(EvictionPolicy[K]):
     def pop(self) -> K:
         t1 = self._t1
         if self._cold:
-            return pop_cold(self._cold, self._cold_popped, self._ghost_limit)
+            self._most_held = max(self._most_held, len(self))
+            return pop_cold(self._cold, self._cold_popped, cold_limit(self._ghost_limit, self._most_held))
         if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
             key = t1.popitem(last=False)[0]
             self._b1[key] = None
@@ -153,6 +156,7 @@ class ARCPolicy(EvictionPolicy[K]):
         for d in (self._t1, self._t2, self._b1, self._b2, self._cold, self._cold_popped):
             d.clear()
         self.p = 0.0
+        self._most_held = 0
 
     def check_integrity(self) -> None:
         lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys(), self._cold.keys()]
@@ -160,6 +164,8 @@ class ARCPolicy(EvictionPolicy[K]):
             raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2, cold (a bug)")
         if self._cold_popped.keys() & (self._t1.keys() | self._t2.keys() | self._cold.keys()):
             raise RuntimeError("ARC: a held key is also remembered as popped from the cold list (a bug)")
+        if len(self._cold_popped) > cold_limit(self._ghost_limit, self._most_held):
+            raise RuntimeError("ARC: more keys remembered as popped from the cold list than its bound (a bug)")
         if not 0.0 <= self.p <= self.capacity_blocks:
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
         if max(len(self._b1), len(self._b2)) > self._ghost_limit:

@@ -218,11 +218,20 @@ def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
 
 def pop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], limit: int) -> K:
     """Take the front key of a cold (low-priority) queue, remembering it in `popped` (the
-    latest `limit` of them) so that `unpop_cold` can put it back where it was."""
+    latest `limit` of them) so that `unpop_cold` can put it back where it was. `limit` must
+    be at least the most keys the policy ever held (`cold_limit`): one eviction may pop them
+    all before it is undone, and each must go back to the cold queue."""
     key = cold.popitem(last=False)[0]
     popped[key] = None
     trim(popped, limit)
     return key
+
+
+def cold_limit(ghost_limit: int, most_held: int) -> int:
+    """The keys popped from a cold queue a policy remembers: its ghost limit, or the most
+    keys it ever held where more (a small `ghost_x`; a quota tenant's policy holding past its
+    capacity), so that no key popped by an eviction not yet carried out is forgotten."""
+    return max(ghost_limit, most_held)
 
 
 def unpop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], key: K) -> bool:

@@ -14,6 +14,7 @@ from tiers.policies.eviction import (
     EvictionPolicy,
     K,
     check_ratio,
+    cold_limit,
     pop_cold,
     register_eviction,
     trim,
@@ -53,6 +54,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         self._ghost: OrderedDict[K, None] = OrderedDict()
         self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
         self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
+        self._most_held = 0  # the most keys held at a pop (bounds `_cold_popped`)
         self._freq: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -97,7 +99,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         if not freq:
             raise IndexError("pop from an empty S3-FIFO policy")
         if self._cold:
-            key = pop_cold(self._cold, self._cold_popped, self._ghost_limit)
+            self._most_held = max(self._most_held, len(freq))
+            key = pop_cold(self._cold, self._cold_popped, cold_limit(self._ghost_limit, self._most_held))
             del freq[key]  # no ghost: a low-priority key returns as new
             return key
         while True:
@@ -160,6 +163,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def clear(self) -> None:
         for d in (self._small, self._main, self._ghost, self._cold, self._cold_popped, self._freq):
             d.clear()
+        self._most_held = 0
 
     def check_integrity(self) -> None:
         small, main, cold = self._small.keys(), self._main.keys(), self._cold.keys()
@@ -168,6 +172,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
             raise RuntimeError("S3-FIFO: the cold, small and main queues do not partition the held keys (a bug)")
         if (self._ghost.keys() | self._cold_popped.keys()) & self._freq.keys():
             raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
+        if len(self._cold_popped) > cold_limit(self._ghost_limit, self._most_held):
+            raise RuntimeError("S3-FIFO: more keys remembered as popped from the cold queue than its bound (a bug)")
         if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):
             raise RuntimeError("S3-FIFO: a use count is out of range (a bug)")
 
