@@ -50,6 +50,10 @@ class BearerGate:
         """Whether a request's `Authorization` header passes (always, without a token)."""
         if self.token is None or bearer_matches(header, self.token):
             return True
-        self._warn(f"{self.what}: a request from {peer or 'an unknown address'} without the right bearer token "
-                   "(401)")
+        self.refused(peer, "without the right bearer token")
         return False
+
+    def refused(self, peer: str | None, why: str) -> None:
+        """Log (rate-limited) a request from `peer` the listener refuses for a reason of its
+        own (`why`, e.g. a path that answers only loopback clients)."""
+        self._warn(f"{self.what}: a request from {peer or 'an unknown address'} {why} (401)")

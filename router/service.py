@@ -207,7 +207,10 @@ class Router:
             return True
         if self.config.token is not None:
             return self._gate.check(request.headers.get("Authorization"), request.remote)
-        return request.path not in ("/register", "/unregister") or _is_loopback(request.remote)
+        if request.path not in ("/register", "/unregister") or _is_loopback(request.remote):
+            return True
+        self._gate.refused(request.remote, f"to {request.path}, which answers only loopback clients without a token")
+        return False
 
     async def _expect(self, request: Any) -> None:
         """`Expect: 100-continue`, or a 417 that does not quote the header: aiohttp's own

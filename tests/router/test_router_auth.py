@@ -106,3 +106,45 @@ def test_requests_the_http_parser_refuses_are_counted_400s_without_a_traceback(s
         assert status == 400, headers
     assert served.call(lambda: served.router.num_bad_requests) == len(malformed)
     assert send(served, b"POST", b"/lookup", [auth], b'{"token_ids": [1]}')[0] == 200
+
+
+def _non_loopback_address() -> str | None:
+    """An IPv4 address of this host that is not loopback (the route out), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the source address
+            address = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+def test_a_register_from_another_host_without_a_token_is_a_counted_and_logged_401(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Without a token only loopback clients may register: one from another address is a 401,
+    counted and logged in a rate-limited warning naming the client's address (before, only
+    the counter saw it), while a lookup from it is served."""
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback")
+    caplog.set_level(logging.WARNING)
+    router = RouterThread(RouterConfig(), host=address)
+    try:
+        def from_outside(method: bytes, path: bytes, body: bytes) -> int:
+            head = [method + b" " + path + b" HTTP/1.1", b"Host: x", b"Connection: close",
+                    b"Content-Length: %d" % len(body)]
+            with socket.create_connection((address, router.port), timeout=10) as sock:
+                sock.sendall(b"\r\n".join(head) + b"\r\n\r\n" + body)
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            return int(answer.split(b"\r\n", 1)[0].split()[1])
+
+        for path in (b"/register", b"/unregister"):
+            assert from_outside(b"POST", path, b'{"endpoint": "tcp://127.0.0.1:9"}') == 401
+        assert router.call(lambda: router.router.num_unauthorized) == 2
+        assert from_outside(b"POST", b"/lookup", b'{"token_ids": [1]}') == 200
+    finally:
+        router.stop()
+    refused = [r.getMessage() for r in caplog.records if "only loopback" in r.getMessage()]
+    assert refused and "kvstrata router" in refused[0] and address in refused[0]
