@@ -10,7 +10,9 @@ redis-py then raises `TimeoutError` and drops that connection, so none is reused
 half-read state. A deadline may also bound the bytes its calls receive (`max_reply_bytes`):
 redis-py reads whatever length a reply claims, so a server that answers INFO with
 `$1073741824` and keeps sending would fill memory until the deadline; past the bound a
-receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
+receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection). A thread
+working for another's call (a lane of a split call) runs under that call's deadline
+(`deadline_at(current_deadline(), ...)`) with its own share of the bound on bytes.
 
 `Health` (`tiers/shared/health.py`) keeps one kind of call's faults (reads apart from writes: a
 full server refusing writes never makes a read a miss), its circuit breaker and its warning.
@@ -226,7 +228,8 @@ def connect(url: str, timeout_s: float, parts: UrlParts | None = None, password:
 
 class Server:
     """The calls of one tier to its server (or cluster): one client, connected on first use,
-    and windowed pipelines on it (`tiers/remote/stream.py`). A round trip moving `nbytes`
+    and windowed pipelines on it (`tiers/remote/stream.py`), large ones over
+    `connections_per_node` lanes at once (`stream`). A round trip moving `nbytes`
     must end within `timeout_s + nbytes / min_rate_bps` and receive at most its replies'
     bound (and `REPLY_SLACK`), else it is a fault; reads and writes keep apart `Health`."""
 

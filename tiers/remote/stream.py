@@ -3,7 +3,8 @@
 redis-py sends a pipeline whole and reads its replies after: the server then builds every
 reply before the client takes the first, and for a prompt of 2 MiB blocks that is hundreds
 of MiB of output buffers allocated, faulted in, copied and pushed out of the CPU caches,
-on both sides. Here each connection (a *lane*: one per node a call touches) keeps at most
+on both sides. Here each connection (a *lane*: one per node a call touches; a call split by
+`Server.stream` runs one such pass per lane of its own, each on its own thread) keeps at most
 `window_bytes` of commands unanswered, refilling when half is answered, so the data in
 flight stays small and warm; replies are taken in the commands' order across lanes while
 every node works on its window (a cluster's nodes work in parallel). A call that stops early
