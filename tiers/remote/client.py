@@ -42,6 +42,7 @@ logger = logging.getLogger("tiers.remote.tier")
 
 REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
 CONNECTIONS_PER_NODE = 4  # by default
+_INFO_BYTES = 1 << 20  # INFO memory of every node
 SPLIT_FROM = 4 << 20  # a call moving fewer bytes runs on one connection per node (lanes cost a thread hop)
 _local = threading.local()
 
@@ -358,6 +359,16 @@ class Server:
         if any((p.decode() if isinstance(p, bytes) else p) == "noeviction" for p in flat):
             self.writes.warn(f"remote tier {redacted(self.url)} has maxmemory-policy noeviction: writes fail "
                              "once it is full; set maxmemory-policy allkeys-lru")
+
+    def memory(self) -> tuple[int, int]:
+        """The server's `used_memory` and `maxmemory` in bytes, summed over a cluster's
+        nodes (0, 0: it did not tell, a fault of reads)."""
+        info = self.call(self.reads, "INFO memory", _INFO_BYTES, lambda c: c.info("memory"), _INFO_BYTES)
+        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
+            info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
+                    for k in ("used_memory", "maxmemory")}
+        info = info if isinstance(info, dict) else {}
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
 
     def fault(self, health: Health, what: str, exc: BaseException) -> None:
         health.fault(f"remote tier {redacted(self.url)}: {what} failed "

@@ -50,7 +50,6 @@ _BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), 
 _WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote/stream.py)
 _REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines and bounds
 _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
-_INFO_BYTES = 1 << 20  # INFO memory of every node
 _SCAN_COUNT = 10_000  # slots one SCAN round visits
 _RECYCLE_FROM = 64 << 10  # blocks of at least this many bytes are encoded into reused buffers
 _HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a longer one: a fresh record)
@@ -101,8 +100,8 @@ class RemoteTier(Tier):
                                                                  2 * _REPLY_BYTES),
                                lambda exc: self._fault(self.reads, "generation", exc))
         self._gen.sync()
-        recycle = self.codec.block_bytes >= _RECYCLE_FROM
-        self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if recycle else 0)
+        self._recycle = self.codec.block_bytes >= _RECYCLE_FROM  # records are built and received in reused buffers
+        self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if self._recycle else 0)
         self._stall_s = 2 * self._server.limit(_BATCH_BYTES) + 1.0  # a batch's longest send, and then some
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
                                   batch_bytes=_BATCH_BYTES, stall_s=self._stall_s,
@@ -190,15 +189,19 @@ class RemoteTier(Tier):
             if i == 0:
                 return self._gen.check(generation, value) or missed(0)
             i -= 1
-            if i > first_miss[0]:
-                return False  # past a miss: not counted whatever it holds
-            if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
-                self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
-                damaged.append(keys[i].block_hash)
-            if not isinstance(value, memoryview) or not self._take(keys[i], dsts[i], value, damaged):
-                return missed(i)  # absent, refused by the server, or failed its checks
-            copied[i] = True
-            return True
+            try:
+                if i > first_miss[0]:
+                    return False  # past a miss: not counted whatever it holds
+                if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
+                    self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
+                    damaged.append(keys[i].block_hash)
+                if not isinstance(value, memoryview) or not self._take(keys[i], dsts[i], value, damaged):
+                    return missed(i)  # absent, refused by the server, or failed its checks
+                copied[i] = True
+                return True
+            finally:
+                if isinstance(value, memoryview):
+                    self._buffers.give(value.obj)  # a reused buffer back (this thread's own is not taken)
 
         ops = [self._gen.op(), *(Op(key, command(b"GET", key), self._record_bytes, bulk=True, limit=self._value_limit)
                                  for key in (self._keys.key(generation, k.block_hash) for k in keys))]
@@ -209,8 +212,11 @@ class RemoteTier(Tier):
         return copied.index(False) if False in copied else len(keys)
 
     def _buffer_for(self, size: int) -> memoryview:
-        """This thread's record buffer, `size` bytes of it (at most `_value_limit`: the
-        reader refuses longer values unread)."""
+        """`size` bytes (at most `_value_limit`: longer values are refused unread) of a
+        reused record buffer (faulted in already; `on_value` gives it back), where blocks are
+        large and it fits, else of this thread's own."""
+        if self._recycle and size <= self._buffers.size:
+            return memoryview(self._buffers.take())[:size]
         buf: bytearray | None = getattr(self._rx, "buf", None)
         if buf is None or len(buf) < size:
             buf = self._rx.buf = bytearray(max(size, self._record_bytes))
@@ -260,7 +266,7 @@ class RemoteTier(Tier):
     def _encode(self, key: BlockKey, src: torch.Tensor) -> memoryview:
         """The record of one block, in a reused buffer where blocks are large (its page faults
         cost more than the copy: `tiers/remote/recycle.py`), else a fresh one."""
-        if self._buffers.size - _HEADER_ROOM >= _RECYCLE_FROM:
+        if self._recycle:
             buf = self._buffers.take()
             size = self.codec.encode_into(key, src, memoryview(buf))
             if size is not None:
@@ -391,9 +397,4 @@ class RemoteTier(Tier):
 
     def occupancy(self) -> Occupancy:
         """The server's memory (`used_memory` of `maxmemory`); blocks are not counted (0)."""
-        info = self._call(self.reads, "INFO memory", _INFO_BYTES, lambda c: c.info("memory"), _INFO_BYTES)
-        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
-            info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
-                    for k in ("used_memory", "maxmemory")}
-        info = info if isinstance(info, dict) else {}
-        return Occupancy(0, self.capacity_blocks, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
+        return Occupancy(0, self.capacity_blocks, *self._server.memory())
