@@ -127,7 +127,8 @@ def lmcache_python(given: str | None) -> str | None:
 
 
 def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | None = None, rounds: int = 3,
-        workdir: str | None = None, python: str | None = None, remote_mib: int = 0) -> dict[str, Any]:
+        workdir: str | None = None, python: str | None = None, remote_mib: int = 0,
+        remote_connections: tuple[int, ...] = (4,)) -> dict[str, Any]:
     from bench import peer_remote
 
     lmc = lmcache_python(python)
@@ -154,7 +155,7 @@ def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | 
     finally:
         shutil.rmtree(base, ignore_errors=True)
     report = _report(results, lookup_tokens or [1024, 4096], rounds, mib)
-    remote = peer_remote.run(remote_mib, rounds, lmc) if remote_mib else None
+    remote = peer_remote.run(remote_mib, rounds, lmc, remote_connections) if remote_mib else None
     if remote is not None:
         remote["table"] = peer_remote.rows(remote)
         print_table(f"kvstrata remote tier vs LMCache resp://, {remote['mib']} MiB of the same KV per value size, "
@@ -196,12 +197,15 @@ def _report(results: dict[str, list[dict[str, Any]]], lookup_tokens: list[int], 
 @click.option("--lmcache-python", default=None, help="a Python interpreter that can import lmcache")
 @click.option("--remote-mib", type=click.IntRange(0), default=256, show_default=True,
               help="MiB of KV per value size for the remote rows (0: no remote rows)")
+@click.option("--remote-connections", type=IntList(1, 64), default="4", show_default=True,
+              help="connections_per_node of the remote tier: one kvstrata side each, in the same rounds")
 def command(prompts: int, prompt_tokens: int, lookup_tokens: list[int], rounds: int, workdir: str | None,
-            lmcache_python: str | None, remote_mib: int) -> None:
+            lmcache_python: str | None, remote_mib: int, remote_connections: list[int]) -> None:
     if prompt_tokens % 256 or any(n > prompt_tokens or n % 256 for n in lookup_tokens):
         raise click.BadParameter(f"token counts must be multiples of 256 and lookups at most --prompt-tokens, got "
                                  f"{prompt_tokens} and {lookup_tokens}")
-    write_results("peer", run(prompts, prompt_tokens, lookup_tokens, rounds, workdir, lmcache_python, remote_mib))
+    write_results("peer", run(prompts, prompt_tokens, lookup_tokens, rounds, workdir, lmcache_python, remote_mib,
+                              tuple(remote_connections)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,9 @@ differs, to read the ratios: kvstrata's store time includes building its records
 the KV into checksummed records, as a store from a GPU or a reused buffer must), and
 kvstrata's reads verify each record's checksum, key, namespace, layout and token ids; LMCache
 stores the bare bytes and checks only their length.
+
+`--remote-connections 1,4` runs one kvstrata side per value of the tier's
+`connections_per_node`, in the same rounds, each row naming its count.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def kvstrata_side(spec: dict[str, Any]) -> dict[str, Any]:
     from kvstore import KVCacheStore, KVLayout, StoreConfig
 
     layout = KVLayout(LAYERS, HEADS, DIM, torch.bfloat16)
-    cfg = StoreConfig(layout, block_size=spec["block_tokens"], cpu_bytes=0, remote_url=spec["url"],
-                      namespace="peer-remote", result_buffer_bytes=0)
+    remote = {"type": "remote", "url": spec["url"], "connections_per_node": spec.get("connections", 4)}
+    cfg = StoreConfig(layout, block_size=spec["block_tokens"], tiers=[remote], namespace="peer-remote",
+                      result_buffer_bytes=0)
     prompts = [(_tokens(s, spec["prompt_tokens"]), _kv(s, spec["prompt_tokens"])) for s in spec["seeds"]]
     dsts = [torch.zeros_like(kv) for _, kv in prompts]  # faulted in, as LMCache's allocator is
     with KVCacheStore(cfg) as store:
@@ -82,12 +86,19 @@ def _child(side: str, spec: dict[str, Any], python: str) -> dict[str, Any]:
     return result
 
 
-def run(mib: int, rounds: int, lmcache: str | None) -> dict[str, Any] | None:
-    """Every size's rounds against one `redis-server` this starts; None (said) without one."""
+def side_name(connections: int, all_connections: tuple[int, ...]) -> str:
+    """The kvstrata side of `connections` per node: "kvstrata" where it is the only one."""
+    return "kvstrata" if len(all_connections) == 1 else f"kvstrata c={connections}"
+
+
+def run(mib: int, rounds: int, lmcache: str | None, connections: tuple[int, ...] = (4,)) -> dict[str, Any] | None:
+    """Every size's rounds against one `redis-server` this starts (a kvstrata side per
+    `connections` per node); None (said) without one."""
     if find_redis_binary() is None:
         print("redis-server is not installed here: no remote rows")
         return None
-    sides = ["kvstrata"] + (["lmcache"] if lmcache else [])
+    per_side = {side_name(c, connections): c for c in connections}
+    sides = list(per_side) + (["lmcache"] if lmcache else [])
     tokens = max(256, mib * 8 // 256 * 256)  # 128 KiB per token, whole 32 MiB chunks
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {k: [] for k in SIZES} for s in sides}
     # No maxmemory: 8 of LMCache's 32 MiB SETs at once grow query buffers past a bound that
@@ -99,11 +110,11 @@ def run(mib: int, rounds: int, lmcache: str | None) -> dict[str, Any] | None:
                 for side in (sides if r % 2 == 0 else sides[::-1]):
                     _flushall(server.url)
                     spec = {"url": server.url, "block_tokens": block_tokens, "mib": tokens // 8,
-                            "seeds": [1], "prompt_tokens": tokens}
+                            "seeds": [1], "prompt_tokens": tokens, "connections": per_side.get(side, 0)}
                     results[side][label].append(_child(side, spec, lmcache or sys.executable))
     finally:
         server.stop()
-    return {"mib": tokens // 8, "rounds": rounds, "results": results}
+    return {"mib": tokens // 8, "rounds": rounds, "connections": list(connections), "results": results}
 
 
 def _flushall(url: str) -> None:
@@ -125,8 +136,13 @@ def rows(remote: dict[str, Any]) -> list[list[Any]]:
         runs = res.get(side, {}).get(label, [])
         return statistics.median(r["bytes"] / r[key] / 1e9 for r in runs) if runs else float("nan")
 
+    connections = tuple(remote.get("connections", [4]))
     for label in SIZES:
         for what, key in (("store", "write_s"), ("read", "read_s")):
-            k, lm = med("kvstrata", label, key), med("lmcache", label, key)
-            out.append([f"remote {what} {label} values (GB/s)", k, lm, k / lm if lm == lm else "-"])
+            lm = med("lmcache", label, key)
+            for c in connections:
+                side = side_name(c, connections)
+                k = med(side, label, key)
+                name = f"remote {what} {label} values" + ("" if side == "kvstrata" else f", {c} connections")
+                out.append([f"{name} (GB/s)", k, lm, k / lm if lm == lm else "-"])
     return out

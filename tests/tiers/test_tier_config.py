@@ -85,6 +85,12 @@ def test_tier_configs_from_plain_json(tmp_path: Path) -> None:
      r"^t: RemoteTierConfig\.min_rate_bps must be in \[1024, 1099511627776\] bytes per second, got 1000$"),
     ({"type": "remote", "url": "redis://h:1", "clear_budget_s": float("inf")},
      r"^t: RemoteTierConfig\.clear_budget_s must be in \(0, 86400\] seconds, got inf$"),
+    ({"type": "remote", "url": "redis://h:1", "connections_per_node": 0},
+     r"^t: RemoteTierConfig\.connections_per_node must be an int in \[1, 64\], got 0$"),
+    ({"type": "remote", "url": "redis://h:1", "connections_per_node": 65},
+     r"^t: RemoteTierConfig\.connections_per_node must be an int in \[1, 64\], got 65$"),
+    ({"type": "remote", "url": "redis://h:1", "connections_per_node": 2.0},
+     r"^t: RemoteTierConfig\.connections_per_node must be an int in \[1, 64\], got 2\.0$"),
     ({"type": "pool", "num_blocks": 4, "device": "meta"}, r"^t: PoolTierConfig\.device='meta' is not a device"),
     ({"type": "pool", "num_blocks": 4, "demotion": "never"}, r"^t: PoolTierConfig\.demotion must be 'on_evict' or"),
     ({"type": "tape", "capacity_bytes": 1}, r"^t\.type='tape' is not a registered tier; registered: \['pool', 'cpu'"),
@@ -131,19 +137,21 @@ def test_each_config_opens_its_tier(tmp_path: Path) -> None:
 
 
 def test_the_remote_tiers_knobs_reach_the_tier() -> None:
-    """`max_pending_bytes`, `cooldown_s`, `min_rate_bps` and `clear_budget_s` of the config are
-    the opened tier's, against a real server."""
+    """`max_pending_bytes`, `cooldown_s`, `min_rate_bps`, `clear_budget_s` and
+    `connections_per_node` of the config are the opened tier's, against a real server."""
     from tests.redis_fixtures import redis_server
 
     with redis_server() as server:
         config = tier_config({"type": "remote", "url": server.url, "timeout_s": 2, "max_pending_bytes": 1 << 20,
-                              "cooldown_s": 0.5, "min_rate_bps": 1 << 20, "clear_budget_s": 3}, "t")
+                              "cooldown_s": 0.5, "min_rate_bps": 1 << 20, "clear_budget_s": 3,
+                              "connections_per_node": 3}, "t")
         remote = config.open(context())
         try:
             assert remote.clear_budget_s == 3.0
             assert remote._server.limit(1 << 20) == pytest.approx(3.0)  # 2 s, and 1 MiB at 1 MiB/s
             assert remote._writes._max_pending_bytes == 1 << 20
             assert remote.reads._cooldown_s == 0.5
+            assert remote._server.connections_per_node == 3 and remote._server._lanes.workers == 2
             assert remote.put([key(1)], [block(1)]) == 1 and remote.flush()
         finally:
             remote.close()

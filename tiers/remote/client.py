@@ -10,7 +10,9 @@ redis-py then raises `TimeoutError` and drops that connection, so none is reused
 half-read state. A deadline may also bound the bytes its calls receive (`max_reply_bytes`):
 redis-py reads whatever length a reply claims, so a server that answers INFO with
 `$1073741824` and keeps sending would fill memory until the deadline; past the bound a
-receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection).
+receive raises `ReplyTooLong` (a `ConnectionError`: redis-py drops the connection). A thread
+working for another's call (a lane of a split call) runs under that call's deadline
+(`deadline_at(current_deadline(), ...)`) with its own share of the bound on bytes.
 
 `Health` (`tiers/shared/health.py`) keeps one kind of call's faults (reads apart from writes: a
 full server refusing writes never makes a read a miss), its circuit breaker and its warning.
@@ -26,10 +28,12 @@ import ssl
 import threading
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tiers.remote.resp import ReplyTooLong
+from tiers.remote.lanes import Lanes
+from tiers.remote.resp import SMALL_REPLY, ReplyTooLong
 from tiers.remote.stream import Op, Streams
 from tiers.remote.url import UrlParts, parse, redacted, scrub
 from tiers.shared.health import Health
@@ -37,20 +41,35 @@ from tiers.shared.health import Health
 logger = logging.getLogger("tiers.remote.tier")
 
 REPLY_SLACK = 1 << 20  # what a call may receive beyond its replies (a handshake, a cluster's slot map)
+CONNECTIONS_PER_NODE = 4  # by default
+_INFO_BYTES = 1 << 20  # INFO memory of every node
+SPLIT_FROM = 4 << 20  # a call moving fewer bytes runs on one connection per node (lanes cost a thread hop)
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, max_reply_bytes: int) -> Iterator[None]:
+def deadline(seconds: float, max_reply_bytes: int) -> contextlib.AbstractContextManager[None]:
     """Bound every socket operation of this thread's redis calls in the block to end within
     `seconds` from now, together, and to receive at most `max_reply_bytes`, together."""
+    return deadline_at(time.monotonic() + seconds, max_reply_bytes)
+
+
+@contextlib.contextmanager
+def deadline_at(end: float | None, max_reply_bytes: int) -> Iterator[None]:
+    """`deadline` ending at the `time.monotonic()` value `end` (None: no bound on time): how
+    a thread working for another's call runs under that call's deadline."""
     previous = getattr(_local, "deadline", None), getattr(_local, "budget", None)
-    _local.deadline = time.monotonic() + seconds
+    _local.deadline = end
     _local.budget = [max_reply_bytes, max_reply_bytes]  # left, bound
     try:
         yield
     finally:
         _local.deadline, _local.budget = previous
+
+
+def current_deadline() -> float | None:
+    """This thread's deadline (a `time.monotonic()` value; None: none)."""
+    end: float | None = getattr(_local, "deadline", None)
+    return end
 
 
 def _charge(nbytes: int) -> None:
@@ -162,6 +181,12 @@ class _DeadlineMixin:
         return sock
 
 
+def lane_of(key: bytes, lanes: int) -> int:
+    """The lane (of `lanes`) that every command on `key` takes: the same for every call, so
+    two commands on one key always share a connection and keep their order."""
+    return zlib.crc32(key) % lanes
+
+
 def _connection_class(scheme: str) -> type:
     from redis.connection import Connection, SSLConnection, UnixDomainSocketConnection
 
@@ -204,13 +229,16 @@ def connect(url: str, timeout_s: float, parts: UrlParts | None = None, password:
 
 class Server:
     """The calls of one tier to its server (or cluster): one client, connected on first use,
-    and windowed pipelines on it (`tiers/remote/stream.py`). A round trip moving `nbytes`
+    and windowed pipelines on it (`tiers/remote/stream.py`), large ones over
+    `connections_per_node` lanes at once (`stream`). A round trip moving `nbytes`
     must end within `timeout_s + nbytes / min_rate_bps` and receive at most its replies'
     bound (and `REPLY_SLACK`), else it is a fault; reads and writes keep apart `Health`."""
 
     def __init__(self, url: str, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
-                 window_bytes: int, password: str | None) -> None:
+                 window_bytes: int, password: str | None, connections_per_node: int = CONNECTIONS_PER_NODE) -> None:
         self.url = url
+        self.connections_per_node = connections_per_node
+        self._lanes = Lanes(connections_per_node - 1, "kvstrata-remote-lane")
         self.parts = parse(url)
         self._password = password  # used where the URL has none
         self._secrets = self.parts.secrets + [s for s in (password,) if s]
@@ -260,14 +288,54 @@ class Server:
         return lambda what, nbytes, fn, reply_bytes: self.call(health, what, nbytes, fn, reply_bytes)
 
     def stream(self, health: Health, what: str, nbytes: int, ops: list[Op], on_reply: Callable[[int, Any], bool],
-               buffer_for: Callable[[int], memoryview | None] | None = None) -> bool:
+               buffer_for: Callable[[int], memoryview | None] | None = None, *, head: int = 0) -> bool:
         """Run `ops` as a windowed pipeline within the deadline for `nbytes`, passing each
         reply to `on_reply` until it returns False; False if the call failed as a whole.
         Errors (refused commands, a lost connection, a reply longer than its `Op.limit`) are
-        one fault of `health` per call."""
+        one fault of `health` per call.
+
+        With `head` > 0 a call moving at least `SPLIT_FROM` bytes is split into lanes by
+        key (`lane_of`), each on its own connections and thread, under the call's deadline
+        and its lane's share of the reply bound: every lane sends `ops[:head]` first, then its
+        keys' commands in their order (so one key's commands keep theirs). `on_reply` is then
+        called from several threads at once, in order within a lane, and False stops only
+        the lane it came from."""
+        lanes = self._split(ops, head) if head and nbytes >= SPLIT_FROM else [list(range(len(ops)))]
         replies = 2 * sum(op.limit for op in ops)  # a cluster may send a call twice
-        return self.call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
-            ops, on_reply, buffer_for), replies) is not None
+        if len(lanes) == 1:
+            return self.call(health, what, nbytes, lambda _: self._streams.run(  # type: ignore[union-attr]
+                ops, on_reply, buffer_for), replies) is not None
+        return self.call(health, what, nbytes, lambda _: self._run_lanes(ops, lanes, on_reply, buffer_for),
+                         replies + len(lanes) * REPLY_SLACK) is not None
+
+    def _split(self, ops: list[Op], head: int) -> list[list[int]]:
+        """The indices of each lane's ops: `ops[:head]`, then the ops whose key is its own."""
+        lanes: list[list[int]] = [list(range(head)) for _ in range(self.connections_per_node)]
+        for i in range(head, len(ops)):
+            lanes[lane_of(ops[i].key, self.connections_per_node)].append(i)
+        return [lane for lane in lanes if len(lane) > head]
+
+    def _run_lanes(self, ops: list[Op], lanes: list[list[int]], on_reply: Callable[[int, Any], bool],
+                   buffer_for: Callable[[int], memoryview | None] | None) -> list[Any]:
+        """Every lane's outcomes (`Streams.run`), each lane run under this thread's deadline
+        with its own bound on replies; a lane that raised is raised once all have ended."""
+        end = current_deadline()
+        streams: Streams = self._streams  # type: ignore[assignment]  # connected by `call`
+
+        def lane(indices: list[int]) -> Callable[[], list[Any]]:
+            mine = [ops[i] for i in indices]
+
+            def run() -> list[Any]:
+                with deadline_at(end, 2 * sum(op.limit for op in mine) + REPLY_SLACK):
+                    return streams.run(mine, lambda k, reply: on_reply(indices[k], reply), buffer_for)
+            return run
+
+        outcomes: list[Any] = []
+        for result in self._lanes.run([lane(indices) for indices in lanes]):
+            if isinstance(result, Exception):
+                raise result
+            outcomes += result
+        return outcomes
 
     def pipelined(self, health: Health, what: str, nbytes: int, commands: Callable[[Any], object]) -> list[Any] | None:
         """The replies to the commands `commands(pipe)` queues, in one round trip (None: a
@@ -280,11 +348,34 @@ class Server:
         replies: list[Any] | None = self.call(health, what, nbytes, run, nbytes)
         return replies
 
+    def check_policy(self) -> None:
+        """Warn (once, with the writes' warning) if the server evicts nothing when full; a
+        fault of reads if it does not answer."""
+        policy = self.call(self.reads, "CONFIG GET maxmemory-policy", SMALL_REPLY,
+                           lambda c: c.config_get("maxmemory-policy"), SMALL_REPLY)
+        values = list(policy.values()) if isinstance(policy, dict) else []
+        flat = [v for v in values if isinstance(v, (str, bytes))] or [
+            x for v in values if isinstance(v, dict) for x in v.values()]
+        if any((p.decode() if isinstance(p, bytes) else p) == "noeviction" for p in flat):
+            self.writes.warn(f"remote tier {redacted(self.url)} has maxmemory-policy noeviction: writes fail "
+                             "once it is full; set maxmemory-policy allkeys-lru")
+
+    def memory(self) -> tuple[int, int]:
+        """The server's `used_memory` and `maxmemory` in bytes, summed over a cluster's
+        nodes (0, 0: it did not tell, a fault of reads)."""
+        info = self.call(self.reads, "INFO memory", _INFO_BYTES, lambda c: c.info("memory"), _INFO_BYTES)
+        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
+            info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
+                    for k in ("used_memory", "maxmemory")}
+        info = info if isinstance(info, dict) else {}
+        return int(info.get("used_memory", 0)), int(info.get("maxmemory", 0))
+
     def fault(self, health: Health, what: str, exc: BaseException) -> None:
         health.fault(f"remote tier {redacted(self.url)}: {what} failed "
                      f"({type(exc).__name__}: {scrub(str(exc), self._secrets)}); treated as a miss")
 
     def close(self) -> None:
+        self._lanes.close()
         with contextlib.suppress(Exception):  # closing a dead connection
             if self._client is not None:
                 self._client.close()

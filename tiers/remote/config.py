@@ -9,12 +9,14 @@ from tiers.base import Tier
 from tiers.codecs import CodecConfig, RawConfig, codec_config
 from tiers.errors import ConfigError
 from tiers.plugins import require_int
+from tiers.remote.client import CONNECTIONS_PER_NODE
 from tiers.remote.tier import RemoteTier, check_url
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
 _RAW = RawConfig()
 MAX_TTL_S = 1 << 32  # a record's expiry, in seconds: what a server takes
 MAX_PENDING_BYTES = 256 << 20  # queued writes, by default
+MAX_CONNECTIONS_PER_NODE = 64
 MIN_RATE_BPS = 64 << 20  # the slowest transfer a call may make before it is a fault, by default
 
 
@@ -53,6 +55,9 @@ class RemoteTierConfig(TierConfig):
             seconds (in [1 KiB/s, 1 TiB/s]), else it is a fault.
         clear_budget_s: a clear (or a listing) of this namespace on the server walks it for
             at most this long; what it could not reach is left to the next one.
+        connections_per_node: reads and writes of at least 4 MiB run on this many connections
+            per server node at once (in [1, 64]; each key always on the same one), with this many
+            threads less one per tier; 1: one connection, the caller's thread.
     """
 
     tier = RemoteTier
@@ -65,6 +70,7 @@ class RemoteTierConfig(TierConfig):
     cooldown_s: float = 5.0
     min_rate_bps: float = MIN_RATE_BPS
     clear_budget_s: float = 30.0
+    connections_per_node: int = CONNECTIONS_PER_NODE
 
     def __post_init__(self) -> None:
         check_url(self.url)
@@ -79,10 +85,13 @@ class RemoteTierConfig(TierConfig):
                                                 "bytes per second", above_low=False))
         set_(self, "clear_budget_s", check_number(self.clear_budget_s, "RemoteTierConfig.clear_budget_s", 0, 86400,
                                                   "seconds"))
+        require_int("RemoteTierConfig.connections_per_node", self.connections_per_node, 1,
+                    high=MAX_CONNECTIONS_PER_NODE)
 
     def open(self, ctx: TierContext) -> Tier:
         return RemoteTier(self.url, ctx.block_shape, ctx.dtype, namespace=ctx.namespace,
                           verify_tokens=ctx.verify_tokens, ttl_s=self.ttl_s, timeout_s=self.timeout_s,
                           max_pending_bytes=self.max_pending_bytes, cooldown_s=self.cooldown_s,
                           min_rate_bps=self.min_rate_bps, codec=ctx.codec_spec(self.codec),
-                          password=ctx.remote_password, clear_budget_s=self.clear_budget_s)
+                          password=ctx.remote_password, clear_budget_s=self.clear_budget_s,
+                          connections_per_node=self.connections_per_node)

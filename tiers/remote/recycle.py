@@ -4,7 +4,8 @@ A fresh buffer for each record costs more than the record itself: the kernel fau
 zeroes every page (a 32 MiB record: ~40 ms here, against ~4 ms to copy into a reused one), and
 the allocator hands large buffers back to the kernel when they are freed. Buffers of one
 size class (the tier's largest record) go back here once the writer has sent their record and
-are taken by the next store. At most `max_bytes` wait here; `trim` releases them all (the
+are taken by the next store; reads receive values into them too (one per value, given back
+once it is checked). At most `max_bytes` wait here; `trim` releases them all (the
 writer calls it when it has been idle a while), so an idle tier holds no record memory.
 """
 
@@ -16,8 +17,9 @@ import threading
 class RecordBuffers:
     """Free buffers of `size` bytes, at most `max_bytes` of them kept. Thread-safe.
 
-    Invariant: a buffer is either here or lent out (encoding, queued or being sent), never
-    both: `give` takes back only what the writer finished with, and `take` removes it.
+    Invariant: a buffer is either here or lent out (encoding, queued, being sent, or
+    receiving a value until it is checked), never both: `give` takes back only what its
+    user finished with, and `take` removes it.
     """
 
     def __init__(self, size: int, max_bytes: int) -> None:

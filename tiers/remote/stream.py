@@ -3,7 +3,8 @@
 redis-py sends a pipeline whole and reads its replies after: the server then builds every
 reply before the client takes the first, and for a prompt of 2 MiB blocks that is hundreds
 of MiB of output buffers allocated, faulted in, copied and pushed out of the CPU caches,
-on both sides. Here each connection (a *lane*: one per node a call touches) keeps at most
+on both sides. Here each connection (a *lane*: one per node a call touches; a call split by
+`Server.stream` runs one such pass per lane of its own, each on its own thread) keeps at most
 `window_bytes` of commands unanswered, refilling when half is answered, so the data in
 flight stays small and warm; replies are taken in the commands' order across lanes while
 every node works on its window (a cluster's nodes work in parallel). A call that stops early
@@ -16,6 +17,7 @@ connection is returned to its pool only with every reply read, otherwise it is c
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -115,7 +117,7 @@ def _drop(size: int) -> None:
 
 class Streams:
     """Windowed pipelines on one redis-py client (`Redis` or `RedisCluster`). Thread-safe:
-    each call takes its own connections."""
+    each call (and each lane of a call split by `Server.stream`) takes its own connections."""
 
     def __init__(self, client: Any, window_bytes: int) -> None:
         self._client = client
@@ -123,6 +125,7 @@ class Streams:
         self._cluster = hasattr(client, "nodes_manager")
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
+        self._refreshing = threading.Lock()  # lanes of one call run at once (tiers/remote/lanes.py)
 
     def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
         """The lane of each command from `start` on, in order (one lane per connection pool)."""
@@ -149,13 +152,16 @@ class Streams:
     def _refresh(self) -> None:
         """Reread a cluster's slot map if a call found it stale (at most once a second). If no
         node answers, the old map stays (its live nodes still serve their slots)."""
-        if self._stale and self._may_refresh():
+        if not self._stale or not self._may_refresh() or not self._refreshing.acquire(blocking=False):
+            return  # another lane of the call may be rereading it: this one goes on with the map it has
+        try:
             self._refreshed_at = time.monotonic()
-            try:
-                self._client.nodes_manager.initialize()
-            except Exception:  # the commands that follow fail or succeed on their own, counted
-                return
+            self._client.nodes_manager.initialize()
             self._stale = False
+        except Exception:  # the commands that follow fail or succeed on their own, counted
+            return
+        finally:
+            self._refreshing.release()
 
     def run(self, ops: Sequence[Op], on_reply: OnReply, buffer_for: BufferFor | None = None) -> list[Any]:
         """Send `ops` and pass each reply, in order, to `on_reply`, until it returns False.

@@ -32,7 +32,7 @@ from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
 from tiers.keys import BlockHash, BlockKey, TierKind
-from tiers.remote.client import Server, connect
+from tiers.remote.client import CONNECTIONS_PER_NODE, Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
 from tiers.remote.recycle import RecordBuffers
 from tiers.remote.stream import Op, ReplyTooLong, command
@@ -50,7 +50,6 @@ _BATCH_BYTES = 64 << 20  # records per call (a write batch, a chunk of a read), 
 _WINDOW_BYTES = 1 << 20  # unanswered bytes per connection (see tiers/remote/stream.py)
 _REPLY_BYTES = 64  # a small reply (EXISTS, DEL, SET's OK), for deadlines and bounds
 _RECORD_SLACK = 1024  # a record's header beyond the block's bytes, at most (for deadlines)
-_INFO_BYTES = 1 << 20  # INFO memory of every node
 _SCAN_COUNT = 10_000  # slots one SCAN round visits
 _RECYCLE_FROM = 64 << 10  # blocks of at least this many bytes are encoded into reused buffers
 _HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a longer one: a fresh record)
@@ -66,7 +65,9 @@ class RemoteTier(Tier):
     old generation's blocks are never even read). A round trip moving n bytes must end within
     `timeout_s + n / min_rate_bps` (connect, send and the whole reply), else it is a fault.
     `password` authenticates where the URL has none (the tier reads no environment variable).
-    A clear (or a listing) walks the server for at most `clear_budget_s`.
+    A clear (or a listing) walks the server for at most `clear_budget_s`. Large reads and
+    writes run on up to `connections_per_node` connections per server node at once, each key
+    always on the same one (`Server.stream`).
     """
 
     kind = TierKind.REMOTE
@@ -75,10 +76,10 @@ class RemoteTier(Tier):
     def __init__(self, url: str, block_shape: tuple[int, ...], dtype: torch.dtype, *, namespace: bytes,
                  verify_tokens: bool = True, ttl_s: int | None = None, timeout_s: float = 0.5,
                  max_pending_bytes: int = 256 << 20, cooldown_s: float = 5.0,
-                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None,
-                 password: str | None = None, clear_budget_s: float = 30.0) -> None:
+                 min_rate_bps: float = 64 << 20, codec: CodecSpec | None = None, password: str | None = None,
+                 clear_budget_s: float = 30.0, connections_per_node: int = CONNECTIONS_PER_NODE) -> None:
         self._server = Server(url, timeout_s=timeout_s, min_rate_bps=min_rate_bps, cooldown_s=cooldown_s,
-                              window_bytes=_WINDOW_BYTES, password=password)
+                              window_bytes=_WINDOW_BYTES, password=password, connections_per_node=connections_per_node)
         self._url = url
         self.reads, self.writes = self._server.reads, self._server.writes
         self._call, self._stream, self._fault = self._server.call, self._server.stream, self._server.fault
@@ -94,13 +95,13 @@ class RemoteTier(Tier):
         self._closed = False
         self._count_lock = threading.Lock()
         self._rx = threading.local()  # each reading thread's record buffer, reused
-        self._check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
+        self._server.check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._gen = Generation(self._keys, lambda fn: self._call(self.reads, "generation", _REPLY_BYTES, fn,
                                                                  2 * _REPLY_BYTES),
                                lambda exc: self._fault(self.reads, "generation", exc))
         self._gen.sync()
-        recycle = self.codec.block_bytes >= _RECYCLE_FROM
-        self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if recycle else 0)
+        self._recycle = self.codec.block_bytes >= _RECYCLE_FROM  # records are built and received in reused buffers
+        self._buffers = RecordBuffers(self.codec.block_bytes + _HEADER_ROOM, max_pending_bytes if self._recycle else 0)
         self._stall_s = 2 * self._server.limit(_BATCH_BYTES) + 1.0  # a batch's longest send, and then some
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
                                   batch_bytes=_BATCH_BYTES, stall_s=self._stall_s,
@@ -111,16 +112,6 @@ class RemoteTier(Tier):
     def num_errors(self) -> int:
         """Server faults of reads and writes together (`reads.num_errors`, `writes.num_errors`)."""
         return self.reads.num_errors + self.writes.num_errors
-
-    def _check_policy(self) -> None:
-        policy = self._call(self.reads, "CONFIG GET maxmemory-policy", _REPLY_BYTES,
-                            lambda c: c.config_get("maxmemory-policy"), _REPLY_BYTES)
-        values = list(policy.values()) if isinstance(policy, dict) else []
-        flat = [v for v in values if isinstance(v, (str, bytes))] or [
-            x for v in values if isinstance(v, dict) for x in v.values()]
-        if any((p.decode() if isinstance(p, bytes) else p) == "noeviction" for p in flat):
-            self.writes.warn(f"remote tier {redacted(self._url)} has maxmemory-policy noeviction: writes fail "
-                             "once it is full; set maxmemory-policy allkeys-lru")
 
     @property
     def identity(self) -> str:
@@ -178,41 +169,54 @@ class RemoteTier(Tier):
         return n
 
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        """GET `keys` in one windowed pipeline, each value received into this thread's record
-        buffer, validated and copied into its `dsts`; stop at the first that is absent, fails
-        or was refused (a fault). Returns how many were copied."""
-        n = 0
+        """GET `keys` in one windowed pipeline (lanes if large), each value received into its
+        thread's record buffer, validated and copied into its `dsts`; returns how many blocks
+        precede the first absent, failed or refused one (a lane stops at its first such, or
+        past another lane's; a later block it copied, validated, is not counted)."""
+        copied = [False] * len(keys)
+        first_miss = [len(keys)]
         damaged: list[BlockHash] = []
         generation = self._gen.now()
         if generation is None:
             return 0
 
-        def on_value(i: int, value: Any) -> bool:
-            nonlocal n
-            if i == 0:
-                return self._gen.check(generation, value)
-            i -= 1
-            if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
-                self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
-                damaged.append(keys[i].block_hash)
-            if not isinstance(value, memoryview):
-                return False  # absent, or the server refused this GET
-            if not self._take(keys[i], dsts[i], value, damaged):
+        def missed(i: int) -> bool:
+            with self._count_lock:
+                first_miss[0] = min(first_miss[0], i)
                 return False
-            n += 1
-            return True
+
+        def on_value(i: int, value: Any) -> bool:
+            if i == 0:
+                return self._gen.check(generation, value) or missed(0)
+            i -= 1
+            try:
+                if i > first_miss[0]:
+                    return False  # past a miss: not counted whatever it holds
+                if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
+                    self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
+                    damaged.append(keys[i].block_hash)
+                if not isinstance(value, memoryview) or not self._take(keys[i], dsts[i], value, damaged):
+                    return missed(i)  # absent, refused by the server, or failed its checks
+                copied[i] = True
+                return True
+            finally:
+                if isinstance(value, memoryview):
+                    self._buffers.give(value.obj)  # a reused buffer back (this thread's own is not taken)
 
         ops = [self._gen.op(), *(Op(key, command(b"GET", key), self._record_bytes, bulk=True, limit=self._value_limit)
                                  for key in (self._keys.key(generation, k.block_hash) for k in keys))]
         self._stream(self.reads, "read", self._record_bytes * len(keys) + _REPLY_BYTES, ops, on_value,
-                     self._buffer_for)
+                     self._buffer_for, head=1)
         if damaged:
             self.discard(damaged)
-        return n
+        return copied.index(False) if False in copied else len(keys)
 
     def _buffer_for(self, size: int) -> memoryview:
-        """This thread's record buffer, `size` bytes of it (at most `_value_limit`: the
-        reader refuses longer values unread)."""
+        """`size` bytes (at most `_value_limit`: longer values are refused unread) of a
+        reused record buffer (faulted in already; `on_value` gives it back), where blocks are
+        large and it fits, else of this thread's own."""
+        if self._recycle and size <= self._buffers.size:
+            return memoryview(self._buffers.take())[:size]
         buf: bytearray | None = getattr(self._rx, "buf", None)
         if buf is None or len(buf) < size:
             buf = self._rx.buf = bytearray(max(size, self._record_bytes))
@@ -225,7 +229,8 @@ class RemoteTier(Tier):
         try:
             self.codec.copy_out(self.codec.decode(value, key), dst)
         except UnverifiableRecordError as exc:
-            self.num_unverifiable += 1
+            with self._count_lock:  # lanes of a read count at once
+                self.num_unverifiable += 1
             self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
             return False
         except CorruptRecordError as exc:
@@ -235,7 +240,8 @@ class RemoteTier(Tier):
         return True
 
     def _damaged(self, why: str) -> None:
-        self.counters.num_corrupt += 1
+        with self._count_lock:
+            self.counters.num_corrupt += 1
         self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({why}); deleted, a miss")
 
     # -- writes ------------------------------------------------------------------------------
@@ -260,7 +266,7 @@ class RemoteTier(Tier):
     def _encode(self, key: BlockKey, src: torch.Tensor) -> memoryview:
         """The record of one block, in a reused buffer where blocks are large (its page faults
         cost more than the copy: `tiers/remote/recycle.py`), else a fresh one."""
-        if self._buffers.size - _HEADER_ROOM >= _RECYCLE_FROM:
+        if self._recycle:
             buf = self._buffers.take()
             size = self.codec.encode_into(key, src, memoryview(buf))
             if size is not None:
@@ -274,8 +280,8 @@ class RemoteTier(Tier):
             self._warn_drop(f"remote tier {redacted(self._url)}: {num} block writes dropped ({why})")
 
     def _send(self, batch: list[Record]) -> list[bool]:
-        """SET the batch's records in one windowed pipeline, after a GET of the generation;
-        whether each was stored under the generation in use (the server's). A batch of
+        """SET the batch's records in one windowed pipeline (lanes by key if large), each lane
+        after a GET of the generation; whether each was stored under the generation in use (the server's). A batch of
         another generation (a clear since its records were made, or the key lost) stops: what
         was sent of it is unreachable, and it counts as dropped."""
         size = sum(r.value.nbytes for r in batch)
@@ -290,7 +296,7 @@ class RemoteTier(Tier):
             stored[i - 1] = reply == b"OK" and parsed[i - 1][0] == parsed[0][0]
             return True
 
-        sent = self._stream(self.writes, "write", size + _REPLY_BYTES, ops, on_reply)
+        sent = self._stream(self.writes, "write", size + _REPLY_BYTES, ops, on_reply, head=1)
         for r in batch:  # sent or not, the socket holds no reference to them now
             self._buffers.give(r.value.obj)
         if not sent:
@@ -391,9 +397,4 @@ class RemoteTier(Tier):
 
     def occupancy(self) -> Occupancy:
         """The server's memory (`used_memory` of `maxmemory`); blocks are not counted (0)."""
-        info = self._call(self.reads, "INFO memory", _INFO_BYTES, lambda c: c.info("memory"), _INFO_BYTES)
-        if isinstance(info, dict) and "used_memory" not in info:  # a cluster: per node
-            info = {k: sum(int(v.get(k, 0)) for v in info.values() if isinstance(v, dict))
-                    for k in ("used_memory", "maxmemory")}
-        info = info if isinstance(info, dict) else {}
-        return Occupancy(0, self.capacity_blocks, int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)))
+        return Occupancy(0, self.capacity_blocks, *self._server.memory())
