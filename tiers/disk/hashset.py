@@ -43,6 +43,7 @@ class CompactHashSet:
         self._cols: list[Column] = []
         self._starts: npt.NDArray[np.int64] = np.zeros(2, np.int64)
         self._shift = 64
+        self._steps = 0
         self._added: set[bytes] = set()
         self._removed: set[bytes] = set()
         self._other: set[bytes] = set()
@@ -92,28 +93,28 @@ class CompactHashSet:
         bits = max(0, (n // _BUCKET_LOAD).bit_length() - 1)
         self._shift = 64 - bits
         top = (cols[0] >> np.uint64(self._shift)).astype(np.int64) if bits and n else np.zeros(n, np.int64)
+        sizes = np.bincount(top, minlength=1 << bits)
         self._starts = np.zeros((1 << bits) + 1, np.int64)
-        np.cumsum(np.bincount(top, minlength=1 << bits), out=self._starts[1:])
+        np.cumsum(sizes, out=self._starts[1:])
+        self._steps = int(sizes.max()).bit_length() if n else 0  # halvings that cover the largest bucket
 
     # -- probes -------------------------------------------------------------------------
     def _n(self) -> int:
         return len(self._cols[0]) if self._cols else 0
 
     def _lower(self, q0: Column) -> npt.NDArray[np.int64]:
-        """For each value, the first position whose leading column is not below it."""
-        c0 = self._cols[0]
+        """For each value, the first position whose leading column is not below it: from the
+        start of its bucket, a branch-free binary search of `_steps` halvings (every value
+        past the bucket is above it, so a window wider than the bucket is as good)."""
+        c0, last = self._cols[0], len(self._cols[0]) - 1
         top = (q0 >> np.uint64(self._shift)).astype(np.int64) if self._shift < 64 else np.zeros(len(q0), np.int64)
-        lo: npt.NDArray[np.int64] = self._starts[top]
-        hi: npt.NDArray[np.int64] = self._starts[top + 1]
-        last = len(c0) - 1
-        while True:
-            active = lo < hi
-            if not active.any():
-                return lo
-            mid = (lo + hi) >> 1
-            below = c0[np.minimum(mid, last)] < q0
-            lo = np.where(active & below, mid + 1, lo)
-            hi = np.where(active & ~below, mid, hi)
+        pos: npt.NDArray[np.int64] = self._starts[top]
+        probe = np.empty_like(pos)
+        for k in range(self._steps - 1, -1, -1):
+            np.add(pos, (1 << k) - 1, out=probe)
+            np.minimum(probe, last, out=probe)
+            pos += (c0[probe] < q0) << k
+        return np.minimum(pos, last + 1, out=pos)
 
     def _find(self, q: list[Column]) -> tuple[npt.NDArray[np.int64], Mask]:
         """(where each row of `q` is or would go in byte order, whether it is there)."""
