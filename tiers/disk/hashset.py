@@ -25,7 +25,8 @@ import numpy.typing as npt
 
 Column = npt.NDArray[np.uint64]
 Mask = npt.NDArray[np.bool_]
-_CHUNK = 1 << 16  # keys joined at once by a build
+_CHUNK = 1 << 10  # keys joined at once by a build (its buffers stay below malloc's mmap threshold)
+_DIRECTORY_CHUNK = 1 << 16  # rows a pass over the columns takes at once
 _BUCKET_LOAD = 4  # about this many hashes per directory bucket
 _FIRST_PROBE = 16  # count_prefix probes this many first (an early miss is cheap), then the rest
 
@@ -52,16 +53,19 @@ class CompactHashSet:
 
     # -- building -----------------------------------------------------------------------
     @classmethod
-    def from_keys(cls, keys: Iterable[bytes], skip: int = 0, *, merge_share: float = 1 / 32,
+    def from_keys(cls, keys: Iterable[bytes], skip: int = 0, *, size_hint: int = 0, merge_share: float = 1 / 32,
                   merge_min: int = 4096) -> CompactHashSet:
         """The hashes `key[skip:]` of `keys` (any order, duplicates allowed), in one pass that
-        runs Python code per chunk of 65,536 keys, not per key."""
+        runs Python code per chunk of keys, not per key. `size_hint`: about how many there
+        are (at least: the columns are allocated once, then cut to size; no large buffer is
+        freed on the way, which glibc would keep in the heap as resident memory)."""
         self = cls(merge_share=merge_share, merge_min=merge_min)
-        parts: list[list[Column]] = []
-        it = iter(keys)
+        cols: list[Column] = []
+        n, it = 0, iter(keys)
         while chunk := list(islice(it, _CHUNK)):
             if self._width is None:
                 self._width = next((len(k) - skip for k in chunk if _valid_width(len(k) - skip)), None)
+                cols = [np.empty(max(size_hint, len(chunk)), np.uint64) for _ in range((self._width or 0) // 8)]
             if self._width is None:
                 self._other.update(k[skip:] for k in chunk)
                 continue
@@ -69,11 +73,16 @@ class CompactHashSet:
             if set(map(len, chunk)) != {size}:  # (mixed widths: rare)
                 self._other.update(k[skip:] for k in chunk if len(k) != size)
                 chunk = [k for k in chunk if len(k) == size]
-            if chunk:
-                rows = np.frombuffer(b"".join(chunk), np.uint8).reshape(len(chunk), size)[:, skip:]
-                parts.append(self._split(np.ascontiguousarray(rows)))
-        if parts:
-            self._set_cols(_sorted_unique([np.concatenate([p[i] for p in parts]) for i in range(len(parts[0]))]))
+            if n + len(chunk) > len(cols[0]):  # (more than the hint)
+                cols = [np.concatenate((c[:n], np.empty(max(n, len(chunk)), np.uint64))) for c in cols]
+            words = np.frombuffer(b"".join(chunk), np.uint8).reshape(len(chunk), size)[:, skip:].view(">u8")
+            for i, c in enumerate(cols):
+                c[n : n + len(chunk)] = words[:, i]
+            n += len(chunk)
+        for c in cols:
+            c.resize(n, refcheck=False)  # (in place: the tail given back)
+        if n:
+            self._set_cols(cols if _in_order(cols) else _sorted_unique(cols))
         return self
 
     def _split(self, rows: npt.NDArray[np.uint8]) -> list[Column]:
@@ -92,8 +101,11 @@ class CompactHashSet:
         n = len(cols[0]) if cols else 0
         bits = max(0, (n // _BUCKET_LOAD).bit_length() - 1)
         self._shift = 64 - bits
-        top = (cols[0] >> np.uint64(self._shift)).astype(np.int64) if bits and n else np.zeros(n, np.int64)
-        sizes = np.bincount(top, minlength=1 << bits)
+        sizes = np.zeros(1 << bits, np.int64)
+        sizes[0] = 0 if bits else n
+        for a in range(0, n if bits else 0, _DIRECTORY_CHUNK):  # (in pieces: no transient as long as the set)
+            sizes += np.bincount((cols[0][a : a + _DIRECTORY_CHUNK] >> np.uint64(self._shift)).astype(np.int64),
+                                 minlength=1 << bits)
         self._starts = np.zeros((1 << bits) + 1, np.int64)
         np.cumsum(sizes, out=self._starts[1:])
         self._steps = int(sizes.max()).bit_length() if n else 0  # halvings that cover the largest bucket
@@ -273,20 +285,23 @@ class CompactHashSet:
             np.array_equal(a, b) for a, b in zip(self._cols, other._cols, strict=True))
 
 
-def _sorted_unique(cols: list[Column]) -> list[Column]:
-    """Columns sorted together in byte order, repeated rows dropped (no sort when they come
-    sorted, as from LMDB's cursor)."""
+def _in_order(cols: list[Column]) -> bool:
+    """Whether the rows are strictly increasing in byte order (checked in pieces)."""
     n = len(cols[0])
-    if n < 2:
+    return all(_compare([c[a : a + _DIRECTORY_CHUNK + 1] for c in cols])[0].all()
+               for a in range(0, n - 1, _DIRECTORY_CHUNK))
+
+
+def _sorted_unique(cols: list[Column]) -> list[Column]:
+    """Columns sorted together in byte order, repeated rows dropped."""
+    if len(cols[0]) < 2 or _in_order(cols):
         return cols
-    ahead, same = _compare(cols)
-    if not ahead.all():
-        order = np.lexsort(cols[::-1])
-        cols = [c[order] for c in cols]
-        _, same = _compare(cols)
-        if same.any():
-            keep = np.concatenate(([True], ~same))
-            cols = [c[keep] for c in cols]
+    order = np.lexsort(cols[::-1])
+    cols = [c[order] for c in cols]
+    same = _compare(cols)[1]
+    if same.any():
+        keep = np.concatenate(([True], ~same))
+        cols = [c[keep] for c in cols]
     return cols
 
 

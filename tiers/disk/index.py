@@ -249,7 +249,7 @@ class Index:
             return CompactHashSet()
         keys = cast(Iterator[bytes], cursor.iternext(values=False))  # (no buffers: bytes)
         return CompactHashSet.from_keys(keys if to_end else takewhile(methodcaller("startswith", tag), keys),
-                                        skip=len(tag))
+                                        skip=len(tag), size_hint=int(txn.stat(self.index)["entries"]))
 
     def entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, raw entry) of every namespace."""
