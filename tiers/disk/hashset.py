@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, islice
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +28,7 @@ Column = npt.NDArray[np.uint64]
 Mask = npt.NDArray[np.bool_]
 _CHUNK = 1 << 10  # keys joined at once by a build (its buffers stay below malloc's mmap threshold)
 _DIRECTORY_CHUNK = 1 << 16  # rows a pass over the columns takes at once
-_BUCKET_LOAD = 4  # about this many hashes per directory bucket
+_BUCKET_LOAD = 2  # 2 to 4 hashes per directory bucket (1 to 2 bytes of directory per hash)
 _FIRST_PROBE = 16  # count_prefix probes this many first (an early miss is cheap), then the rest
 
 
@@ -42,7 +43,7 @@ class CompactHashSet:
     def __init__(self, *, merge_share: float = 1 / 32, merge_min: int = 4096) -> None:
         self._width: int | None = None
         self._cols: list[Column] = []
-        self._starts: npt.NDArray[np.int64] = np.zeros(2, np.int64)
+        self._starts: npt.NDArray[np.signedinteger[Any]] = np.zeros(2, np.int64)
         self._shift = 64
         self._steps = 0
         self._added: set[bytes] = set()
@@ -101,13 +102,14 @@ class CompactHashSet:
         n = len(cols[0]) if cols else 0
         bits = max(0, (n // _BUCKET_LOAD).bit_length() - 1)
         self._shift = 64 - bits
-        sizes = np.zeros(1 << bits, np.int64)
-        sizes[0] = 0 if bits else n
-        for a in range(0, n if bits else 0, _DIRECTORY_CHUNK):  # (in pieces: no transient as long as the set)
-            sizes += np.bincount((cols[0][a : a + _DIRECTORY_CHUNK] >> np.uint64(self._shift)).astype(np.int64),
-                                 minlength=1 << bits)
-        self._starts = np.zeros((1 << bits) + 1, np.int64)
-        np.cumsum(sizes, out=self._starts[1:])
+        starts = np.full((1 << bits) + 1, n, np.int32 if n < 2**31 else np.int64)
+        for a in range(0, n, _DIRECTORY_CHUNK):  # (in pieces: no transient as long as the set)
+            piece = cols[0][a : a + _DIRECTORY_CHUNK]
+            top = (piece >> np.uint64(self._shift)).astype(np.int64) if bits else np.zeros(len(piece), np.int64)
+            first = np.flatnonzero(np.diff(top, prepend=-1))  # where each bucket's run starts in the piece
+            starts[top[first]] = np.minimum(starts[top[first]], a + first)  # (a run may begin in an earlier piece)
+        self._starts = np.minimum.accumulate(starts[::-1])[::-1].copy()  # an empty bucket starts where the next does
+        sizes = np.diff(self._starts)
         self._steps = int(sizes.max()).bit_length() if n else 0  # halvings that cover the largest bucket
 
     # -- probes -------------------------------------------------------------------------
@@ -120,7 +122,7 @@ class CompactHashSet:
         past the bucket is above it, so a window wider than the bucket is as good)."""
         c0, last = self._cols[0], len(self._cols[0]) - 1
         top = (q0 >> np.uint64(self._shift)).astype(np.int64) if self._shift < 64 else np.zeros(len(q0), np.int64)
-        pos: npt.NDArray[np.int64] = self._starts[top]
+        pos: npt.NDArray[np.int64] = self._starts[top].astype(np.int64)
         probe = np.empty_like(pos)
         for k in range(self._steps - 1, -1, -1):
             np.add(pos, (1 << k) - 1, out=probe)
