@@ -27,7 +27,7 @@ import numpy.typing as npt
 Column = npt.NDArray[np.uint64]
 Mask = npt.NDArray[np.bool_]
 _CHUNK = 1 << 10  # keys joined at once by a build (its buffers stay below malloc's mmap threshold)
-_DIRECTORY_CHUNK = 1 << 16  # rows a pass over the columns takes at once
+_DIRECTORY_CHUNK = 1 << 13  # rows a pass over the columns takes at once (its temporaries stay small)
 _BUCKET_LOAD = 2  # 2 to 4 hashes per directory bucket (1 to 2 bytes of directory per hash)
 _FIRST_PROBE = 16  # count_prefix probes this many first (an early miss is cheap), then the rest
 
