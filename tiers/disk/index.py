@@ -26,14 +26,15 @@ import logging
 import struct
 from collections.abc import Iterator, Sequence
 from itertools import takewhile
-from operator import itemgetter, methodcaller
-from typing import Any, NamedTuple
+from operator import methodcaller
+from typing import Any, NamedTuple, cast
 
 import lmdb
 import msgpack
 import xxhash
 
 from tiers.base import TierCounters
+from tiers.disk.hashset import CompactHashSet
 from tiers.errors import CorruptRecordError
 from tiers.shared.ratelimit import RateLimitedWarning
 
@@ -235,19 +236,20 @@ class Index:
                 return
             yield key
 
-    def hashes_of(self, txn: lmdb.Transaction, tag: bytes) -> set[bytes]:
+    def hashes_of(self, txn: lmdb.Transaction, tag: bytes) -> CompactHashSet:
         """The block hashes of one namespace (its index keys less the tag) in one pass that
-        runs no Python bytecode per key: a process opening a tier of 10^7 blocks spends its
-        open here (`kvstrata bench scale-disk`). `txn` must not use buffers."""
+        runs no Python bytecode per key, into a compact set (already in order: nothing is
+        sorted): a process opening a tier of 10^7 blocks spends its open here (`kvstrata
+        bench scale-disk`). `txn` must not use buffers."""
         cursor = txn.cursor(db=self.index)
         if not cursor.last():
-            return set()
+            return CompactHashSet()
         to_end = bytes(cursor.key()).startswith(tag)  # the last namespace: no per-key test needed
         if not cursor.set_range(tag):
-            return set()
-        keys = cursor.iternext(values=False)
-        held = keys if to_end else takewhile(methodcaller("startswith", tag), keys)
-        return set(map(itemgetter(slice(len(tag), None)), held))
+            return CompactHashSet()
+        keys = cast(Iterator[bytes], cursor.iternext(values=False))  # (no buffers: bytes)
+        return CompactHashSet.from_keys(keys if to_end else takewhile(methodcaller("startswith", tag), keys),
+                                        skip=len(tag), size_hint=int(txn.stat(self.index)["entries"]))
 
     def entries(self, txn: lmdb.Transaction) -> Iterator[tuple[bytes, bytes]]:
         """Every (key, raw entry) of every namespace."""

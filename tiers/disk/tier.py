@@ -34,7 +34,7 @@ import lmdb
 import msgpack
 import torch
 
-from tiers.base import Occupancy, ScrubResult, Tier, TierCounters, TierTraits, count_held, plan_put
+from tiers.base import Occupancy, ScrubResult, Tier, TierCounters, TierTraits, plan_put
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.codecs.records import check_tokens
@@ -187,8 +187,7 @@ class LMDBTier(Tier):
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
-        self._mirror.refresh()
-        return count_held(self._mirror.hashes, block_hashes, start)
+        return self._mirror.count_prefix(block_hashes, start)
 
     def _key(self, block_hash: BlockHash) -> bytes:
         return self._tag + bytes(block_hash)
@@ -256,8 +255,8 @@ class LMDBTier(Tier):
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        self._mirror.refresh()
-        _, fresh = plan_put(keys, self._mirror.hashes.__contains__, len(keys))
+        held = self._mirror.held([k.block_hash for k in keys])
+        _, fresh = plan_put(keys, held.__contains__, len(keys))
         touched = [k.block_hash for k in keys]
         if not fresh:
             self.touch(touched)

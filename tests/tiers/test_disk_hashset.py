@@ -1,0 +1,100 @@
+"""The disk tier's compact hash set (`tiers/disk/hashset.py`) against a Python set: any
+sequence of adds, removals, probes, merges and rebuilds answers as the set does."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiers.disk.hashset import CompactHashSet
+
+# 16-byte hashes sharing their first 8 bytes often (the probe's tie path), random ones,
+# 32-byte ones (sha256) and lengths no column holds.
+_HASHES = st.one_of(
+    st.builds(lambda a, b: bytes([a]) * 8 + bytes([b]) * 8, st.integers(0, 3), st.integers(0, 255)),
+    st.builds(lambda a, b: bytes([a]) * 7 + bytes([b]) * 9, st.integers(0, 3), st.integers(0, 3)),
+    st.binary(min_size=16, max_size=16),
+    st.binary(min_size=32, max_size=32),
+    st.binary(min_size=0, max_size=40),
+)
+_OPS = st.lists(st.tuples(st.sampled_from(["add", "discard", "update", "difference_update", "contains", "held",
+                                           "count_prefix", "merge", "rebuild", "iter"]),
+                          st.lists(_HASHES, max_size=12), st.integers(0, 14)), max_size=60)
+
+
+def _same(got: CompactHashSet, want: set[bytes]) -> None:
+    assert len(got) == len(want)
+    listed = list(got)
+    assert len(listed) == len(want) and set(listed) == want
+
+
+@given(initial=st.lists(_HASHES, max_size=40), ops=_OPS, merge_min=st.integers(0, 6),
+       merge_share=st.sampled_from([0.0, 0.1, 1.0]), tagged=st.booleans(), seed=st.integers(0, 2**16))
+@settings(max_examples=400, deadline=None)
+def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[bytes], int]], merge_min: int,
+                              merge_share: float, tagged: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    tag = b"T" * 8 if tagged else b""
+    keys = [tag + h for h in initial]
+    rng.shuffle(keys)
+    got = CompactHashSet.from_keys(keys, skip=len(tag), merge_min=merge_min, merge_share=merge_share)
+    want = set(initial)
+    _same(got, want)
+    for op, hs, start in ops:
+        probe = hs + rng.sample(sorted(want), min(len(want), 4))  # some held ones too
+        rng.shuffle(probe)
+        if op == "add" and hs:
+            got.add(hs[0])
+            want.add(hs[0])
+        elif op == "discard" and probe:
+            got.discard(probe[0])
+            want.discard(probe[0])
+        elif op == "update":
+            got.update(hs)
+            want.update(hs)
+        elif op == "difference_update":
+            got.difference_update(probe)
+            want.difference_update(probe)
+        elif op == "contains":
+            assert all((h in got) == (h in want) for h in probe)
+        elif op == "held":
+            assert got.held(probe).tolist() == [h in want for h in probe]
+        elif op == "count_prefix":
+            run = sorted(want, key=lambda h: rng.random())[:start] + probe
+            n = start
+            expect = 0
+            while n + expect < len(run) and run[n + expect] in want:
+                expect += 1
+            assert got.count_prefix(run, n) == expect
+        elif op == "merge":
+            got.merge()
+        elif op == "rebuild":
+            rebuilt = CompactHashSet.from_keys(sorted(tag + h for h in want), skip=len(tag))
+            assert rebuilt.same_as(got) and got.same_as(rebuilt)
+            got = rebuilt
+        _same(got, want)
+    other = CompactHashSet.from_keys(list(want) + [b"\x00" * 16] * 2)
+    assert other.same_as(got) == (b"\x00" * 16 in want)
+
+
+def test_a_long_prompt_and_a_large_set_probe_vectorized_and_merge_amortized() -> None:
+    """10^5 hashes: a 4,096-block prompt whose 3,000th block is missing counts 3,000; stores
+    and removals of a tenth of the set merge a bounded number of times."""
+    raw = np.random.default_rng(7).bytes(16 * 100_000)
+    hashes = [raw[i : i + 16] for i in range(0, len(raw), 16)]
+    got = CompactHashSet.from_keys(sorted(hashes))
+    assert got.num_merges == 0 and len(got) == 100_000
+    prompt = hashes[:4096]
+    prompt[3000] = os.urandom(16)
+    assert got.count_prefix(prompt) == 3000 and got.count_prefix(prompt, 3001) == 4096 - 3001
+    new = [os.urandom(16) for _ in range(10_000)]
+    for i in range(0, 10_000, 100):  # as write transactions do: removals, then stores
+        got.difference_update(hashes[i : i + 100])
+        got.update(new[i : i + 100])
+    assert 1 <= got.num_merges <= 4  # merged past a share of the set, not per change
+    assert got.same_as(CompactHashSet.from_keys(hashes[10_000:] + new))
+    assert got.count_prefix(new) == len(new) and got.count_prefix(hashes[:5]) == 0
