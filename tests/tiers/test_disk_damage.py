@@ -202,3 +202,32 @@ def test_a_damaged_change_log_record_makes_the_in_memory_index_rebuild(tmp_path:
         store.scrub()  # drops the record
         assert store.scrub() == (2, 0, 0)
         store.check_integrity()
+
+
+@pytest.mark.parametrize("stray_len", [8, 24])
+def test_a_damaged_index_key_of_another_valid_width_keeps_the_in_memory_index_compact(
+        tmp_path: Path, stray_len: int) -> None:
+    """An index key whose hash part is 8 or 24 bytes (not 16), sorting first in its namespace:
+    the reopened tier's in-memory index took its width from it and held every real hash in
+    the plain set, as large as before the compact set. Now the columns stay 16 bytes wide and
+    every hit, the scrub and the integrity check are as with any other damaged key."""
+    kept, index_key = _populate(tmp_path)
+    tag = index_key[:-16]
+    env = lmdb.open(str(tmp_path), max_dbs=8)
+    try:
+        db = env.open_db(b"index", create=False)
+        with env.begin(write=True) as txn:
+            value = txn.get(index_key, db=db)
+            assert value is not None
+            txn.put(tag + b"\x00" * stray_len, bytes(value), db=db)
+    finally:
+        env.close()
+    with _open(tmp_path) as store:
+        disk = _disk(store)
+        assert disk._mirror.hashes.width == 16
+        _check_hits(store, kept)
+        assert all(store.lookup(tokens) == len(tokens) for tokens in kept)
+        store.scrub()
+        assert store.scrub() == (len(disk), 0, 0)
+        store.check_integrity()
+        _check_hits(store, kept)

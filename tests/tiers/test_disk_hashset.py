@@ -98,3 +98,31 @@ def test_a_long_prompt_and_a_large_set_probe_vectorized_and_merge_amortized() ->
     assert 1 <= got.num_merges <= 4  # merged past a share of the set, not per change
     assert got.same_as(CompactHashSet.from_keys(hashes[10_000:] + new))
     assert got.count_prefix(new) == len(new) and got.count_prefix(hashes[:5]) == 0
+
+
+def test_a_stray_key_of_another_valid_width_does_not_decide_the_columns_width() -> None:
+    """A damaged index key of 8 (or 24) bytes sorting first made the columns 8 bytes wide and
+    every real 16-byte hash went to the plain set (the compact index lost, silently): the
+    width is the most common length, in a build and in the first stores alike."""
+    real = sorted(os.urandom(16) for _ in range(100))
+    tag = b"ns"
+    for stray in (b"\x00" * 8, b"\x00" * 24):
+        got = CompactHashSet.from_keys([tag + stray] + [tag + h for h in real], skip=len(tag))
+        assert got.width == 16 and len(got) == 101
+        assert got.held([stray, *real]).all() and got.count_prefix(real) == 100
+        fresh = CompactHashSet()
+        fresh.update([stray, *real[:10]])
+        assert fresh.width == 16 and stray in fresh and fresh.count_prefix(real[:10]) == 10
+
+
+def test_empty_sets_of_one_width_compare_equal_with_or_without_columns() -> None:
+    """A set emptied before any merge (no columns) against one emptied by a merge (empty
+    columns): `same_as` raised ValueError from zip(strict=True)."""
+    h = b"\x01" * 16
+    never_merged = CompactHashSet()
+    never_merged.add(h)
+    never_merged.discard(h)
+    merged = CompactHashSet.from_keys([h])
+    merged.discard(h)
+    merged.merge()
+    assert never_merged.same_as(merged) and merged.same_as(never_merged)

@@ -1,7 +1,8 @@
 """A compact set of block hashes: sorted NumPy columns, small delta sets, vectorized probes.
 
 The disk tier keeps one in every process (`tiers/disk/mirror.py`). Hashes of the set's width
-(that of the first one it holds: 16 bytes for xxh3-128, 32 for sha256; a multiple of 8) are
+(the most common length among the first it holds: 16 bytes for xxh3-128, 32 for sha256; a
+multiple of 8; a stray damaged key does not decide it) are
 held as `width / 8` big-endian uint64 columns sorted together (so in byte order, the order
 LMDB's cursor yields them: a build from the index sorts nothing), 16 bytes per block at
 width 16, plus a directory of where each leading-bits bucket starts (1 to 2 bytes per block)
@@ -17,6 +18,7 @@ caller holds a lock.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, islice
 from typing import Any
@@ -34,6 +36,14 @@ _FIRST_PROBE = 16  # count_prefix probes this many first (an early miss is cheap
 
 def _valid_width(width: int) -> bool:
     return 8 <= width <= 64 and width % 8 == 0
+
+
+def _common_width(lengths: Iterable[int]) -> int | None:
+    """The most common column width among `lengths` (None: none is one): a stray key of
+    another valid width (a damaged index key, 8 or 24 bytes) must not set the width and
+    leave every real hash in the plain set."""
+    counts = Counter(w for w in lengths if _valid_width(w))
+    return max(counts, key=counts.__getitem__) if counts else None
 
 
 class CompactHashSet:
@@ -65,7 +75,7 @@ class CompactHashSet:
         n, it = 0, iter(keys)
         while chunk := list(islice(it, _CHUNK)):
             if self._width is None:
-                self._width = next((len(k) - skip for k in chunk if _valid_width(len(k) - skip)), None)
+                self._width = _common_width(len(k) - skip for k in chunk)
                 cols = [np.empty(max(size_hint, len(chunk)), np.uint64) for _ in range((self._width or 0) // 8)]
             if self._width is None:
                 self._other.update(k[skip:] for k in chunk)
@@ -111,6 +121,11 @@ class CompactHashSet:
         self._starts = np.minimum.accumulate(starts[::-1])[::-1].copy()  # an empty bucket starts where the next does
         sizes = np.diff(self._starts)
         self._steps = int(sizes.max()).bit_length() if n else 0  # halvings that cover the largest bucket
+
+    @property
+    def width(self) -> int | None:
+        """The length of the hashes held in the columns (None until one is held)."""
+        return self._width
 
     # -- probes -------------------------------------------------------------------------
     def _n(self) -> int:
@@ -208,7 +223,7 @@ class CompactHashSet:
         columns are empty and no width is set)."""
         hs = set(hashes)
         if self._width is None and not self._n():
-            self._width = next((len(h) for h in hs if _valid_width(len(h))), None)
+            self._width = _common_width(map(len, hs))
             if self._width is not None:  # (held until now as others: move those of the width)
                 moved = {h for h in self._other if len(h) == self._width}
                 self._other -= moved
@@ -283,8 +298,8 @@ class CompactHashSet:
             return set(self) == set(other)
         self.merge()
         other.merge()
-        return self._other == other._other and self._n() == other._n() and all(
-            np.array_equal(a, b) for a, b in zip(self._cols, other._cols, strict=True))
+        return self._other == other._other and self._n() == other._n() and (not self._n() or all(
+            np.array_equal(a, b) for a, b in zip(self._cols, other._cols, strict=True)))
 
 
 def _in_order(cols: list[Column]) -> bool:
