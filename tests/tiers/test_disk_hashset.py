@@ -126,3 +126,56 @@ def test_empty_sets_of_one_width_compare_equal_with_or_without_columns() -> None
     merged.discard(h)
     merged.merge()
     assert never_merged.same_as(merged) and merged.same_as(never_merged)
+
+
+def _skewed(rng: random.Random, kind: int, width: int) -> bytes:
+    """Hashes that crowd one directory bucket, sit at the ends of the order, share their
+    leading word or differ only in the last byte."""
+    if kind == 0:
+        return rng.randbytes(width)
+    if kind == 1:
+        return bytes([rng.choice((0, 255))]) * (width - 1) + bytes([rng.randrange(256)])
+    if kind == 2:
+        return b"\xff" * 8 + rng.randbytes(width - 8)
+    if kind == 3:
+        return bytes([rng.randrange(256)]) + bytes(width - 2) + bytes([rng.randrange(4)])
+    if kind == 4:
+        return rng.randbytes(2) + b"\xff" * (width - 2)
+    return rng.randbytes(rng.choice((0, 8, 15, 17, 24, 32)))
+
+
+@given(seed=st.integers(0, 2**32), width=st.sampled_from([8, 16, 32]),
+       kinds=st.sets(st.integers(0, 5), min_size=1, max_size=3), size=st.sampled_from([1, 50, 600, 3000]),
+       merge_min=st.sampled_from([0, 1, 64]), merge_share=st.sampled_from([0.0, 1 / 32, 0.5]))
+@settings(max_examples=60, deadline=None)
+def test_large_skewed_sets_match_a_python_set(seed: int, width: int, kinds: set[int], size: int, merge_min: int,
+                                              merge_share: float) -> None:
+    """Sets large enough for a many-bucket directory, with buckets far over their share
+    (the probe's window), builds from LMDB order and from any order, merges at every
+    threshold: membership, prefix counts from any start, listing and equality as a set's."""
+    rng = random.Random(seed)
+    pool = sorted({_skewed(rng, rng.choice(sorted(kinds)), width) for _ in range(size)})
+    want = set(rng.sample(pool, rng.randrange(len(pool) + 1)))
+    keys = [b"ns" + h for h in want]
+    if rng.random() < 0.5:
+        keys.sort()
+    got = CompactHashSet.from_keys(keys, skip=2, size_hint=rng.choice([0, len(keys)]), merge_min=merge_min,
+                                   merge_share=merge_share)
+    for _ in range(12):
+        batch = [rng.choice(pool) for _ in range(rng.randrange(1, 80))]
+        if rng.random() < 0.5:
+            got.update(batch)
+            want.update(batch)
+        else:
+            got.difference_update(batch)
+            want.difference_update(batch)
+        probe = rng.sample(pool, min(len(pool), 60))
+        assert got.held(probe).tolist() == [h in want for h in probe]
+        start = rng.randrange(20)
+        n = start
+        while n < len(probe) and probe[n] in want:
+            n += 1
+        assert got.count_prefix(probe, start) == max(0, n - start)
+        assert len(got) == len(want)
+    assert set(got) == want
+    assert got.same_as(CompactHashSet.from_keys(sorted(want)))
