@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 import random
+import sys
+import types
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tiers.disk import hashset
 from tiers.disk.hashset import CompactHashSet
 
 # 16-byte hashes sharing their first 8 bytes often (the probe's tie path), random ones,
@@ -179,3 +182,35 @@ def test_large_skewed_sets_match_a_python_set(seed: int, width: int, kinds: set[
         assert len(got) == len(want)
     assert set(got) == want
     assert got.same_as(CompactHashSet.from_keys(sorted(want)))
+
+
+def test_a_probe_among_many_hashes_sharing_their_leading_word_is_a_search_not_a_walk() -> None:
+    """Hashes whose first 8 bytes are equal (an unkeyed xxh3-128 with a public seed does not
+    rule out crafted ones): a probe walked the rows sharing that word one at a time, so a
+    2,048-block lookup among 20,000 such hashes took 12 s of CPU. Counted in lines of Python
+    run (not time): a probe runs a bounded number, however many rows share the word."""
+    rng = random.Random(5)
+    shared = sorted(b"\xab" * 8 + rng.randbytes(8) for _ in range(4000))
+    got = CompactHashSet.from_keys(shared)
+    present = shared[::125]
+    absent = [b"\xab" * 8 + rng.randbytes(8) for _ in range(32)]
+    lines = 0
+
+    def count(frame: types.FrameType, event: str, arg: object) -> object:
+        nonlocal lines
+        if event == "line" and frame.f_code.co_filename == hashset.__file__:
+            lines += 1
+        return count
+
+    before = sys.gettrace()
+    sys.settrace(count)
+    try:
+        mask = got.held(present + absent)
+        prefix = got.count_prefix(present)
+    finally:
+        sys.settrace(before)
+    assert mask.tolist() == [True] * len(present) + [h in set(shared) for h in absent]
+    assert prefix == len(present)
+    assert lines < 100 * (len(present) * 2 + len(absent)), lines  # a walk: ~2,000 rows a probe
+    got.update(absent)
+    assert got.same_as(CompactHashSet.from_keys(shared + absent))

@@ -157,15 +157,20 @@ class CompactHashSet:
         for c, qc in zip(self._cols[1:], q[1:], strict=True):
             found &= c[at] == qc
         for i in np.flatnonzero(lead & ~found):  # leading words equal, not the rest: rare
-            row = tuple(int(qc[i]) for qc in q)
-            p = int(pos[i])
-            while p < n and self._row(p) < row:
-                p += 1
-            pos[i], found[i] = p, p < n and self._row(p) == row
+            pos[i], found[i] = self._narrow(int(pos[i]), [qc[i] for qc in q])
         return pos, found
 
-    def _row(self, p: int) -> tuple[int, ...]:
-        return tuple(int(c[p]) for c in self._cols)
+    def _narrow(self, lo: int, row: list[np.uint64]) -> tuple[int, bool]:
+        """(where `row`, whose leading word is first at `lo`, is or would go, whether it is
+        there): a binary search column by column over the rows sharing its leading words,
+        O(log n) however many share them (a walk was O(their number) per probe)."""
+        hi = lo + int(np.searchsorted(self._cols[0][lo:], row[0], "right"))
+        for c, v in zip(self._cols[1:], row[1:], strict=True):
+            within = c[lo:hi]  # (sorted: the words before are equal here)
+            lo, hi = lo + int(np.searchsorted(within, v, "left")), lo + int(np.searchsorted(within, v, "right"))
+            if lo == hi:
+                return lo, False
+        return lo, True
 
     def held(self, hashes: Sequence[bytes]) -> Mask:
         """Whether each of `hashes` is in the set, vectorized."""
