@@ -214,3 +214,23 @@ def test_a_probe_among_many_hashes_sharing_their_leading_word_is_a_search_not_a_
     assert lines < 100 * (len(present) * 2 + len(absent)), lines  # a walk: ~2,000 rows a probe
     got.update(absent)
     assert got.same_as(CompactHashSet.from_keys(shared + absent))
+
+
+def test_a_width_taken_from_a_stray_key_gives_way_once_real_hashes_outnumber_it() -> None:
+    """A copy built from an index holding only a damaged 8-byte key took width 8, and every
+    16-byte hash stored after it went to the plain set for the life of the process. Once
+    hashes of one valid length outnumber the columns' (counted each time the plain set
+    doubles), the columns take that length."""
+    rng = random.Random(9)
+    got = CompactHashSet.from_keys([b"ns" + b"\x00" * 8], skip=2, merge_min=16)
+    want = {b"\x00" * 8}
+    for _ in range(20):
+        batch = [rng.randbytes(16) for _ in range(10)] + [rng.randbytes(5)]
+        got.update(batch)
+        want.update(batch)
+        gone = rng.sample(sorted(want), 3)
+        got.difference_update(gone)
+        want.difference_update(gone)
+        assert len(got) == len(want) and got.held(sorted(want)).all()
+    assert got.width == 16 and set(got) == want
+    assert got.same_as(CompactHashSet.from_keys(sorted(want), width=16))

@@ -2,7 +2,7 @@
 
 The disk tier keeps one in every process (`tiers/disk/mirror.py`). Hashes of the set's width
 (the most common length among the first it holds: 16 bytes for xxh3-128, 32 for sha256; a
-multiple of 8; a stray damaged key does not decide it) are
+multiple of 8; a stray damaged key does not decide it, and gives way where it did) are
 held as `width / 8` big-endian uint64 columns sorted together (so in byte order, the order
 LMDB's cursor yields them: a build from the index sorts nothing), 16 bytes per block at
 width 16, plus a directory of where each leading-bits bucket starts (1 to 2 bytes per block)
@@ -60,26 +60,30 @@ class CompactHashSet:
         self._removed: set[bytes] = set()
         self._other: set[bytes] = set()
         self._merge_share, self._merge_min = merge_share, merge_min
+        self._other_seen = 0  # the plain set's size when its widths were last counted
         self.num_merges = 0
 
     # -- building -----------------------------------------------------------------------
     @classmethod
     def from_keys(cls, keys: Iterable[bytes], skip: int = 0, *, size_hint: int = 0, merge_share: float = 1 / 32,
-                  merge_min: int = 4096) -> CompactHashSet:
+                  merge_min: int = 4096, width: int | None = None) -> CompactHashSet:
         """The hashes `key[skip:]` of `keys` (any order, duplicates allowed), in one pass that
         runs Python code per chunk of keys, not per key. `size_hint`: about how many there
         are (at least: the columns are allocated once, then cut to size; no large buffer is
-        freed on the way, which glibc would keep in the heap as resident memory)."""
+        freed on the way, which glibc would keep in the heap as resident memory). `width`:
+        the columns' (else the most common valid length of the first keys)."""
         self = cls(merge_share=merge_share, merge_min=merge_min)
+        self._width = width if width is not None and _valid_width(width) else None
         cols: list[Column] = []
         n, it = 0, iter(keys)
         while chunk := list(islice(it, _CHUNK)):
             if self._width is None:
                 self._width = _common_width(len(k) - skip for k in chunk)
-                cols = [np.empty(max(size_hint, len(chunk)), np.uint64) for _ in range((self._width or 0) // 8)]
             if self._width is None:
                 self._other.update(k[skip:] for k in chunk)
                 continue
+            if not cols:
+                cols = [np.empty(max(size_hint, len(chunk)), np.uint64) for _ in range(self._width // 8)]
             size = skip + self._width
             if set(map(len, chunk)) != {size}:  # (mixed widths: rare)
                 self._other.update(k[skip:] for k in chunk if len(k) != size)
@@ -248,6 +252,23 @@ class CompactHashSet:
             todo = list(mine)
             self._added.update(compress(todo, ~self._find(self._cols_of(todo))[1]))
         self._maybe_merge()
+        if len(self._other) > max(self._merge_min, 2 * self._other_seen):
+            self._rewiden()
+
+    def _rewiden(self) -> None:
+        """Take the columns' width from the plain set where hashes of one valid length there
+        outnumber those in the columns (the width came from a stray key: held in the plain
+        set, they would cost what the columns save). Counted each time the plain set doubles,
+        so O(1) amortized a hash."""
+        self._other_seen = len(self._other)
+        width = _common_width(map(len, self._other))
+        if width is None or sum(len(h) == width for h in self._other) <= len(self) - len(self._other):
+            return
+        fresh = CompactHashSet.from_keys(list(self), merge_share=self._merge_share, merge_min=self._merge_min,
+                                         width=width)
+        merges, seen = self.num_merges + 1, self._other_seen
+        self.__dict__.update(fresh.__dict__)
+        self.num_merges, self._other_seen = merges, seen
 
     def difference_update(self, hashes: Iterable[bytes]) -> None:
         """Remove every one of `hashes` held."""
