@@ -38,12 +38,14 @@ def _valid_width(width: int) -> bool:
     return 8 <= width <= 64 and width % 8 == 0
 
 
-def _common_width(lengths: Iterable[int]) -> int | None:
-    """The most common column width among `lengths` (None: none is one): a stray key of
-    another valid width (a damaged index key, 8 or 24 bytes) must not set the width and
-    leave every real hash in the plain set."""
-    counts = Counter(w for w in lengths if _valid_width(w))
-    return max(counts, key=counts.__getitem__) if counts else None
+def _common_width(items: Iterable[bytes], skip: int = 0) -> tuple[int | None, int]:
+    """(the most common column width among the lengths of `items` less `skip`, None if none
+    is one; how many have it), counted in C, no Python code per item: a stray key of another
+    valid width (a damaged index key, 8 or 24 bytes) must not set the width and leave every
+    real hash in the plain set."""
+    counts = {n - skip: c for n, c in Counter(map(len, items)).items() if _valid_width(n - skip)}
+    width = max(counts, key=counts.__getitem__) if counts else None
+    return width, counts.get(width, 0) if width is not None else 0
 
 
 class CompactHashSet:
@@ -78,7 +80,7 @@ class CompactHashSet:
         n, it = 0, iter(keys)
         while chunk := list(islice(it, _CHUNK)):
             if self._width is None:
-                self._width = _common_width(len(k) - skip for k in chunk)
+                self._width = _common_width(chunk, skip)[0]
             if self._width is None:
                 self._other.update(k[skip:] for k in chunk)
                 continue
@@ -232,7 +234,7 @@ class CompactHashSet:
         columns are empty and no width is set)."""
         hs = set(hashes)
         if self._width is None and not self._n():
-            self._width = _common_width(map(len, hs))
+            self._width = _common_width(hs)[0]
             if self._width is not None:  # (held until now as others: move those of the width)
                 moved = {h for h in self._other if len(h) == self._width}
                 self._other -= moved
@@ -261,8 +263,8 @@ class CompactHashSet:
         set, they would cost what the columns save). Counted each time the plain set doubles,
         so O(1) amortized a hash."""
         self._other_seen = len(self._other)
-        width = _common_width(map(len, self._other))
-        if width is None or sum(len(h) == width for h in self._other) <= len(self) - len(self._other):
+        width, count = _common_width(self._other)
+        if width is None or count <= len(self) - len(self._other):
             return
         fresh = CompactHashSet.from_keys(list(self), merge_share=self._merge_share, merge_min=self._merge_min,
                                          width=width)
