@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from tiers.remote.lanes import renew_in_child
 from tiers.remote.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
 
 __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
@@ -126,6 +127,11 @@ class Streams:
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
         self._refreshing = threading.Lock()  # lanes of one call run at once (tiers/remote/lanes.py)
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, rereading the map)."""
+        self._refreshing = threading.Lock()
 
     def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
         """The lane of each command from `start` on, in order (one lane per connection pool)."""
