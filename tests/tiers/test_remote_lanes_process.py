@@ -113,3 +113,46 @@ def test_a_store_closed_at_exit_still_stores_its_split_writes() -> None:
         assert "drops 0 errors 0" in done.stdout, done.stdout + done.stderr
         raw = redis.Redis(port=server.port)
         assert len(raw.keys(b"kvstrata:*")) >= 64  # both writes' blocks (and the generation)
+
+
+
+_FORK_WRITES = textwrap.dedent("""
+    import os, sys
+    import torch
+    from tiers.keys import BlockHash, BlockKey
+    from tiers.remote.tier import RemoteTier
+
+    torch.set_num_threads(1)  # torch's own thread pool does not cross a fork
+    shape, n = (2, 2, 32, 8, 128), 32
+    blocks = [torch.full(shape, float(i), dtype=torch.bfloat16) for i in range(n)]
+
+    def keys(seed):
+        return [BlockKey(BlockHash(bytes([seed, i]) * 8)) for i in range(n)]
+
+    tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork", timeout_s=5.0, connections_per_node=4)
+    assert tier.put(keys(1), blocks) == n and tier.flush()
+    outs = [torch.zeros_like(b) for b in blocks]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            put = tier.put(keys(2), blocks)
+            flushed = tier.flush(timeout_s=20.0)
+            got = tier.get_into(keys(2), outs)
+            same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+            print("child", put, flushed, tier.num_write_drops, got, same, flush=True)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    tier.close()
+""")
+
+
+def test_a_forked_child_sends_its_writes() -> None:
+    """The parent's writer thread does not exist in a forked child: before, the child's writes
+    were queued and never sent (its flush timed out, nothing counted as dropped)."""
+    with redis_server() as server:
+        env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        done = subprocess.run([sys.executable, "-c", _FORK_WRITES, server.url], capture_output=True, text=True,
+                              timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "child 32 True 0 32 True" in done.stdout, done.stdout + done.stderr
