@@ -7,17 +7,45 @@ thread claims it first runs it, so a lane never waits for a busy worker (the cal
 no worker took), the pool never holds more than `workers` threads, and `run` returns only when
 every lane has ended, so no lane touches the caller's memory after its call returned. A lane
 must end by itself (the remote tier's lanes run under their call's deadline).
+
+A forked child (vLLM forks its workers) has none of its parent's threads: its `Lanes` start a
+pool of their own (`renew_in_child`), so no lane is queued for a worker that never comes,
+holding the call's buffers. Once the interpreter is shutting down (a store closed from an
+`atexit` handler) no worker can be started: every lane runs on the caller's thread.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class _Renewable(Protocol):
+    def _after_fork(self) -> None: ...
+
+
+_RENEW: weakref.WeakSet[_Renewable] = weakref.WeakSet()
+
+
+def renew_in_child(obj: _Renewable) -> None:
+    """Have a forked child call `obj._after_fork()` (renewing its locks and threads, which the
+    parent may have held or run while forking); holds no reference to `obj`."""
+    _RENEW.add(obj)
+
+
+def _after_fork_in_child() -> None:
+    for obj in list(_RENEW):
+        obj._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Lanes:
@@ -26,8 +54,16 @@ class Lanes:
 
     def __init__(self, workers: int, name: str) -> None:
         self.workers = workers
+        self._name = name
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) if workers else None
         self._lock = threading.Lock()
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock and pool (the parent's workers do not exist here)."""
+        self._lock = threading.Lock()
+        if self._pool is not None:
+            self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self._name)
 
     def run(self, lanes: Sequence[Callable[[], T]]) -> list[T | Exception]:
         """Each lane's result (or the exception it raised), in order, once every lane ended."""
@@ -47,8 +83,12 @@ class Lanes:
 
         with self._lock:
             if self._pool is not None:
-                for k in range(1, len(lanes)):  # lane 0 is the caller's
-                    self._pool.submit(attempt, k)
+                try:
+                    for k in range(1, len(lanes)):  # lane 0 is the caller's
+                        self._pool.submit(attempt, k)
+                except RuntimeError:  # the interpreter is shutting down: no worker starts now
+                    self._pool.shutdown(wait=False, cancel_futures=True)
+                    self._pool = None
         for k in range(len(lanes)):
             attempt(k)
         for event in ended:

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from tiers.remote.lanes import renew_in_child
 from tiers.remote.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
 
 __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
@@ -125,7 +126,13 @@ class Streams:
         self._cluster = hasattr(client, "nodes_manager")
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
+        self._epoch = 0  # slot map rereads so far
         self._refreshing = threading.Lock()  # lanes of one call run at once (tiers/remote/lanes.py)
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, rereading the map)."""
+        self._refreshing = threading.Lock()
 
     def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
         """The lane of each command from `start` on, in order (one lane per connection pool)."""
@@ -149,15 +156,22 @@ class Streams:
     def _may_refresh(self) -> bool:
         return time.monotonic() - self._refreshed_at >= _REFRESH_EVERY_S
 
-    def _refresh(self) -> None:
+    def _refresh(self, since: int | None = None) -> None:
         """Reread a cluster's slot map if a call found it stale (at most once a second). If no
-        node answers, the old map stays (its live nodes still serve their slots)."""
-        if not self._stale or not self._may_refresh() or not self._refreshing.acquire(blocking=False):
-            return  # another lane of the call may be rereading it: this one goes on with the map it has
+        node answers, the old map stays (its live nodes still serve their slots). With `since`
+        (the map's `_epoch` when a lane's pass began, which then met a redirect) it waits for
+        another lane's reread under way, and rereads only if none came since."""
+        if since is None and (not self._stale or not self._may_refresh()):
+            return
+        if not self._refreshing.acquire(timeout=_REFRESH_EVERY_S if since is not None else 0):
+            return  # another lane is rereading it: this one goes on with the map it has
         try:
+            if since is not None and (self._epoch != since or not self._may_refresh()):
+                return  # reread since this lane's pass began (or just now: rate-limited)
             self._refreshed_at = time.monotonic()
             self._client.nodes_manager.initialize()
             self._stale = False
+            self._epoch += 1
         except Exception:  # the commands that follow fail or succeed on their own, counted
             return
         finally:
@@ -167,14 +181,16 @@ class Streams:
         """Send `ops` and pass each reply, in order, to `on_reply`, until it returns False.
         Returns one entry per reply passed: the exception (an error reply or what ended its
         connection) or True. In a cluster, the first MOVED/ASK of a call makes it reread the
-        slot map and send the rest again (once a call, at most once a second); a second is
-        passed on as an error."""
+        slot map (at most once a second; not again if another lane of the call did since
+        this one began, which it waits for) and send the rest again; a second is passed on
+        as an error."""
         outcomes: list[Any] = []
         if self._cluster:
             self._refresh()
-        moved = self._pass(ops, 0, on_reply, buffer_for or _drop, outcomes, self._cluster and self._may_refresh())
+        epoch = self._epoch
+        moved = self._pass(ops, 0, on_reply, buffer_for or _drop, outcomes, self._cluster)
         if moved is not None:
-            self._refresh()
+            self._refresh(since=epoch)
             self._pass(ops, moved, on_reply, buffer_for or _drop, outcomes, False)
         return outcomes
 

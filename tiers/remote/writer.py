@@ -22,6 +22,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
 from tiers.keys import BlockKey
+from tiers.remote.lanes import renew_in_child
 
 
 class Record(NamedTuple):
@@ -80,6 +81,20 @@ class WriteQueue:
         self._closed = False
         self._writer = threading.Thread(target=self._loop, name="kvstrata-remote-writer", daemon=True)
         self._writer.start()
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: an empty queue (what the parent queued is the parent's to send, or
+        it would land after the parent's later deletes) and a writer of its own (the parent's
+        does not exist here, so nothing queued would ever be sent)."""
+        self._cond = threading.Condition()
+        self._queue = deque()
+        self.queued_bytes = self._in_flight = 0
+        self._in_flight_keys = frozenset()
+        self._failed, self._active = set(), set()
+        if not self._closed:
+            self._writer = threading.Thread(target=self._loop, name="kvstrata-remote-writer", daemon=True)
+            self._writer.start()
 
     def put(self, records: Iterable[tuple[bytes, memoryview, BlockKey]], count: int) -> int:
         """Queue `count` records (server key, value, block) of one call in order (each produced
