@@ -9,16 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiers.policies.eviction import (
+    ColdQueue,
     EvictionConfig,
     EvictionKind,
     EvictionPolicy,
     K,
     check_ratio,
-    cold_limit,
-    pop_cold,
     register_eviction,
     trim,
-    unpop_cold,
 )
 
 GHOST_X = 4.0  # entries of each ghost list, in tier capacities (ARC: one; 4x measured better here)
@@ -46,9 +44,7 @@ class ARCPolicy(EvictionPolicy[K]):
         self._t2: OrderedDict[K, None] = OrderedDict()
         self._b1: OrderedDict[K, None] = OrderedDict()
         self._b2: OrderedDict[K, None] = OrderedDict()
-        self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
-        self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
-        self._most_held = 0  # the most keys held at a pop (bounds `_cold_popped`)
+        self._cold: ColdQueue[K] = ColdQueue(self._ghost_limit)  # low-priority keys, popped first
         self.p = 0.0
 
     def __len__(self) -> int:
@@ -59,7 +55,7 @@ class ARCPolicy(EvictionPolicy[K]):
 
     def insert(self, key: K) -> None:
         b1, b2 = self._b1, self._b2
-        self._cold_popped.pop(key, None)  # returns as new
+        self._cold.forget(key)  # returns as new
         if key in b1:
             self.p = min(float(self.capacity_blocks), self.p + max(1.0, len(b2) / len(b1)))
             del b1[key]
@@ -101,8 +97,7 @@ class ARCPolicy(EvictionPolicy[K]):
     def pop(self) -> K:
         t1 = self._t1
         if self._cold:
-            self._most_held = max(self._most_held, len(self))
-            return pop_cold(self._cold, self._cold_popped, cold_limit(self._ghost_limit, self._most_held))
+            return self._cold.pop_front(len(self))
         if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
             key = t1.popitem(last=False)[0]
             self._b1[key] = None
@@ -116,7 +111,7 @@ class ARCPolicy(EvictionPolicy[K]):
         return key
 
     def restore(self, key: K) -> None:
-        if unpop_cold(self._cold, self._cold_popped, key):
+        if self._cold.unpop(key):
             return
         if key in self._b1:
             del self._b1[key]
@@ -130,8 +125,7 @@ class ARCPolicy(EvictionPolicy[K]):
     def deprioritize(self, key: K) -> None:
         """At the front of the cold list, which `pop` empties before `t1` and `t2`."""
         self.remove(key)
-        self._cold[key] = None
-        self._cold.move_to_end(key, last=False)
+        self._cold.push_front(key)
 
     def order(self) -> Iterator[K]:
         return itertools.chain(self._cold, self._t1, self._t2)
@@ -153,19 +147,15 @@ class ARCPolicy(EvictionPolicy[K]):
         trim(self._b2, cap)
 
     def clear(self) -> None:
-        for d in (self._t1, self._t2, self._b1, self._b2, self._cold, self._cold_popped):
+        for d in (self._t1, self._t2, self._b1, self._b2, self._cold):
             d.clear()
         self.p = 0.0
-        self._most_held = 0
 
     def check_integrity(self) -> None:
         lists = [self._t1.keys(), self._t2.keys(), self._b1.keys(), self._b2.keys(), self._cold.keys()]
         if sum(len(x) for x in lists) != len(set().union(*lists)):
             raise RuntimeError("ARC: a key is in two of t1, t2, b1, b2, cold (a bug)")
-        if self._cold_popped.keys() & (self._t1.keys() | self._t2.keys() | self._cold.keys()):
-            raise RuntimeError("ARC: a held key is also remembered as popped from the cold list (a bug)")
-        if len(self._cold_popped) > cold_limit(self._ghost_limit, self._most_held):
-            raise RuntimeError("ARC: more keys remembered as popped from the cold list than its bound (a bug)")
+        self._cold.check_integrity(self, "ARC")
         if not 0.0 <= self.p <= self.capacity_blocks:
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
         if max(len(self._b1), len(self._b2)) > self._ghost_limit:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import abc
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -216,33 +216,62 @@ def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
         ghosts.popitem(last=False)
 
 
-def pop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], limit: int) -> K:
-    """Take the front key of a cold (low-priority) queue, remembering it in `popped` (the
-    latest `limit` of them) so that `unpop_cold` can put it back where it was. `limit` must
-    be at least the most keys the policy ever held (`cold_limit`): one eviction may pop them
-    all before it is undone, and each must go back to the cold queue."""
-    key = cold.popitem(last=False)[0]
-    popped[key] = None
-    trim(popped, limit)
-    return key
+class ColdQueue(OrderedDict[K, None]):
+    """A policy's low-priority keys, the front popped first, and the keys lately popped from
+    it, so that `restore` puts them back where they were. It remembers the latest of them up
+    to the policy's ghost limit or the most keys the policy held at a pop, whichever is more
+    (a small `ghost_x`; a quota tenant's policy holding past its capacity): one eviction may
+    pop every held key before it is undone, and each must go back here."""
 
+    def __init__(self, ghost_limit: int) -> None:
+        super().__init__()
+        self.ghost_limit = ghost_limit
+        self._popped: OrderedDict[K, None] = OrderedDict()
+        self._most_held = 0
 
-def cold_limit(ghost_limit: int, most_held: int) -> int:
-    """The keys popped from a cold queue a policy remembers: its ghost limit, or the most
-    keys it ever held where more (a small `ghost_x`; a quota tenant's policy holding past its
-    capacity), so that no key popped by an eviction not yet carried out is forgotten."""
-    return max(ghost_limit, most_held)
+    @property
+    def limit(self) -> int:
+        """How many popped keys it remembers at most."""
+        return max(self.ghost_limit, self._most_held)
 
+    def push_front(self, key: K) -> None:
+        """`key` (not held by the policy's other queues) becomes the next to pop."""
+        self[key] = None
+        self.move_to_end(key, last=False)
 
-def unpop_cold(cold: OrderedDict[K, None], popped: OrderedDict[K, None], key: K) -> bool:
-    """Undo `pop_cold` of `key`: back at the cold queue's front; False if it was not popped
-    from it (lately)."""
-    if key not in popped:
-        return False
-    del popped[key]
-    cold[key] = None
-    cold.move_to_end(key, last=False)
-    return True
+    def pop_front(self, held: int) -> K:
+        """Take the front key of a policy holding `held` keys (it among them), remembered."""
+        self._most_held = max(self._most_held, held)
+        key = self.popitem(last=False)[0]
+        self._popped[key] = None
+        trim(self._popped, self.limit)
+        return key
+
+    def unpop(self, key: K) -> bool:
+        """Undo `pop_front` of `key`: back at the front; False if it was not popped from here
+        (lately)."""
+        if key not in self._popped:
+            return False
+        del self._popped[key]
+        self.push_front(key)
+        return True
+
+    def forget(self, key: K) -> None:
+        """`key` returns to the policy as new: no longer remembered as popped from here."""
+        self._popped.pop(key, None)
+
+    def clear(self) -> None:
+        super().clear()
+        self._popped.clear()
+        self._most_held = 0
+
+    def check_integrity(self, held: Container[K], policy: str) -> None:
+        """Raise `RuntimeError` (a bug) if a key the policy holds (`held`) is remembered as
+        popped, or more keys are remembered than the bound."""
+        if any(key in held for key in self._popped):
+            raise RuntimeError(f"{policy}: a held key is also remembered as popped from the cold queue (a bug)")
+        if len(self._popped) > self.limit:
+            raise RuntimeError(f"{policy}: more keys remembered as popped from the cold queue than its bound (a bug)")
 
 
 MAX_RATIO = 1e6  # a policy's multiple of its tier's capacity: far past any use

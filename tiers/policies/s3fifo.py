@@ -9,16 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiers.policies.eviction import (
+    ColdQueue,
     EvictionConfig,
     EvictionKind,
     EvictionPolicy,
     K,
     check_ratio,
-    cold_limit,
-    pop_cold,
     register_eviction,
     trim,
-    unpop_cold,
 )
 
 MAX_FREQ = 3  # uses counted per key (2 bits in the paper)
@@ -52,9 +50,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
         self._ghost: OrderedDict[K, None] = OrderedDict()
-        self._cold: OrderedDict[K, None] = OrderedDict()  # low-priority keys, popped first
-        self._cold_popped: OrderedDict[K, None] = OrderedDict()  # lately popped from it (for `restore`)
-        self._most_held = 0  # the most keys held at a pop (bounds `_cold_popped`)
+        self._cold: ColdQueue[K] = ColdQueue(self._ghost_limit)  # low-priority keys, popped first
         self._freq: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -65,7 +61,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
 
     def insert(self, key: K) -> None:
         self._freq[key] = 0
-        self._cold_popped.pop(key, None)  # returns as new
+        self._cold.forget(key)  # returns as new
         if key in self._ghost:
             del self._ghost[key]
             self._main[key] = None
@@ -99,8 +95,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         if not freq:
             raise IndexError("pop from an empty S3-FIFO policy")
         if self._cold:
-            self._most_held = max(self._most_held, len(freq))
-            key = pop_cold(self._cold, self._cold_popped, cold_limit(self._ghost_limit, self._most_held))
+            key = self._cold.pop_front(len(freq))
             del freq[key]  # no ghost: a low-priority key returns as new
             return key
         while True:
@@ -125,7 +120,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
 
     def restore(self, key: K) -> None:
         self._freq[key] = 0
-        if unpop_cold(self._cold, self._cold_popped, key):
+        if self._cold.unpop(key):
             return
         if key in self._ghost:  # the small queue evicted it; the main queue leaves no ghost
             del self._ghost[key]
@@ -139,8 +134,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         """No uses, at the front of the cold queue, which `pop` empties before the others."""
         self.remove(key)
         self._freq[key] = 0
-        self._cold[key] = None
-        self._cold.move_to_end(key, last=False)
+        self._cold.push_front(key)
 
     def _warm(self, key: K) -> None:
         """A used cold key leaves the cold queue for the small one, as a new key."""
@@ -161,19 +155,17 @@ class S3FIFOPolicy(EvictionPolicy[K]):
         trim(self._ghost, self.history_limit(capacity_blocks))
 
     def clear(self) -> None:
-        for d in (self._small, self._main, self._ghost, self._cold, self._cold_popped, self._freq):
+        for d in (self._small, self._main, self._ghost, self._cold, self._freq):
             d.clear()
-        self._most_held = 0
 
     def check_integrity(self) -> None:
         small, main, cold = self._small.keys(), self._main.keys(), self._cold.keys()
         if small & main or cold & (small | main) or len(small) + len(main) + len(cold) != len(self._freq) \
                 or (small | main | cold) != self._freq.keys():
             raise RuntimeError("S3-FIFO: the cold, small and main queues do not partition the held keys (a bug)")
-        if (self._ghost.keys() | self._cold_popped.keys()) & self._freq.keys():
+        if self._ghost.keys() & self._freq.keys():
             raise RuntimeError("S3-FIFO: a held key is also a ghost (a bug)")
-        if len(self._cold_popped) > cold_limit(self._ghost_limit, self._most_held):
-            raise RuntimeError("S3-FIFO: more keys remembered as popped from the cold queue than its bound (a bug)")
+        self._cold.check_integrity(self._freq.keys(), "S3-FIFO")
         if any(not 0 <= f <= MAX_FREQ for f in self._freq.values()):
             raise RuntimeError("S3-FIFO: a use count is out of range (a bug)")
 
