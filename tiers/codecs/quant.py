@@ -138,6 +138,18 @@ def _int4_scales(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor | None:
     return None if _ceil_bf16(hi.sub_(lo).div_(Fmt.INT4.qmax)) is None else hi
 
 
+def _no_zero_scales(v: torch.Tensor, fmt: Fmt) -> tuple[torch.Tensor, float]:
+    """INT8's or FP8's scales from `v` (each group's largest magnitude over `qmax`, float32,
+    overwritten) and the largest magnitude they decode to (NaN where a scale is not finite):
+    FP8's are `v` rounded up in place (`_ceil_bf16`, its peak from the largest scale), INT8's
+    bfloat16 (`_round_up`)."""
+    if fmt is Fmt.FP8:
+        largest = _ceil_bf16(v)
+        return v, math.nan if largest is None else largest * fmt.qmax
+    scale = _round_up(v)
+    return scale, peak(scale, None, fmt)
+
+
 _BITS = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
 _scratch = threading.local()
 
@@ -185,10 +197,8 @@ def scales(x: torch.Tensor, dim: int, fmt: Fmt) -> tuple[torch.Tensor, torch.Ten
         lo, hi = x.amin(dim=dim, keepdim=True).float(), x.amax(dim=dim, keepdim=True).float()
         got = _int4_scales(lo, hi)
         return (hi.fill_(math.nan) if got is None else got), lo
-    v = _absmax(x, dim).div_(fmt.qmax).clone()
-    if fmt is Fmt.FP8:
-        return (v.fill_(math.nan) if _ceil_bf16(v) is None else v), None
-    return _round_up(v), None
+    scale, top = _no_zero_scales(_absmax(x, dim).div_(fmt.qmax).clone(), fmt)
+    return (scale.fill_(math.nan) if fmt is Fmt.FP8 and math.isnan(top) else scale), None
 
 
 def peak(scale: torch.Tensor, zero: torch.Tensor | None, fmt: Fmt) -> float:
@@ -215,13 +225,8 @@ def quantize(x: torch.Tensor, dim: int, fmt: Fmt, codes: torch.Tensor, limit: fl
         zero = torch.amin(buf, dim=dim, keepdim=True, out=_group_scratch("lo", buf, dim))
         got = _int4_scales(zero, torch.amax(buf, dim=dim, keepdim=True, out=_group_scratch("hi", buf, dim)))
         top = math.nan if got is None else peak(got, zero, fmt)
-    elif fmt is Fmt.FP8:
-        got = _absmax(x, dim).div_(fmt.qmax)
-        largest = _ceil_bf16(got)
-        top = math.nan if largest is None else largest * fmt.qmax  # `peak`, from the largest scale
     else:
-        got = _round_up(_absmax(x, dim).div_(fmt.qmax))
-        top = peak(got, None, fmt)
+        got, top = _no_zero_scales(_absmax(x, dim).div_(fmt.qmax), fmt)
     if got is None or not top <= limit:  # not finite, or past the dtype once decoded
         return None
     scale = got
@@ -265,13 +270,7 @@ def quantize_pair(pair: torch.Tensor, shapes: tuple[tuple[int, ...], tuple[int, 
     v = scratch("scales", (counts[0] + counts[1],), torch.float32, pair.device)
     for h, part in enumerate((v[: counts[0]], v[counts[0] :])):
         part.view(grouped[h]).copy_(bits[h].view(shapes[h]).amax(dim=dims[h], keepdim=True).view(pair.dtype))
-    v.div_(fmt.qmax)
-    if fmt is Fmt.FP8:  # float32 already; `peak` from the largest scale
-        largest, got = _ceil_bf16(v), v
-        top = math.nan if largest is None else largest * fmt.qmax
-    else:
-        got = _round_up(v)
-        top = peak(got, None, fmt)
+    got, top = _no_zero_scales(v.div_(fmt.qmax), fmt)
     if not top <= limit:  # not finite, or past the dtype once decoded
         return None
     divisor = got if fmt is Fmt.FP8 else _float(got)

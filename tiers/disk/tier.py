@@ -255,9 +255,9 @@ class LMDBTier(Tier):
 
     # -- writes ----------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
-        held = self._mirror.held([k.block_hash for k in keys])
-        _, fresh = plan_put(keys, held.__contains__, len(keys))
         touched = [k.block_hash for k in keys]
+        held = self._mirror.held(touched)
+        _, fresh = plan_put(keys, held.__contains__, len(keys))
         if not fresh:
             self.touch(touched)
             return 0
