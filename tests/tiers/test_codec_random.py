@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.tiers.test_codec_reference import _bf16, reference_decode, reference_encode
+from tests.tiers.test_codec_reference import _bf16, check_against_reference
 from tiers.codecs import CodecKind, build_codec
 from tiers.codecs.quant import _ceil_bf16, _floor_bf16
 
@@ -79,24 +79,6 @@ def strided(block: torch.Tensor, how: str) -> torch.Tensor:
     return block
 
 
-def check(kind: CodecKind, src: torch.Tensor, elem: torch.dtype, group: int | None) -> None:
-    """The codec's payload of `src` is the reference's, and decodes as the reference's does."""
-    kw = {} if group is None else {"element_dtype": elem, "group": group}
-    codec = build_codec(kind, tuple(src.shape), src.dtype, **kw)  # type: ignore[arg-type]
-    before = src.clone()
-    payload = codec.encode(src)
-    assert torch.equal(src.contiguous().view(torch.uint8), before.contiguous().view(torch.uint8))  # left alone
-    expected = reference_encode(kind, src, elem, group)
-    assert (payload is None) == (expected is None)
-    if payload is None or expected is None:
-        return
-    assert bytes(payload) == expected
-    out = torch.full(tuple(src.shape), 7, dtype=src.dtype)
-    codec.decode(memoryview(expected), out)
-    want = reference_decode(kind, expected, out, elem, group)
-    assert torch.equal(out.view(torch.uint8), want.contiguous().view(torch.uint8))
-
-
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[str, str, tuple[int, ...], int | None, int, int, frozenset[str], str]:
     kind = draw(st.sampled_from(sorted(KINDS)))
@@ -130,9 +112,9 @@ def test_generated_blocks_encode_to_the_reference_bytes(
     dtype = DTYPES[dtype_name]
     block = make_block(shape, dtype, seed, exp, specials)
     if group is None:
-        check(KINDS[kind], strided(block, layout), dtype, None)
+        check_against_reference(KINDS[kind], strided(block, layout), dtype, None)
     else:  # opaque page bytes holding `dtype`
-        check(KINDS[kind], strided(block.view(torch.uint8), layout), dtype, group)
+        check_against_reference(KINDS[kind], strided(block.view(torch.uint8), layout), dtype, group)
 
 
 def _every_bf16_and_neighbours() -> torch.Tensor:

@@ -154,7 +154,9 @@ CASES = [
 ]
 
 
-def _check(kind: CodecKind, block: torch.Tensor, elem: torch.dtype, group: int | None) -> None:
+def check_against_reference(kind: CodecKind, block: torch.Tensor, elem: torch.dtype, group: int | None) -> None:
+    """The codec's payload of `block` (left unchanged) is the reference's, and decodes (from
+    read-only bytes, as a tier's read buffer) as the reference's does."""
     kw = {} if group is None else {"element_dtype": elem, "group": group}
     codec = build_codec(kind, tuple(block.shape), block.dtype, **kw)  # type: ignore[arg-type]
     before = block.clone()
@@ -165,22 +167,22 @@ def _check(kind: CodecKind, block: torch.Tensor, elem: torch.dtype, group: int |
     if payload is None or expected is None:
         return
     assert bytes(payload) == expected
-    out = torch.full_like(block, 7)
-    codec.decode(memoryview(bytes(payload)), out)  # read-only, as a tier's read buffer
-    want = reference_decode(kind, expected, block, elem, group)
-    assert torch.equal(out.contiguous().view(torch.uint8), want.view(torch.uint8))
+    out = torch.full(tuple(block.shape), 7, dtype=block.dtype)
+    codec.decode(memoryview(bytes(payload)), out)
+    want = reference_decode(kind, expected, out, elem, group)
+    assert torch.equal(out.view(torch.uint8), want.contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", LOSSY)
 @pytest.mark.parametrize(("shape", "dtype"), CASES)
 def test_fast_path_equals_the_reference(kind: CodecKind, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     for seed in range(2):
-        _check(kind, gaussian(shape, dtype, seed), dtype, None)
-    _check(kind, special(shape, dtype), dtype, None)
-    _check(kind, torch.zeros(shape, dtype=dtype), dtype, None)
+        check_against_reference(kind, gaussian(shape, dtype, seed), dtype, None)
+    check_against_reference(kind, special(shape, dtype), dtype, None)
+    check_against_reference(kind, torch.zeros(shape, dtype=dtype), dtype, None)
     strided = torch.zeros((*shape[:-1], shape[-1] * 2), dtype=dtype)
     strided[..., ::2] = gaussian(shape, dtype, 3)
-    _check(kind, strided[..., ::2], dtype, None)
+    check_against_reference(kind, strided[..., ::2], dtype, None)
 
 
 @pytest.mark.parametrize("kind", LOSSY)
@@ -188,7 +190,7 @@ def test_fast_path_equals_the_reference(kind: CodecKind, shape: tuple[int, ...],
 def test_opaque_fast_path_equals_the_reference(kind: CodecKind, elem: torch.dtype, group: int) -> None:
     x = special((2, 2, 3, 1, 128), elem)
     opaque = x.view(torch.uint8)  # [2, 2, 3, 1, 256] page bytes
-    _check(kind, opaque, elem, group)
+    check_against_reference(kind, opaque, elem, group)
 
 
 @pytest.mark.parametrize("kind", LOSSY)

@@ -76,6 +76,15 @@ def test_a_forked_child_runs_lanes_on_its_own_workers_and_keeps_no_buffer_of_a_f
             srv.close()
 
 
+def _run(script: str, url: str) -> subprocess.CompletedProcess[str]:
+    """Run `script` in a fresh interpreter (this checkout first on its path) with the server's
+    URL as its argument; it must exit 0."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script, url], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 _AT_EXIT = textwrap.dedent("""
     import atexit, sys
     import torch
@@ -106,14 +115,10 @@ def test_a_store_closed_at_exit_still_stores_its_split_writes() -> None:
     (RuntimeError): each large batch a close from `atexit` flushed was a counted server fault
     and every block of it a dropped write."""
     with redis_server() as server:
-        env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        done = subprocess.run([sys.executable, "-c", _AT_EXIT, server.url], capture_output=True, text=True,
-                              timeout=120, env=env)
-        assert done.returncode == 0, done.stderr
+        done = _run(_AT_EXIT, server.url)
         assert "drops 0 errors 0" in done.stdout, done.stdout + done.stderr
         raw = redis.Redis(port=server.port)
         assert len(raw.keys(b"kvstrata:*")) >= 64  # both writes' blocks (and the generation)
-
 
 
 _FORK_WRITES = textwrap.dedent("""
@@ -151,8 +156,5 @@ def test_a_forked_child_sends_its_writes() -> None:
     """The parent's writer thread does not exist in a forked child: before, the child's writes
     were queued and never sent (its flush timed out, nothing counted as dropped)."""
     with redis_server() as server:
-        env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        done = subprocess.run([sys.executable, "-c", _FORK_WRITES, server.url], capture_output=True, text=True,
-                              timeout=120, env=env)
-        assert done.returncode == 0, done.stderr
+        done = _run(_FORK_WRITES, server.url)
         assert "child 32 True 0 32 True" in done.stdout, done.stdout + done.stderr
