@@ -85,7 +85,6 @@ class RouterConfig:
                                                    for name, url in self.controls))
 
 
-
 def read_token(path: str) -> str:
     """The bearer token in a file (its first line); `ConfigError` naming the file."""
     return bearer.read_token("--token-file", path)
