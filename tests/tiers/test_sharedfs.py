@@ -23,6 +23,7 @@ from tests.tiers.sharedfs_host import open_store, shared_tier, tokens
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.sharedfs import files
 from tiers.sharedfs.config import SharedFSTierConfig
+from tiers.sharedfs.space import Space
 from tiers.sharedfs.tier import SharedFSTier
 from tiers.tier_config import TierContext, tier_config
 
@@ -347,3 +348,34 @@ def test_a_discard_is_not_undone_by_a_write_still_running(tmp_path: Path) -> Non
     finally:
         let_go.set()
         t.close()
+
+
+def test_a_forced_maintenance_round_waits_for_one_running_and_leaves_the_directory_under_capacity(
+        tmp_path: Path) -> None:
+    """A forced round asked while another thread is evicting must not return before the
+    directory is under capacity (it used to return at once, leaving it over)."""
+    ns_dir = tmp_path / files.namespace_dir_name(bytes(NS))
+    for i in range(40):
+        h = BlockHash(bytes([i]) * 16)
+        path = Path(files.block_path(str(ns_dir), h))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1000 + i, 1000 + i))
+    evicting, removed = threading.Event(), []
+
+    def slow_removal(entry: files.Entry) -> None:
+        removed.append(entry.path)
+        evicting.set()
+        time.sleep(0.02)
+
+    space = Space(str(tmp_path), 10_000, scan_interval_s=60.0, scan_max_entries=100_000, orphan_after_s=60.0,
+                  on_removed=slow_removal, on_fault=lambda what, exc: pytest.fail(f"{what}: {exc}"))
+    first = threading.Thread(target=space.maintain, kwargs={"force_scan": True})
+    first.start()
+    assert evicting.wait(10)
+    space.maintain(force_scan=True)
+    assert space.used_bytes() <= space.capacity_bytes, space.used_bytes()
+    on_disk = sum(p.stat().st_size for p in ns_dir.rglob("*.kvb"))
+    assert on_disk <= space.capacity_bytes, on_disk
+    first.join(10)
+    assert len(removed) == len(set(removed)) >= 30

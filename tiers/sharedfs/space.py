@@ -62,9 +62,10 @@ class Space:
         return time.monotonic() >= self._next_scan
 
     def maintain(self, *, force_scan: bool = False) -> None:
-        """Scan if a round is due (or `force_scan`), then evict if over capacity; returns at
-        once if another thread of this process is at it."""
-        if not self._busy.acquire(blocking=False):
+        """Scan if a round is due (or `force_scan`), then evict if over capacity. A forced round
+        waits for one another thread of this process is running, then runs its own; an
+        unforced one returns at once instead."""
+        if not self._busy.acquire(blocking=force_scan):
             return
         try:
             if force_scan or self.scan_due():
