@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
@@ -75,6 +76,7 @@ class TierBlockStore(BlockStore):
         self._prefetch_limit = PREFETCH_QUEUE_PER_THREAD * config.io_threads  # prefetches waiting or running
         self._prefetches = threading.BoundedSemaphore(self._prefetch_limit)
         self._prefetch_planned = 0  # blocks running prefetches read into buffers: room they hold in memory
+        self._prefetch_reading: Counter[BlockHash] = Counter()  # those blocks' hashes: no other prefetch reads them
         self._warn = RateLimitedWarning(logger)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
@@ -231,14 +233,19 @@ class TierBlockStore(BlockStore):
                 generation, quarantines = self.generation, self._quarantines
                 # Room other running prefetches planned is theirs: together their buffers
                 # never exceed the memory tier's room, nor do their inserts evict each other.
-                plan = stack.plan_prefetch(hashes, reserved=len(self.retention) + self._prefetch_planned)
-                planned = len(plan.positions) if plan is not None else 0
-                self._prefetch_planned += planned
+                # Blocks another is reading are its own: read once, counted as in flight.
+                plan = stack.plan_prefetch(hashes, reserved=len(self.retention) + self._prefetch_planned,
+                                           in_flight=self._prefetch_reading)
+                reading = [hashes[p] for p in plan.positions] if plan is not None else []
+                self._prefetch_planned += len(reading)
+                self._prefetch_reading.update(reading)
             try:
                 return self._prefetch_planned_run(keys, hashes, capped, plan, generation, quarantines)
             finally:
                 with self._lock:
-                    self._prefetch_planned -= planned
+                    self._prefetch_planned -= len(reading)
+                    self._prefetch_reading.subtract(reading)
+                    self._prefetch_reading += Counter()  # drops the hashes no prefetch reads now
 
     def _prefetch_planned_run(self, keys: list[BlockKey], hashes: list[BlockHash], capped: int,
                               plan: Prefetch | None, generation: int, quarantines: int) -> PrefetchResult:
@@ -269,7 +276,8 @@ class TierBlockStore(BlockStore):
             c.num_prefetch_promoted += got
             c.num_prefetch_failed += failed
             return PrefetchResult(status, plan.num_held if plan else 0, plan.num_already if plan else 0, got,
-                                  failed, plan.num_unfit if plan else 0, capped, stack.leading_in_memory(hashes))
+                                  failed, plan.num_unfit if plan else 0, capped, stack.leading_in_memory(hashes),
+                                  plan.num_in_flight if plan else 0)
 
     def take_events(self) -> EventBatch:
         with self._lock:

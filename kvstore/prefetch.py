@@ -47,6 +47,8 @@ class PrefetchResult(NamedTuple):
         num_capped: keys past the per-call cap (`max_blocks`): not looked at.
         num_in_memory: leading blocks memory tiers held when it ended; a request for these
             keys now loads that many without touching a slow tier.
+        num_in_flight: blocks of the held prefix another running prefetch was reading: not
+            read twice (they reach memory when that one ends).
     """
 
     status: PrefetchStatus
@@ -57,6 +59,7 @@ class PrefetchResult(NamedTuple):
     num_unfit: int = 0
     num_capped: int = 0
     num_in_memory: int = 0
+    num_in_flight: int = 0
 
 
 def check_max_blocks(max_blocks: object) -> int:

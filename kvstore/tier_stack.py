@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Concatenate, NamedTuple, ParamSpec, TypeVar
 
 import torch
@@ -75,7 +75,8 @@ class _Below:
 class Prefetch(NamedTuple):
     """A prefetch's plan: the prefix positions to read, the index of the tier each comes
     from, the memory tier they go to; the held prefix's length, how many of its blocks memory
-    tiers hold already, and how many more there were than the memory tier has room for."""
+    tiers hold already, how many more there were than the memory tier has room for, and how
+    many other running prefetches are reading already."""
 
     positions: list[int]
     sources: list[int]
@@ -83,6 +84,7 @@ class Prefetch(NamedTuple):
     num_held: int = 0
     num_already: int = 0
     num_unfit: int = 0
+    num_in_flight: int = 0
 
 
 class TierStack:
@@ -263,21 +265,25 @@ class TierStack:
         return self.tiers[self._index[kind]]
 
     # -- prefetch: slow tiers into memory ----------------------------------------------------
-    def plan_prefetch(self, hashes: Sequence[BlockHash], reserved: int = 0) -> Prefetch | None:
+    def plan_prefetch(self, hashes: Sequence[BlockHash], reserved: int = 0,
+                      in_flight: Container[BlockHash] = frozenset()) -> Prefetch | None:
         """Which blocks of the cached prefix to read from tiers outside memory, and into which
-        memory tier (the slowest one); None if no tier is memory. Plans no more than that
-        tier can take beside `reserved` blocks (retained ones) and the prefix's blocks it
-        holds already, so the insert never evicts those. Changes nothing."""
+        memory tier (the slowest one); None if no tier is memory. Skips the blocks in
+        `in_flight` (other running prefetches read them), and plans no more than that tier
+        can take beside `reserved` blocks (retained ones and those other prefetches read) and
+        the prefix's blocks it holds already, so the insert never evicts those. Changes nothing."""
         memory = [i for i, t in enumerate(self.tiers) if t.traits.memory]
         if not memory:
             return None
         plan = self.plan_lookup(hashes)
-        fetch = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
-        already = len(plan) - len(fetch)
+        outside = [p for p, t in enumerate(plan) if not self.tiers[t].traits.memory]
+        fetch = [p for p in outside if hashes[p] not in in_flight]
+        already = len(plan) - len(outside)
         room = max(0, self.tiers[memory[-1]].capacity_blocks - reserved - already)
         unfit = max(0, len(fetch) - room)
         fetch = fetch[:room]
-        return Prefetch(fetch, [plan[p] for p in fetch], memory[-1], len(plan), already, unfit)
+        return Prefetch(fetch, [plan[p] for p in fetch], memory[-1], len(plan), already, unfit,
+                        len(outside) - len(fetch) - unfit)
 
     @_publishes
     def read_prefetch(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],

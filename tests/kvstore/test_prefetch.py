@@ -233,3 +233,29 @@ def test_running_prefetches_share_the_cpu_tiers_room(tmp_path: Path) -> None:
         assert torch.equal(_bits(got.kv), _bits(kv_first))
         after = store.prefetch(second).result(WAIT_S)  # room planned by nobody now: it runs
         assert (after.num_promoted, after.num_unfit) == (4, 0)
+
+
+def test_a_prefetch_skips_the_blocks_another_running_prefetch_reads(tmp_path: Path) -> None:
+    """While a prefetch of a prefix reads, a prefetch of a longer prompt with that prefix
+    reads only its own blocks: the others are counted in flight (not unfit, not read twice),
+    and every block reaches the CPU tier once both end."""
+    tokens = list(range(6 * BLOCK))
+    kv = make_kv(len(tokens), seed=11)
+    kw = {"cpu_bytes": 8 * LAYOUT.block_bytes(BLOCK), "io_threads": 2}
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as writer:
+        writer.store(tokens, kv)
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as store:
+        assert store.locate(tokens) == [TierKind.DISK] * 6
+        gate = DiskGate(store)  # the first prefetch has read its 4 blocks; its insert waits
+        running = store.prefetch(tokens[:4 * BLOCK])
+        assert gate.entered.wait(WAIT_S)
+        later = store.prefetch(tokens).result(WAIT_S)
+        assert (later.status, later.num_held, later.num_in_flight, later.num_unfit, later.num_promoted) == (
+            PrefetchStatus.DONE, 6, 4, 0, 2)
+        gate.release()
+        done = running.result(WAIT_S)
+        assert (done.num_promoted, done.num_in_flight, done.num_in_memory) == (4, 0, 4)
+        assert store.locate(tokens) == [TierKind.CPU] * 6
+        assert store.stats().num_prefetch_promoted == 6  # each block read from disk once
+        got = store.retrieve(tokens)
+        assert torch.equal(_bits(got.kv), _bits(kv))
