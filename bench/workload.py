@@ -72,41 +72,23 @@ from kvstore import KVCacheStore, StoreConfig
 
 BLOCK_SIZE = 16
 TIERS = ("pool", "cpu", "disk")
-_DEFAULT = {
-    "chatbot": {"num_requests": 32, "system_len": 512, "user_min": 64, "user_max": 128, "output_len": 4},
-    "multi_round": {"num_users": 6, "num_rounds": 4, "system_len": 256, "history_len": 256,
-                    "question_len": 32, "output_len": 8},
-    "rag": {"num_requests": 24, "instruction_len": 256, "num_chunks": 24, "chunk_len": 128, "top_k": 4,
-            "query_len": 32, "output_len": 4},
-    "long_doc_qa": {"num_documents": 6, "document_len": 1024, "repeat_count": 2, "question_len": 16,
-                    "output_len": 4},
-    "gsp": {"num_groups": 8, "prompts_per_group": 6, "system_len": 512, "question_len": 32, "output_len": 4},
+_SIZES = ("default", "full", "tiny")  # the presets, `--size`
+_PARAMS = {  # each workload's parameters: {name: its value in each of _SIZES}
+    "chatbot": {"num_requests": (32, 100, 6), "system_len": (512, 1000, 64), "user_min": (64, 128, 16),
+                "user_max": (128, 256, 32), "output_len": (4, 10, 2)},
+    "multi_round": {"num_users": (6, 10, 2), "num_rounds": (4, 5, 2), "system_len": (256, 1000, 32),
+                    "history_len": (256, 2000, 32), "question_len": (32, 32, 8), "output_len": (8, 100, 4)},
+    "rag": {"num_requests": (24, 100, 4), "instruction_len": (256, 1024, 48), "num_chunks": (24, 100, 4),
+            "chunk_len": (128, 512, 16), "top_k": (4, 5, 2), "query_len": (32, 64, 8), "output_len": (4, 10, 2)},
+    "long_doc_qa": {"num_documents": (6, 8, 2), "document_len": (1024, 20000, 96), "repeat_count": (2, 2, 1),
+                    "question_len": (16, 32, 8), "output_len": (4, 100, 2)},
+    "gsp": {"num_groups": (8, 64, 2), "prompts_per_group": (6, 16, 2), "system_len": (512, 2048, 64),
+            "question_len": (32, 128, 8), "output_len": (4, 256, 2)},
 }
-PRESETS = {
-    "default": _DEFAULT,
-    "full": {
-        "chatbot": {"num_requests": 100, "system_len": 1000, "user_min": 128, "user_max": 256, "output_len": 10},
-        "multi_round": {"num_users": 10, "num_rounds": 5, "system_len": 1000, "history_len": 2000,
-                        "question_len": 32, "output_len": 100},
-        "rag": {"num_requests": 100, "instruction_len": 1024, "num_chunks": 100, "chunk_len": 512, "top_k": 5,
-                "query_len": 64, "output_len": 10},
-        "long_doc_qa": {"num_documents": 8, "document_len": 20000, "repeat_count": 2, "question_len": 32,
-                        "output_len": 100},
-        "gsp": {"num_groups": 64, "prompts_per_group": 16, "system_len": 2048, "question_len": 128,
-                "output_len": 256},
-    },
-    "tiny": {
-        "chatbot": {"num_requests": 6, "system_len": 64, "user_min": 16, "user_max": 32, "output_len": 2},
-        "multi_round": {"num_users": 2, "num_rounds": 2, "system_len": 32, "history_len": 32,
-                        "question_len": 8, "output_len": 4},
-        "rag": {"num_requests": 4, "instruction_len": 48, "num_chunks": 4, "chunk_len": 16, "top_k": 2,
-                "query_len": 8, "output_len": 2},
-        "long_doc_qa": {"num_documents": 2, "document_len": 96, "repeat_count": 1, "question_len": 8,
-                        "output_len": 2},
-        "gsp": {"num_groups": 2, "prompts_per_group": 2, "system_len": 64, "question_len": 8, "output_len": 2},
-    },
-}
-WORKLOADS = tuple(_DEFAULT)
+PRESETS = {size: {workload: {name: values[i] for name, values in params.items()}
+                  for workload, params in _PARAMS.items()}
+           for i, size in enumerate(_SIZES)}
+WORKLOADS = tuple(_PARAMS)
 
 
 class Request(NamedTuple):

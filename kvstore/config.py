@@ -27,9 +27,9 @@ from kvstore.settings import parse_bool, parse_optional_str, parse_str
 from kvstore.tier_configs import FLAT_FIELDS, NamedTier, parse_given
 from tiers.codecs import CodecConfig, CodecKind, codec_config, parse_codec
 from tiers.cpu.config import CPUTierConfig, check_fits
-from tiers.disk.config import MAX_DISK_BYTES, DiskTierConfig, check_disk_bytes, check_path
+from tiers.disk.config import MAX_DISK_BYTES, DiskTierConfig, check_disk_bytes
 from tiers.disk.durability import DiskSync
-from tiers.plugins import is_int_at_least, require_int
+from tiers.plugins import check_path, is_int_at_least, require_int
 from tiers.policies.admission import ADMIT_ALL, AdmissionKind, AdmissionSpec, parse_admission
 from tiers.policies.eviction import EvictionKind, eviction_config, parse_eviction
 from tiers.pool.config import PoolTierConfig, check_device, parse_demotion

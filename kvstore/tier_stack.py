@@ -162,23 +162,37 @@ class TierStack:
         """Copy block i of `keys` into `dsts[i]` from tier `plan[i]` (one `get_into` per run of
         one tier); stop at the first block missing or failing validation. Returns the blocks
         copied and how many each tier served."""
-        counts: dict[TierKind, int] = {}
-        num_ok = 0
-        while num_ok < len(plan):
-            end = num_ok
-            while end < len(plan) and plan[end] == plan[num_ok]:
-                end += 1
-            tier = self.tiers[plan[num_ok]]
+
+        def read(tier: Tier, start: int, end: int) -> int:
             t0 = time.perf_counter()
-            got = tier.get_into(keys[num_ok:end], dsts[num_ok:end])
+            got = tier.get_into(keys[start:end], dsts[start:end])
             if self.on_load is not None and not tier.traits.engine_memory:
                 self.on_load(tier.kind, got, time.perf_counter() - t0)
+            return got
+
+        return self._read_runs(plan, read)
+
+    def _read_runs(self, sources: Sequence[int], read: Callable[[Tier, int, int], int],
+                   joins: Callable[[int, int], bool] | None = None,
+                   stop: Callable[[], bool] | None = None) -> tuple[int, dict[TierKind, int]]:
+        """Read blocks 0.. from tiers `sources[i]` in runs: block j joins the run that block i
+        starts if it has i's tier (and `joins(i, j)`, when given); `read(tier, i, end)` reads
+        one run and returns how many of its blocks it read, in order. Stops at the first run
+        read short, or when `stop()`. Returns the blocks read and how many each tier gave."""
+        counts: dict[TierKind, int] = {}
+        done = 0
+        while done < len(sources) and not (stop is not None and stop()):
+            end = done + 1
+            while end < len(sources) and sources[end] == sources[done] and (joins is None or joins(done, end)):
+                end += 1
+            tier = self.tiers[sources[done]]
+            got = read(tier, done, end)
             if got:
                 counts[tier.kind] = counts.get(tier.kind, 0) + got
-            num_ok += got
-            if num_ok < end:
+            done += got
+            if done < end:
                 break
-        return num_ok, counts
+        return done, counts
 
     @_publishes
     def verify(self, keys: Sequence[BlockKey], computed: Sequence[torch.Tensor], unbounded: frozenset[TierKind],
@@ -291,21 +305,10 @@ class TierStack:
         """Read the planned blocks into `buffer`, one read per run of one tier, in prefix order,
         until a block is missing or `stop()`; runs without the store's lock. Returns the blocks
         read and how many each tier gave."""
-        fetch, source = prefetch.positions, prefetch.sources
-        got = 0
-        counts: dict[TierKind, int] = {}
-        while got < len(fetch) and not stop():
-            end = got
-            while end < len(fetch) and source[end] == source[got] and fetch[end] - fetch[got] == end - got:
-                end += 1
-            tier = self.tiers[source[got]]
-            n = tier.get_into([keys[p] for p in fetch[got:end]], buffer[got:end])
-            if n:
-                counts[tier.kind] = counts.get(tier.kind, 0) + n
-            got += n
-            if got < end:
-                break
-        return got, counts
+        fetch = prefetch.positions
+        return self._read_runs(prefetch.sources,
+                               lambda tier, i, end: tier.get_into([keys[p] for p in fetch[i:end]], buffer[i:end]),
+                               joins=lambda i, j: fetch[j] - fetch[i] == j - i, stop=stop)
 
     @_publishes
     def insert_prefetched(self, keys: Sequence[BlockKey], prefetch: Prefetch, buffer: Sequence[torch.Tensor],

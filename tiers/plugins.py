@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -54,6 +55,18 @@ def require_int(name: str, value: object, low: int, error: type[Exception] = Con
         raise error(f"{name} must be an int {bound}, got {value!r}")
     assert isinstance(value, (int, np.integer))
     return int(value)
+
+
+def check_path(value: object, what: str) -> str:
+    """`value` (a str or path-like) as a non-empty path without NUL bytes; `ConfigError`
+    naming `what` otherwise: the check of every directory a tier's config names."""
+    try:
+        path = os.fspath(value)  # type: ignore[call-overload]  # anything: refused below if not a path
+    except TypeError:
+        raise ConfigError(f"{what} must be a path, got {value!r}") from None
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise ConfigError(f"{what} must be a non-empty path without NUL bytes, got {path!r}")
+    return path
 
 
 class Entry(NamedTuple):

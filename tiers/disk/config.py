@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from tiers.base import Tier
@@ -10,23 +9,11 @@ from tiers.codecs import CodecConfig, RawConfig, codec_config
 from tiers.disk.durability import DiskSync
 from tiers.disk.tier import LMDBTier
 from tiers.errors import ConfigError
-from tiers.plugins import require_int
+from tiers.plugins import check_path, require_int
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
 _RAW = RawConfig()
 MAX_DISK_BYTES = 1 << 44  # 16 TiB: the LMDB map (twice the budget) stays inside the address space
-
-
-def check_path(value: object, what: str) -> str:
-    """`value` (a str or path-like) as a non-empty path without NUL bytes; `ConfigError`
-    naming `what` otherwise."""
-    try:
-        path = os.fspath(value)  # type: ignore[call-overload]  # anything: refused below if not a path
-    except TypeError:
-        raise ConfigError(f"{what} must be a path, got {value!r}") from None
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise ConfigError(f"{what} must be a non-empty path without NUL bytes, got {path!r}")
-    return path
 
 
 def check_disk_bytes(value: object, what: str) -> int:

@@ -16,7 +16,7 @@ import ctypes.util
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -87,31 +87,16 @@ def _advance(pieces: Pieces, done: int) -> Pieces:
     return out
 
 
-def write_all(fd: int, pieces: Pieces, offset: int) -> None:
-    """Write every piece at `offset` onwards, `IOV_MAX` pieces per call, resuming short
-    writes. Raises `OSError` (ENOSPC, EDQUOT, EFBIG, EIO) if the file system refuses."""
-    todo = list(pieces)
-    while todo:
-        batch = todo[:_IOV_MAX]
-        want = sum(p.nbytes for p in batch)
-        done = os.pwritev(fd, batch, offset)
-        offset += done
-        if done == want:
-            todo = todo[_IOV_MAX:]
-        elif done == 0:
-            raise OSError(28, "No space left on device (a write made no progress)")
-        else:
-            todo = _advance(batch, done) + todo[_IOV_MAX:]
-
-
-def read_all(fd: int, pieces: Pieces, offset: int) -> int:
-    """Fill the pieces from `offset` onwards; return the bytes read (fewer at end of file)."""
+def _vectored(call: Callable[[int, Pieces, int], int], fd: int, pieces: Pieces, offset: int) -> int:
+    """Run `call` (`os.pwritev` or `os.preadv`) over every piece from `offset` onwards,
+    `IOV_MAX` pieces per call, resuming short transfers, until done or a call moves nothing.
+    Returns the bytes moved."""
     total = 0
     todo = list(pieces)
     while todo:
         batch = todo[:_IOV_MAX]
         want = sum(p.nbytes for p in batch)
-        done = os.preadv(fd, batch, offset)
+        done = call(fd, batch, offset)
         total += done
         offset += done
         if done == want:
@@ -121,6 +106,18 @@ def read_all(fd: int, pieces: Pieces, offset: int) -> int:
         else:
             todo = _advance(batch, done) + todo[_IOV_MAX:]
     return total
+
+
+def write_all(fd: int, pieces: Pieces, offset: int) -> None:
+    """Write every piece at `offset` onwards, `IOV_MAX` pieces per call, resuming short
+    writes. Raises `OSError` (ENOSPC, EDQUOT, EFBIG, EIO) if the file system refuses."""
+    if _vectored(os.pwritev, fd, pieces, offset) < sum(p.nbytes for p in pieces):
+        raise OSError(28, "No space left on device (a write made no progress)")
+
+
+def read_all(fd: int, pieces: Pieces, offset: int) -> int:
+    """Fill the pieces from `offset` onwards; return the bytes read (fewer at end of file)."""
+    return _vectored(os.preadv, fd, pieces, offset)
 
 
 class SlotFiles:

@@ -14,10 +14,11 @@ from tiers.policies.eviction import (
     EvictionKind,
     EvictionPolicy,
     K,
-    check_ratio,
+    delete_from,
+    ratio_field,
     register_eviction,
-    trim,
 )
+from tiers.policies.history import History
 
 GHOST_X = 4.0  # entries of each ghost list, in tier capacities (ARC: one; 4x measured better here)
 
@@ -38,13 +39,11 @@ class ARCPolicy(EvictionPolicy[K]):
 
     def __init__(self, capacity_blocks: int, *, ghost_x: float = GHOST_X) -> None:
         super().__init__(capacity_blocks)
-        self._ghost_x = ghost_x
-        self._ghost_limit = self._ghost_cap(capacity_blocks)
         self._t1: OrderedDict[K, None] = OrderedDict()
         self._t2: OrderedDict[K, None] = OrderedDict()
-        self._b1: OrderedDict[K, None] = OrderedDict()
-        self._b2: OrderedDict[K, None] = OrderedDict()
-        self._cold: ColdQueue[K] = ColdQueue(self._ghost_limit)  # low-priority keys, popped first
+        self._b1: History[K, None] = History(ghost_x, capacity_blocks)
+        self._b2: History[K, None] = History(ghost_x, capacity_blocks)
+        self._cold: ColdQueue[K] = ColdQueue(self._b1.limit)  # low-priority keys, popped first
         self.p = 0.0
 
     def __len__(self) -> int:
@@ -87,12 +86,7 @@ class ARCPolicy(EvictionPolicy[K]):
             self._t2.move_to_end(key)
 
     def remove(self, key: K) -> None:
-        if key in self._t1:
-            del self._t1[key]
-        elif key in self._t2:
-            del self._t2[key]
-        else:
-            del self._cold[key]
+        delete_from(key, self._t1, self._t2, self._cold)
 
     def pop(self) -> K:
         t1 = self._t1
@@ -100,12 +94,10 @@ class ARCPolicy(EvictionPolicy[K]):
             return self._cold.pop_front(len(self))
         if t1 and (len(t1) >= max(1.0, self.p) or not self._t2):
             key = t1.popitem(last=False)[0]
-            self._b1[key] = None
-            trim(self._b1, self._ghost_limit)
+            self._b1.remember(key, None)
         elif self._t2:
             key = self._t2.popitem(last=False)[0]
-            self._b2[key] = None
-            trim(self._b2, self._ghost_limit)
+            self._b2.remember(key, None)
         else:
             raise IndexError("pop from an empty ARC policy")
         return key
@@ -130,21 +122,8 @@ class ARCPolicy(EvictionPolicy[K]):
     def order(self) -> Iterator[K]:
         return itertools.chain(self._cold, self._t1, self._t2)
 
-    def _ghost_cap(self, capacity_blocks: int) -> int:
-        """Entries of each ghost list for a tier of `capacity_blocks` blocks."""
-        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
-
-    @property
-    def num_remembered(self) -> int:
-        return len(self._b1) + len(self._b2)
-
-    def history_limit(self, capacity_blocks: int) -> int:
-        return 2 * self._ghost_cap(capacity_blocks)
-
-    def trim_history(self, capacity_blocks: int) -> None:
-        cap = self._ghost_cap(capacity_blocks)
-        trim(self._b1, cap)
-        trim(self._b2, cap)
+    def histories(self) -> tuple[History[K, None], ...]:
+        return self._b1, self._b2
 
     def clear(self) -> None:
         for d in (self._t1, self._t2, self._b1, self._b2, self._cold):
@@ -158,7 +137,7 @@ class ARCPolicy(EvictionPolicy[K]):
         self._cold.check_integrity(self, "ARC")
         if not 0.0 <= self.p <= self.capacity_blocks:
             raise RuntimeError(f"ARC: target size p={self.p} is outside [0, {self.capacity_blocks}] (a bug)")
-        if max(len(self._b1), len(self._b2)) > self._ghost_limit:
+        if max(len(self._b1), len(self._b2)) > self._b1.limit:
             raise RuntimeError("ARC: a ghost list is over its limit (a bug)")
 
 
@@ -167,10 +146,7 @@ class ARCPolicy(EvictionPolicy[K]):
 class ARCConfig(EvictionConfig):
     """ARC: `ghost_x` is the entries of each ghost list, in tier capacities."""
 
-    ghost_x: float = GHOST_X
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "ghost_x", check_ratio("ARCConfig.ghost_x", self.ghost_x))
+    ghost_x: float = ratio_field(GHOST_X)
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return ARCPolicy(capacity_blocks, ghost_x=self.ghost_x)

@@ -22,15 +22,15 @@ from __future__ import annotations
 import abc
 import enum
 from collections import OrderedDict
-from collections.abc import Callable, Container, Hashable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Hashable, Iterator, MutableMapping
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Generic, TypeVar
 
 from tiers.errors import ConfigError
 from tiers.plugins import Registry
+from tiers.policies.history import History, trim
 
 K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
 
 
 class EvictionKind(str, enum.Enum):
@@ -125,20 +125,25 @@ class EvictionPolicy(abc.ABC, Generic[K]):
     def order(self) -> Iterator[K]:
         """The held keys, roughly in eviction order (the next to go first); changes nothing."""
 
+    def histories(self) -> tuple[History[K, Any], ...]:
+        """What it remembers of keys after they left (ghosts, counts); none by default."""
+        return ()
+
     @property
     def num_remembered(self) -> int:
         """Keys remembered after they left (ghosts, counts); 0 for a policy without history."""
-        return 0
+        return sum(len(h) for h in self.histories())
 
     def history_limit(self, capacity_blocks: int) -> int:
         """The most keys this policy remembers for a tier of `capacity_blocks` blocks (never
         more than for its own capacity)."""
-        return 0
+        return sum(h.limit_for(capacity_blocks) for h in self.histories())
 
     def trim_history(self, capacity_blocks: int) -> None:
         """Forget the oldest remembered keys beyond `history_limit(capacity_blocks)`: the
         tier holds fewer blocks under this policy than it was made for (a tenant's share)."""
-        return None
+        for h in self.histories():
+            h.trim_to(capacity_blocks)
 
     @abc.abstractmethod
     def clear(self) -> None:
@@ -210,10 +215,13 @@ class LRUPolicy(EvictionPolicy[K]):
         return None  # one ordered dict: nothing can disagree
 
 
-def trim(ghosts: OrderedDict[K, V], limit: int) -> None:
-    """Drop the oldest entries of a ghost list until at most `limit` remain."""
-    while len(ghosts) > limit:
-        ghosts.popitem(last=False)
+def delete_from(key: K, *queues: MutableMapping[K, Any]) -> None:
+    """Delete `key` from the first of a policy's `queues` that holds it; `KeyError` if none."""
+    for queue in queues:
+        if key in queue:
+            del queue[key]
+            return
+    raise KeyError(key)
 
 
 class ColdQueue(OrderedDict[K, None]):
@@ -286,10 +294,23 @@ def check_ratio(what: str, value: object, *, upper: float = MAX_RATIO) -> float:
     return float(value)  # type: ignore[arg-type]  # a number once ok
 
 
+def ratio_field(default: float, *, upper: float = MAX_RATIO) -> float:
+    """A config field holding a share or multiple of the tier's capacity, below `upper`:
+    `EvictionConfig` checks it (`check_ratio`) and keeps it as a float."""
+    return field(default=default, metadata={"ratio_upper": upper})
+
+
 @dataclass(frozen=True)
 class EvictionConfig(abc.ABC):
     """An eviction policy's config: a frozen dataclass registered by name with
     `register_eviction` beside the policy, whose `make` builds a new, empty policy."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if "ratio_upper" in f.metadata:
+                value = check_ratio(f"{type(self).__name__}.{f.name}", getattr(self, f.name),
+                                    upper=f.metadata["ratio_upper"])
+                object.__setattr__(self, f.name, value)
 
     @property
     def name(self) -> str:

@@ -13,10 +13,10 @@ from tiers.policies.eviction import (
     EvictionKind,
     EvictionPolicy,
     K,
-    check_ratio,
+    ratio_field,
     register_eviction,
-    trim,
 )
+from tiers.policies.history import History
 
 MAX_COUNT = 15  # counts saturate here (4 bits, as TinyLFU's counters)
 AGE_X = 8  # every AGE_X capacities of uses, every count is halved (old popularity fades)
@@ -42,9 +42,7 @@ class LFUPolicy(EvictionPolicy[K]):
         super().__init__(capacity_blocks)
         self._count: dict[K, int] = {}
         self._buckets: list[OrderedDict[K, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
-        self._history: OrderedDict[K, int] = OrderedDict()
-        self._history_x = history_x
-        self._history_limit = self.history_limit(capacity_blocks)
+        self._history: History[K, int] = History(history_x, capacity_blocks)
         self._uses = 0
         self._age_every = AGE_X * capacity_blocks
         self._low = 1  # no non-empty bucket below this one
@@ -83,7 +81,7 @@ class LFUPolicy(EvictionPolicy[K]):
     def remove(self, key: K) -> None:
         c = self._count.pop(key)
         del self._buckets[c][key]
-        self._remember(key, c)
+        self._history.remember(key, c)
 
     def pop(self) -> K:
         if not self._count:
@@ -92,7 +90,7 @@ class LFUPolicy(EvictionPolicy[K]):
             self._low += 1
         key = self._buckets[self._low].popitem(last=False)[0]
         c = self._count.pop(key)
-        self._remember(key, c)
+        self._history.remember(key, c)
         return key
 
     def restore(self, key: K) -> None:
@@ -111,10 +109,6 @@ class LFUPolicy(EvictionPolicy[K]):
         self._buckets[1].move_to_end(key, last=False)
         self._low = 1
 
-    def _remember(self, key: K, count: int) -> None:
-        self._history[key] = count
-        trim(self._history, self._history_limit)
-
     def _used(self) -> None:
         self._uses += 1
         if self._uses >= self._age_every:
@@ -129,21 +123,16 @@ class LFUPolicy(EvictionPolicy[K]):
             for key in bucket:
                 self._count[key] = half
                 self._buckets[half][key] = None
-        self._history = OrderedDict((k, c // 2) for k, c in self._history.items() if c >= 2)
+        aged = [(k, c // 2) for k, c in self._history.items() if c >= 2]
+        self._history.clear()
+        self._history.update(aged)
         self._low = 1
 
     def order(self) -> Iterator[K]:
         return itertools.chain.from_iterable(self._buckets)
 
-    @property
-    def num_remembered(self) -> int:
-        return len(self._history)
-
-    def history_limit(self, capacity_blocks: int) -> int:
-        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._history_x))
-
-    def trim_history(self, capacity_blocks: int) -> None:
-        trim(self._history, self.history_limit(capacity_blocks))
+    def histories(self) -> tuple[History[K, int], ...]:
+        return (self._history,)
 
     def clear(self) -> None:
         self._count.clear()
@@ -170,10 +159,7 @@ class LFUPolicy(EvictionPolicy[K]):
 class LFUConfig(EvictionConfig):
     """LFU: `history_x` is the counts of evicted keys remembered, in tier capacities."""
 
-    history_x: float = HISTORY_X
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "history_x", check_ratio("LFUConfig.history_x", self.history_x))
+    history_x: float = ratio_field(HISTORY_X)
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return LFUPolicy(capacity_blocks, history_x=self.history_x)

@@ -14,10 +14,11 @@ from tiers.policies.eviction import (
     EvictionKind,
     EvictionPolicy,
     K,
-    check_ratio,
+    delete_from,
+    ratio_field,
     register_eviction,
-    trim,
 )
+from tiers.policies.history import History
 
 MAX_FREQ = 3  # uses counted per key (2 bits in the paper)
 SMALL_SHARE = 0.1  # the small queue's share of the tier
@@ -45,12 +46,10 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def __init__(self, capacity_blocks: int, *, small_share: float = SMALL_SHARE, ghost_x: float = GHOST_X) -> None:
         super().__init__(capacity_blocks)
         self._small_limit = max(1, int(capacity_blocks * small_share))
-        self._ghost_x = ghost_x
-        self._ghost_limit = self.history_limit(capacity_blocks)
         self._small: OrderedDict[K, None] = OrderedDict()
         self._main: OrderedDict[K, None] = OrderedDict()
-        self._ghost: OrderedDict[K, None] = OrderedDict()
-        self._cold: ColdQueue[K] = ColdQueue(self._ghost_limit)  # low-priority keys, popped first
+        self._ghost: History[K, None] = History(ghost_x, capacity_blocks)
+        self._cold: ColdQueue[K] = ColdQueue(self._ghost.limit)  # low-priority keys, popped first
         self._freq: dict[K, int] = {}
 
     def __len__(self) -> int:
@@ -83,12 +82,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
 
     def remove(self, key: K) -> None:
         del self._freq[key]
-        if key in self._small:
-            del self._small[key]
-        elif key in self._main:
-            del self._main[key]
-        else:
-            del self._cold[key]
+        delete_from(key, self._small, self._main, self._cold)
 
     def pop(self) -> K:
         small, main, freq = self._small, self._main, self._freq
@@ -106,8 +100,7 @@ class S3FIFOPolicy(EvictionPolicy[K]):
                     main[key] = None
                     continue
                 del freq[key]
-                self._ghost[key] = None
-                trim(self._ghost, self._ghost_limit)
+                self._ghost.remember(key, None)
                 return key
             key = main.popitem(last=False)[0]
             f = freq[key]
@@ -144,15 +137,8 @@ class S3FIFOPolicy(EvictionPolicy[K]):
     def order(self) -> Iterator[K]:
         return itertools.chain(self._cold, self._small, self._main)
 
-    @property
-    def num_remembered(self) -> int:
-        return len(self._ghost)
-
-    def history_limit(self, capacity_blocks: int) -> int:
-        return max(1, int(min(capacity_blocks, self.capacity_blocks) * self._ghost_x))
-
-    def trim_history(self, capacity_blocks: int) -> None:
-        trim(self._ghost, self.history_limit(capacity_blocks))
+    def histories(self) -> tuple[History[K, None], ...]:
+        return (self._ghost,)
 
     def clear(self) -> None:
         for d in (self._small, self._main, self._ghost, self._cold, self._freq):
@@ -176,12 +162,8 @@ class S3FIFOConfig(EvictionConfig):
     """S3-FIFO: `small_share` is the small queue's share of the tier, in (0, 1); `ghost_x` the
     ghost entries kept, in tier capacities."""
 
-    small_share: float = SMALL_SHARE
-    ghost_x: float = GHOST_X
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "small_share", check_ratio("S3FIFOConfig.small_share", self.small_share, upper=1.0))
-        object.__setattr__(self, "ghost_x", check_ratio("S3FIFOConfig.ghost_x", self.ghost_x))
+    small_share: float = ratio_field(SMALL_SHARE, upper=1.0)
+    ghost_x: float = ratio_field(GHOST_X)
 
     def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
         return S3FIFOPolicy(capacity_blocks, small_share=self.small_share, ghost_x=self.ghost_x)

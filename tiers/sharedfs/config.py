@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from tiers.base import Tier
 from tiers.codecs import CodecConfig, RawConfig, codec_config
 from tiers.errors import ConfigError
-from tiers.plugins import require_int
+from tiers.plugins import check_path, require_int
 from tiers.sharedfs.tier import SharedFSTier
 from tiers.tier_config import TierConfig, TierContext, register_tier
 
@@ -25,17 +25,6 @@ def _seconds(config: object, name: str, high: float, *, zero: bool = False) -> N
         raise ConfigError(f"SharedFSTierConfig.{name} must be in {'[' if zero else '('}0, {high:g}] seconds, "
                           f"got {value!r}")
     object.__setattr__(config, name, float(value))
-
-
-def _path(value: object) -> str:
-    """`value` (a str or path-like) as a non-empty path without NUL bytes; `ConfigError` otherwise."""
-    try:
-        path = os.fspath(value)  # type: ignore[call-overload]  # anything: refused below if not a path
-    except TypeError:
-        raise ConfigError(f"SharedFSTierConfig.path must be a path, got {value!r}") from None
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise ConfigError(f"SharedFSTierConfig.path must be a non-empty path without NUL bytes, got {path!r}")
-    return path
 
 
 @register_tier("sharedfs")
@@ -77,7 +66,7 @@ class SharedFSTierConfig(TierConfig):
     share_id: str | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "path", _path(self.path))
+        object.__setattr__(self, "path", check_path(self.path, "SharedFSTierConfig.path"))
         require_int("SharedFSTierConfig.capacity_bytes", self.capacity_bytes, 1, high=MAX_BYTES)
         object.__setattr__(self, "codec", codec_config(self.codec, "SharedFSTierConfig.codec"))
         require_int("SharedFSTierConfig.io_threads", self.io_threads, 1, high=256)
