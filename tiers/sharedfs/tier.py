@@ -36,10 +36,11 @@ import torch
 from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
-from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.errors import StoreClosedError
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import Payload, RecordCodec
+from tiers.shared.record_check import RecordCheck
 from tiers.sharedfs import blockio, files
 from tiers.sharedfs.clear import sweep_dirs, walk_blocks
 from tiers.sharedfs.inflight import WritesInFlight
@@ -79,11 +80,14 @@ class SharedFSTier(Tier):
         self.clear_budget_s = clear_budget_s
         self._identity = f"sharedfs:{share_id or os.path.realpath(self.root)}"
         self.counters = TierCounters()
-        self.num_write_drops = self.num_unverifiable = self.num_touches = self.num_timeouts = 0
+        self.num_write_drops = self.num_touches = self.num_timeouts = 0
         self.num_clears_incomplete = 0
         self._num_errors = 0
         self._count_lock = threading.Lock()
         self._warn_fault, self._warn_data, self._warn_drop = (RateLimitedWarning(logger) for _ in range(3))
+        self._checks = RecordCheck(self.codec, self.counters, self._warn_data,
+                                   where=f"shared-filesystem tier {self.root}",
+                                   damaged="a damaged block file ({}); removed, a miss")
         self._paused_until = 0.0
         self._closed = False
         self._in_flight = WritesInFlight()  # a discard is never undone by a write still running
@@ -99,6 +103,11 @@ class SharedFSTier(Tier):
     def num_errors(self) -> int:
         """Filesystem faults and timed-out calls turned into misses or dropped writes."""
         return self._num_errors
+
+    @property
+    def num_unverifiable(self) -> int:
+        """Sound records read that this reader could not check or decode (left in place)."""
+        return self._checks.num_unverifiable
 
     def _fault(self, what: str, exc: BaseException) -> None:
         with self._count_lock:
@@ -184,37 +193,30 @@ class SharedFSTier(Tier):
         try:
             got = blockio.read_file(path, self._limit)
         except blockio.TooLong as exc:
-            self._damaged(path, exc.version, str(exc), key.block_hash)
+            self._checks.damaged(str(exc), self._remover(path, exc.version, key.block_hash))
             return None
         if got is None:
             return None
-        try:
-            payload = self.codec.decode(got.data, key)
-        except UnverifiableRecordError as exc:
-            with self._count_lock:
-                self.num_unverifiable += 1
-            self._warn_data(f"shared-filesystem tier {self.root}: {exc}; a miss")
-            return None
-        except CorruptRecordError as exc:
-            self._damaged(path, got.version, str(exc), key.block_hash)
+        payload = self._checks.decode(got.data, key, self._remover(path, got.version, key.block_hash))
+        if payload is None:
             return None
         if blockio.touch_if_older(path, got.mtime, self.touch_after_s):
             with self._count_lock:
                 self.num_touches += 1
         return payload, got
 
-    def _damaged(self, path: str, version: tuple[int, int, int, int], why: str, block_hash: BlockHash) -> None:
-        with self._count_lock:
-            self.counters.num_corrupt += 1
-        self._warn_data(f"shared-filesystem tier {self.root}: a damaged block file ({why}); removed, a miss")
-        try:
-            removed = blockio.remove_version(path, version)
-        except OSError as exc:
-            self._fault("remove a damaged file", exc)
-            return
-        if removed:
-            self.space.add(os.path.dirname(os.path.dirname(path)), -version[2])
-            self._record(ChangeKind.LEFT, [block_hash])
+    def _remover(self, path: str, version: tuple[int, int, int, int], block_hash: BlockHash) -> Callable[[], None]:
+        """What removes a damaged block file: `path` if it is still `version` (not rewritten since)."""
+        def remove() -> None:
+            try:
+                removed = blockio.remove_version(path, version)
+            except OSError as exc:
+                self._fault("remove a damaged file", exc)
+                return
+            if removed:
+                self.space.add(os.path.dirname(os.path.dirname(path)), -version[2])
+                self._record(ChangeKind.LEFT, [block_hash])
+        return remove
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         """Read up to `2 x io_threads` files ahead in parallel, copying each into its
@@ -235,11 +237,9 @@ class SharedFSTier(Tier):
                 if queued < len(keys):
                     ahead.append(self._pool.submit(self._load, keys[queued]))
                     queued += 1
-                try:
-                    self.codec.copy_out(got[0], dsts[n])
-                except CorruptRecordError as exc:
-                    self._damaged(files.block_path(self.ns_dir, keys[n].block_hash), got[1].version, str(exc),
-                                  keys[n].block_hash)
+                remove = self._remover(files.block_path(self.ns_dir, keys[n].block_hash), got[1].version,
+                                       keys[n].block_hash)
+                if not self._checks.copy_out(got[0], dsts[n], remove):
                     return n
                 n += 1
             return n
