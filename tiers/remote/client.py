@@ -36,6 +36,7 @@ from tiers.remote.lanes import Lanes
 from tiers.remote.resp import SMALL_REPLY, ReplyTooLong
 from tiers.remote.stream import Op, Streams
 from tiers.remote.url import UrlParts, parse, redacted, scrub
+from tiers.shared.forks import renew_in_child
 from tiers.shared.health import Health
 
 logger = logging.getLogger("tiers.remote.tier")
@@ -249,6 +250,11 @@ class Server:
         self._lock = threading.Lock()
         self._client: Any = None
         self._streams: Streams | None = None
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, connecting)."""
+        self._lock = threading.Lock()
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a round trip moving `nbytes`."""

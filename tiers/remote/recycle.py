@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from tiers.shared.forks import renew_in_child
+
 
 class RecordBuffers:
     """Free buffers of `size` bytes, at most `max_bytes` of them kept. Thread-safe.
@@ -28,6 +30,11 @@ class RecordBuffers:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
         self.num_reused = 0
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, taking or giving)."""
+        self._lock = threading.Lock()
 
     def take(self) -> bytearray:
         """A buffer of `size` bytes: a returned one if any (its bytes are stale), else new."""

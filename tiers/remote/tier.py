@@ -39,6 +39,7 @@ from tiers.remote.stream import Op, ReplyTooLong, command
 from tiers.remote.sweep import Walk, sweep, unfinished
 from tiers.remote.url import SCHEMES, check_url, identity, redacted
 from tiers.remote.writer import Record, WriteQueue
+from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import RecordCodec
 from tiers.shared.record_check import RecordCheck
@@ -98,6 +99,7 @@ class RemoteTier(Tier):
         self._closed = False
         self._count_lock = threading.Lock()
         self._rx = threading.local()  # each reading thread's record buffer, reused
+        renew_in_child(self)
         self._server.check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._gen = Generation(self._keys, lambda fn: self._call(self.reads, "generation", _REPLY_BYTES, fn,
                                                                  2 * _REPLY_BYTES),
@@ -109,6 +111,10 @@ class RemoteTier(Tier):
         self._writes = WriteQueue(self._send, self._dropped, max_pending_bytes=max_pending_bytes,
                                   batch_bytes=_BATCH_BYTES, stall_s=self._stall_s,
                                   on_idle=self._buffers.trim, idle_s=_IDLE_S)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, counting)."""
+        self._count_lock = threading.Lock()
 
     # -- faults ------------------------------------------------------------------------------
     @property

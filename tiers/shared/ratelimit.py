@@ -7,6 +7,8 @@ import math
 import threading
 import time
 
+from tiers.shared.forks import renew_in_child
+
 WARN_EVERY_S = 10.0
 
 
@@ -19,6 +21,11 @@ class RateLimitedWarning:
         self._every_s = every_s
         self._last = -math.inf
         self._held = 0
+        self._lock = threading.Lock()
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock (a parent's thread may have held it, warning)."""
         self._lock = threading.Lock()
 
     def __call__(self, message: str) -> None:
