@@ -87,8 +87,9 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=5.0)
             tier.take_changes()  # the stack takes them: changes are recorded
             assert tier.put(keys(1), blocks) == n and tier.flush()
-            locks = {"connect": lambda: tier._server._lock, "slot map reread": lambda: tier._server._streams._refreshing,
-                     "record buffers": lambda: tier._buffers._lock, "tier counts": lambda: tier._count_lock}
+            locks = {"connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
+                     "slot map reread": lambda: tier._server._streams._refreshing,
+                     "tier counts": lambda: tier._count_lock}
         """, """
             put = tier.put(keys(2), blocks)
             flushed = tier.flush(timeout_s=20.0)

@@ -265,7 +265,7 @@ class Server:
             if self._client is None:
                 with deadline(self._timeout_s, REPLY_SLACK):
                     self._client = connect(self.url, self._timeout_s, self.parts, self._password)
-                self._streams = Streams(self._client, self._window_bytes)
+                self._streams = Streams(self._client, self._window_bytes, current_deadline)
             return self._client
 
     def call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any], reply_bytes: int) -> Any:

@@ -33,6 +33,7 @@ __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"
 # exception that ended its connection.
 OnReply = Callable[[int, Any], bool]  # (command index, reply) -> go on?
 BufferFor = Callable[[int], memoryview | None]
+Deadline = Callable[[], float | None]  # the calling thread's deadline (`time.monotonic()`; None: none)
 _REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often after a fault
 
 
@@ -119,11 +120,13 @@ def _drop(size: int) -> None:
 
 class Streams:
     """Windowed pipelines on one redis-py client (`Redis` or `RedisCluster`). Thread-safe:
-    each call (and each lane of a call split by `Server.stream`) takes its own connections."""
+    each call (and each lane of a call split by `Server.stream`) takes its own connections;
+    `deadline` tells a call's thread its deadline (`tiers/remote/client.py`)."""
 
-    def __init__(self, client: Any, window_bytes: int) -> None:
+    def __init__(self, client: Any, window_bytes: int, deadline: Deadline) -> None:
         self._client = client
         self._window_bytes = window_bytes
+        self._deadline = deadline
         self._cluster = hasattr(client, "nodes_manager")
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
@@ -161,10 +164,14 @@ class Streams:
         """Reread a cluster's slot map if a call found it stale (at most once a second). If no
         node answers, the old map stays (its live nodes still serve their slots). With `since`
         (the map's `_epoch` when a lane's pass began, which then met a redirect) it waits for
-        another lane's reread under way, and rereads only if none came since."""
+        another lane's reread under way (at most a second, never past the call's deadline),
+        and rereads only if none came since."""
         if since is None and (not self._stale or not self._may_refresh()):
             return
-        if not self._refreshing.acquire(timeout=_REFRESH_EVERY_S if since is not None else 0):
+        wait, end = 0.0, self._deadline()
+        if since is not None:
+            wait = _REFRESH_EVERY_S if end is None else max(0.0, min(_REFRESH_EVERY_S, end - time.monotonic()))
+        if not self._refreshing.acquire(timeout=wait):
             return  # another lane is rereading it: this one goes on with the map it has
         try:
             if since is not None and (self._epoch != since or not self._may_refresh()):
