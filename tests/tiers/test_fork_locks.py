@@ -1,7 +1,8 @@
 """The shared tiers in a forked child (vLLM forks its workers) whose parent's threads held the
 tiers' locks while it forked: the child renews every one of them (`tiers/shared/forks.py`),
 so its stores and reads run instead of waiting for ever on a lock no thread of the child
-will ever release. Against a real `redis-server`, and a Mooncake tier whose master is down.
+will ever release. Against a real `redis-server`, a Mooncake tier whose master is down, and
+a shared-filesystem tier on a local directory.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from cli.redis_servers import redis_server
 from tests.mooncake_fixtures import MooncakeMaster, need_mooncake
@@ -31,7 +33,6 @@ def keys(seed):
 
 SETUP
 common = {
-    "reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
     "record checks": lambda: tier._checks._lock, "data warnings": lambda: tier._warn_data._lock,
     "drop warnings": lambda: tier._warn_drop._lock, "change log": lambda: tier._changes._lock,
 }
@@ -87,7 +88,8 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=5.0)
             tier.take_changes()  # the stack takes them: changes are recorded
             assert tier.put(keys(1), blocks) == n and tier.flush()
-            locks = {"connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
+            locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
+                     "connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
                      "slot map reread": lambda: tier._server._streams._refreshing,
                      "tier counts": lambda: tier._count_lock}
         """, """
@@ -113,7 +115,8 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
         params = ClientParams("127.0.0.1", sys.argv[2], 16 << 20, 16 << 20, "tcp", "", sys.argv[1])
         tier = MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-locks", cooldown_s=0.1,
                             buffer_bytes=8 << 20)
-        locks = {"setup": lambda: tier._conn._setup_lock, "workers": lambda: tier._conn._workers._lock,
+        locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
+                 "setup": lambda: tier._conn._setup_lock, "workers": lambda: tier._conn._workers._lock,
                  "transfer buffer": lambda: tier._conn.lanes._lock}
     """, """
         put = tier.put(keys(2), blocks)
@@ -121,3 +124,25 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
         print("child", put, got, tier.num_write_drops > 0, tier.num_errors > 0, flush=True)
     """, master.master, master.metadata_server)
     assert "child 0 0 True True" in out, out
+
+
+def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: Path) -> None:
+    """Before, the tier renewed nothing: a child forked while a parent's thread held its
+    counting lock or its space's hung for ever, and one whose parent's I/O threads had all
+    started queued every call for threads it does not have (each a time-out and a pause)."""
+    out = _run("""
+        from tiers.sharedfs.tier import SharedFSTier
+        tier = SharedFSTier(sys.argv[1], 64 << 20, shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=10.0,
+                            io_threads=2)
+        tier.take_changes()  # the stack takes them: changes are recorded
+        assert tier.put(keys(1), blocks) == n and tier.put(keys(3), blocks) == n  # both threads started
+        locks = {"tier counts": lambda: tier._count_lock, "writes in flight": lambda: tier._in_flight._lock,
+                 "space": lambda: tier.space._lock, "maintenance round": lambda: tier.space._busy}
+    """, """
+        put = tier.put(keys(2), blocks)
+        outs = [torch.zeros_like(b) for b in blocks]
+        got = tier.get_into(keys(2), outs)
+        same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+        print("child", put, got, same, tier.num_timeouts, flush=True)
+    """, str(tmp_path / "shared"))
+    assert "child 8 8 True 0" in out, out

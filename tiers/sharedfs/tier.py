@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -38,6 +39,7 @@ from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import StoreClosedError
 from tiers.keys import BlockHash, BlockKey, TierKind
+from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import Payload, RecordCodec
 from tiers.shared.record_check import RecordCheck
@@ -80,9 +82,7 @@ class SharedFSTier(Tier):
         self.clear_budget_s = clear_budget_s
         self._identity = f"sharedfs:{share_id or os.path.realpath(self.root)}"
         self.counters = TierCounters()
-        self.num_write_drops = self.num_touches = self.num_timeouts = 0
-        self.num_clears_incomplete = 0
-        self._num_errors = 0
+        self.num_write_drops = self.num_touches = self.num_timeouts = self.num_clears_incomplete = self._num_errors = 0
         self._count_lock = threading.Lock()
         self._warn_fault, self._warn_data, self._warn_drop = (RateLimitedWarning(logger) for _ in range(3))
         self._checks = RecordCheck(self.codec, self.counters, self._warn_data,
@@ -97,6 +97,13 @@ class SharedFSTier(Tier):
                            scan_max_entries=scan_max_entries, orphan_after_s=orphan_after_s,
                            on_removed=self._evicted, on_fault=self._fault)
         self._pool.submit(self.space.maintain, force_scan=True)  # the first scan, in the background
+        renew_in_child(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock and threads of its own (the parent's do not exist here)."""
+        self._count_lock = threading.Lock()
+        if not self._closed:
+            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstrata-sharedfs")
 
     # -- faults ------------------------------------------------------------------------------
     @property
@@ -193,11 +200,11 @@ class SharedFSTier(Tier):
         try:
             got = blockio.read_file(path, self._limit)
         except blockio.TooLong as exc:
-            self._checks.damaged(str(exc), self._remover(path, exc.version, key.block_hash))
+            self._checks.damaged(str(exc), partial(self._remove_damaged, path, exc.version, key.block_hash))
             return None
         if got is None:
             return None
-        payload = self._checks.decode(got.data, key, self._remover(path, got.version, key.block_hash))
+        payload = self._checks.decode(got.data, key, partial(self._remove_damaged, path, got.version, key.block_hash))
         if payload is None:
             return None
         if blockio.touch_if_older(path, got.mtime, self.touch_after_s):
@@ -205,18 +212,16 @@ class SharedFSTier(Tier):
                 self.num_touches += 1
         return payload, got
 
-    def _remover(self, path: str, version: tuple[int, int, int, int], block_hash: BlockHash) -> Callable[[], None]:
-        """What removes a damaged block file: `path` if it is still `version` (not rewritten since)."""
-        def remove() -> None:
-            try:
-                removed = blockio.remove_version(path, version)
-            except OSError as exc:
-                self._fault("remove a damaged file", exc)
-                return
-            if removed:
-                self.space.add(os.path.dirname(os.path.dirname(path)), -version[2])
-                self._record(ChangeKind.LEFT, [block_hash])
-        return remove
+    def _remove_damaged(self, path: str, version: tuple[int, int, int, int], block_hash: BlockHash) -> None:
+        """Remove a damaged block file, `path`, if it is still `version` (not rewritten since)."""
+        try:
+            removed = blockio.remove_version(path, version)
+        except OSError as exc:
+            self._fault("remove a damaged file", exc)
+            return
+        if removed:
+            self.space.add(os.path.dirname(os.path.dirname(path)), -version[2])
+            self._record(ChangeKind.LEFT, [block_hash])
 
     def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
         """Read up to `2 x io_threads` files ahead in parallel, copying each into its
@@ -237,9 +242,9 @@ class SharedFSTier(Tier):
                 if queued < len(keys):
                     ahead.append(self._pool.submit(self._load, keys[queued]))
                     queued += 1
-                remove = self._remover(files.block_path(self.ns_dir, keys[n].block_hash), got[1].version,
-                                       keys[n].block_hash)
-                if not self._checks.copy_out(got[0], dsts[n], remove):
+                h = keys[n].block_hash
+                if not self._checks.copy_out(got[0], dsts[n], partial(
+                        self._remove_damaged, files.block_path(self.ns_dir, h), got[1].version, h)):
                     return n
                 n += 1
             return n
