@@ -67,11 +67,7 @@ class ChangeLog:
         self.num_dropped = 0
         self._overflowed = False
         self._taken = False  # someone takes the changes: record them
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, recording)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def record(self, change: TierChange) -> None:
         """Append `change` (nothing before the first `take`); on overflow drop it and

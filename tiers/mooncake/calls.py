@@ -60,12 +60,10 @@ class Lanes:
         self._free = list(range(num_lanes))
         self._num_lanes = num_lanes
         self._lock = threading.Lock()
-        renew_in_child(self)
+        renew_in_child(self, "_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock and every lane free (the calls that held lanes, and
-        the parent's threads that held the lock, do not exist here)."""
-        self._lock = threading.Lock()
+        """In a forked child: every lane free (the calls that held lanes do not exist here)."""
         self._free = list(range(self._num_lanes))
 
     def take(self) -> int | None:
@@ -103,7 +101,7 @@ class Workers:
         self._num, self._name = num, name
         self._closed = False
         self._start()
-        renew_in_child(self)
+        renew_in_child(self, "_lock")
 
     def _start(self) -> None:
         self._jobs: queue.SimpleQueue[_Job[object] | None] = queue.SimpleQueue()

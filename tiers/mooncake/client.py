@@ -183,11 +183,7 @@ class Connection:
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
         self._next_setup = 0.0
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, setting up)."""
-        self._setup_lock = threading.Lock()
+        renew_in_child(self, "_setup_lock")
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a call moving `nbytes`."""

@@ -35,7 +35,7 @@ from tiers.mooncake.client import ClientParams, Connection, Fault, Lease
 from tiers.mooncake.keys import GENERATION_BYTES, KeyLayout, new_generation, parse_generation
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import RecordCodec
-from tiers.shared.record_check import RecordCheck
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ _GEN_SLOT = 4096  # the generation's part of a lane (records start after it)
 _HEADER_BYTES = 4096  # a record's header beyond its token ids and extras, at most
 
 
-class MooncakeTier(Tier):
+class MooncakeTier(ChecksRecords, Tier):
     """Blocks in a Mooncake Store, shared by every store with this namespace.
 
     Invariant: a value returned is bit-exact with what some store put under its key (the
@@ -82,11 +82,6 @@ class MooncakeTier(Tier):
     def num_errors(self) -> int:
         """Faults of reads and writes together (`reads.num_errors`, `writes.num_errors`)."""
         return self.reads.num_errors + self.writes.num_errors
-
-    @property
-    def num_unverifiable(self) -> int:
-        """Sound records read that this reader could not check or decode (left in place)."""
-        return self._checks.num_unverifiable
 
     @property
     def identity(self) -> str:

@@ -250,11 +250,7 @@ class Server:
         self._lock = threading.Lock()
         self._client: Any = None
         self._streams: Streams | None = None
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, connecting)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a round trip moving `nbytes`."""

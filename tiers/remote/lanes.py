@@ -36,11 +36,10 @@ class Lanes:
         self._name = name
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) if workers else None
         self._lock = threading.Lock()
-        renew_in_child(self)
+        renew_in_child(self, "_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock and pool (the parent's workers do not exist here)."""
-        self._lock = threading.Lock()
+        """In a forked child: a pool of its own (the parent's workers do not exist here)."""
         if self._pool is not None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self._name)
 

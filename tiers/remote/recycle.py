@@ -30,11 +30,7 @@ class RecordBuffers:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
         self.num_reused = 0
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, taking or giving)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def take(self) -> bytearray:
         """A buffer of `size` bytes: a returned one if any (its bytes are stale), else new."""

@@ -132,11 +132,7 @@ class Streams:
         self._refreshed_at = -_REFRESH_EVERY_S
         self._epoch = 0  # slot map rereads so far
         self._refreshing = threading.Lock()  # lanes of one call run at once (tiers/remote/lanes.py)
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, rereading the map)."""
-        self._refreshing = threading.Lock()
+        renew_in_child(self, "_refreshing")
 
     def _node_passes(self, ops: Sequence[Op], start: int) -> list[_NodePass]:
         """The node pass of each command from `start` on, in order (one per connection pool)."""

@@ -42,7 +42,7 @@ from tiers.remote.writer import Record, WriteQueue
 from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import RecordCodec
-from tiers.shared.record_check import RecordCheck
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ _HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a long
 _IDLE_S = 5.0  # the writer releases the reused buffers after this long without writes
 
 
-class RemoteTier(Tier):
+class RemoteTier(ChecksRecords, Tier):
     """Blocks in a Valkey/Redis server or cluster, shared by every store with this namespace.
 
     Invariant: a value returned is bit-exact with what some store put under its key (the
@@ -99,7 +99,7 @@ class RemoteTier(Tier):
         self._closed = False
         self._count_lock = threading.Lock()
         self._rx = threading.local()  # each reading thread's record buffer, reused
-        renew_in_child(self)
+        renew_in_child(self, "_count_lock")
         self._server.check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._gen = Generation(self._keys, lambda fn: self._call(self.reads, "generation", _REPLY_BYTES, fn,
                                                                  2 * _REPLY_BYTES),
@@ -112,20 +112,11 @@ class RemoteTier(Tier):
                                   batch_bytes=_BATCH_BYTES, stall_s=self._stall_s,
                                   on_idle=self._buffers.trim, idle_s=_IDLE_S)
 
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, counting)."""
-        self._count_lock = threading.Lock()
-
     # -- faults ------------------------------------------------------------------------------
     @property
     def num_errors(self) -> int:
         """Server faults of reads and writes together (`reads.num_errors`, `writes.num_errors`)."""
         return self.reads.num_errors + self.writes.num_errors
-
-    @property
-    def num_unverifiable(self) -> int:
-        """Sound records read that this reader could not check or decode (left in place)."""
-        return self._checks.num_unverifiable
 
     @property
     def identity(self) -> str:

@@ -4,32 +4,32 @@
 vLLM forks its workers. A child has only the thread that forked: a lock another parent thread
 held at that moment stays held for ever in the child (the child's first call that needs it
 hangs), and a thread the parent ran does not exist. Every tier object with such a lock or
-thread registers with `renew_in_child`; the child calls its `_after_fork()` before anything else.
+thread registers with `renew_in_child`; the child renews it before anything else runs.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import weakref
-from typing import Protocol
+
+_RENEW: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
-class Renewable(Protocol):
-    def _after_fork(self) -> None: ...
-
-
-_RENEW: weakref.WeakSet[Renewable] = weakref.WeakSet()
-
-
-def renew_in_child(obj: Renewable) -> None:
-    """Have a forked child call `obj._after_fork()` (renewing its locks and threads, which the
-    parent may have held or run while forking); holds no reference to `obj`."""
-    _RENEW.add(obj)
+def renew_in_child(obj: object, *locks: str) -> None:
+    """Have a forked child give `obj` a fresh `threading.Lock` as each attribute named in
+    `locks`, then call `obj._after_fork()` where it has one (for its threads and other
+    state); holds no reference to `obj`."""
+    _RENEW[obj] = locks
 
 
 def _after_fork_in_child() -> None:
-    for obj in list(_RENEW):
-        obj._after_fork()
+    for obj, locks in list(_RENEW.items()):
+        for name in locks:
+            setattr(obj, name, threading.Lock())
+        after_fork = getattr(obj, "_after_fork", None)
+        if after_fork is not None:
+            after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

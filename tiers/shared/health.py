@@ -25,11 +25,7 @@ class Health:
         self._open_until = 0.0
         self._lock = threading.Lock()
         self.warn = RateLimitedWarning(logger)
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, counting)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def available(self) -> bool:
         """Whether calls of this kind are made now (the breaker is closed)."""

@@ -22,11 +22,7 @@ class RateLimitedWarning:
         self._last = -math.inf
         self._held = 0
         self._lock = threading.Lock()
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, warning)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def __call__(self, message: str) -> None:
         """Log `message` now if the last warning is `every_s` old, else count it as held back."""

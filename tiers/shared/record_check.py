@@ -41,11 +41,7 @@ class RecordCheck:
         self._where = where
         self._damaged = damaged
         self._lock = threading.Lock()
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, counting)."""
-        self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def take(self, value: memoryview, key: BlockKey, dst: torch.Tensor, on_damaged: OnDamaged) -> bool:
         """Validate `value` as `key`'s record and copy its payload into `dst`; False (a
@@ -86,3 +82,14 @@ class RecordCheck:
         self._warn(f"{self._where}: {self._damaged.format(why)}")
         if on_damaged is not None:
             on_damaged()
+
+
+class ChecksRecords:
+    """A tier whose fetched records its `RecordCheck`, `_checks`, judges."""
+
+    _checks: RecordCheck
+
+    @property
+    def num_unverifiable(self) -> int:
+        """Sound records read that this reader could not check or decode (left in place)."""
+        return self._checks.num_unverifiable

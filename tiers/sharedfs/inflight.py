@@ -24,12 +24,11 @@ class WritesInFlight:
         self._lock = threading.Lock()
         self._count: dict[BlockHash, int] = {}
         self._doomed: set[BlockHash] = set()
-        renew_in_child(self)
+        renew_in_child(self, "_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock and no writes in flight (the parent's threads, and
-        the writes they ran, do not exist here)."""
-        self._lock = threading.Lock()
+        """In a forked child: no writes in flight (the parent's threads, and the writes they
+        ran, do not exist here)."""
         self._count, self._doomed = {}, set()
 
     def start(self, h: BlockHash) -> None:

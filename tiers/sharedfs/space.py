@@ -46,11 +46,7 @@ class Space:
         self._lock = threading.Lock()  # the two dicts
         self._busy = threading.Lock()  # one maintenance round at a time in this process
         self.num_scans = self.num_evicted = self.num_orphans_removed = 0
-        renew_in_child(self)
-
-    def _after_fork(self) -> None:
-        """In a forked child: fresh locks (a parent's thread may have held them, scanning)."""
-        self._lock, self._busy = threading.Lock(), threading.Lock()
+        renew_in_child(self, "_lock", "_busy")
 
     def add(self, shard: str, delta: int) -> None:
         """This host wrote (`delta` > 0) or removed bytes in `shard`."""

@@ -42,7 +42,7 @@ from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import Payload, RecordCodec
-from tiers.shared.record_check import RecordCheck
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 from tiers.sharedfs import blockio, files
 from tiers.sharedfs.clear import sweep_dirs, walk_blocks
 from tiers.sharedfs.inflight import WritesInFlight
@@ -55,7 +55,7 @@ _RECORD_SLACK = 4096  # a record's header beyond the block's bytes, at most
 T = TypeVar("T")
 
 
-class SharedFSTier(Tier):
+class SharedFSTier(ChecksRecords, Tier):
     """Blocks as files in a directory shared by every store (on any host) with this namespace.
 
     Invariant: a block returned is bit-exact with what some store put under its key (the
@@ -97,11 +97,10 @@ class SharedFSTier(Tier):
                            scan_max_entries=scan_max_entries, orphan_after_s=orphan_after_s,
                            on_removed=self._evicted, on_fault=self._fault)
         self._pool.submit(self.space.maintain, force_scan=True)  # the first scan, in the background
-        renew_in_child(self)
+        renew_in_child(self, "_count_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock and threads of its own (the parent's do not exist here)."""
-        self._count_lock = threading.Lock()
+        """In a forked child: threads of its own (the parent's do not exist here)."""
         if not self._closed:
             self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstrata-sharedfs")
 
@@ -110,11 +109,6 @@ class SharedFSTier(Tier):
     def num_errors(self) -> int:
         """Filesystem faults and timed-out calls turned into misses or dropped writes."""
         return self._num_errors
-
-    @property
-    def num_unverifiable(self) -> int:
-        """Sound records read that this reader could not check or decode (left in place)."""
-        return self._checks.num_unverifiable
 
     def _fault(self, what: str, exc: BaseException) -> None:
         with self._count_lock:
