@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from tiers.errors import KVStoreError
 from tiers.keys import BlockKey, TierKind
+from tiers.shared.forks import renew_in_child
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class ChangeLog:
         self.num_dropped = 0
         self._overflowed = False
         self._taken = False  # someone takes the changes: record them
+        renew_in_child(self, "_lock")
 
     def record(self, change: TierChange) -> None:
         """Append `change` (nothing before the first `take`); on overflow drop it and

@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvstore import KVCacheStore, StoreConfig
@@ -24,6 +23,8 @@ from kvstore.errors import ConfigError
 from tests import ROOT
 from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, need_mooncake
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+from tests.tiers.shared_tiers import last_tier, shared_stored_events
+from tests.tiers.shared_tiers import prompt_tokens as _tokens
 from tiers.keys import TierKind
 from tiers.mooncake.client import close_idle
 from tiers.mooncake.tier import MooncakeTier
@@ -44,14 +45,8 @@ def _store(tier: dict[str, Any], *, namespace: str = "mooncake-test", cpu_blocks
     return KVCacheStore(StoreConfig(LAYOUT, block_size=BLOCK, namespace=namespace, tiers=[*tiers, tier]))
 
 
-def _tokens(n_blocks: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=n_blocks * BLOCK, dtype=np.uint32)
-
-
 def _mooncake(store: KVCacheStore) -> MooncakeTier:
-    tier = store.tiers[-1]
-    assert isinstance(tier, MooncakeTier)
-    return tier
+    return last_tier(store, MooncakeTier)
 
 
 @pytest.fixture(scope="module")
@@ -217,8 +212,7 @@ def test_events_announce_its_blocks_as_shared_naming_the_master(master: Mooncake
     """As the remote tier's: the shared trait makes its blocks SHARED for routers (every host
     reads them), and the source names the master, so routers tell which instances share them."""
     from cli.ports import free_port_pair
-    from kvevents import wire_hash
-    from tests.kvstore.test_events import Reader, held
+    from tests.kvstore.test_events import Reader
 
     port = free_port_pair()
     tier = master.tier()
@@ -228,13 +222,8 @@ def test_events_announce_its_blocks_as_shared_naming_the_master(master: Mooncake
         reader = Reader(port)
         try:
             reader.drain(1.0)
-            t = _tokens(3, 6)
-            store.store(t, make_kv(t, LAYOUT, BLOCK))
-            want = {wire_hash(h) for h in store.block_hashes(t)}
-            reader.until(lambda events: want <= held(events)["SHARED"])
-            assert want <= held(reader.events())["SHARED"] and want <= held(reader.events())["CPU"]
-            stored = [e for e in reader.events() if e["type"] == "BlockStored" and e["medium"] == "SHARED"]
-            assert stored and all(e["kvstrata"]["remote"] == f"mooncake://{master.master}" for e in stored)
+            stored = shared_stored_events(store, reader, _tokens(3, 6))
+            assert all(e["kvstrata"]["remote"] == f"mooncake://{master.master}" for e in stored)
         finally:
             reader.close()
 

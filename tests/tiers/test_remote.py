@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import redis
 
@@ -25,6 +24,8 @@ from kvstore.errors import ConfigError
 from tests import ROOT
 from tests.redis_fixtures import RedisServer, need_redis, redis_server
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+from tests.tiers.shared_tiers import last_tier
+from tests.tiers.shared_tiers import prompt_tokens as _tokens
 from tiers.keys import TierKind
 from tiers.remote.tier import RemoteTier, redacted
 
@@ -44,14 +45,8 @@ def _store(url: str, disk: Path | None = None, *, namespace: str = "remote-test"
     return KVCacheStore(StoreConfig(**kwargs))  # type: ignore[arg-type]
 
 
-def _tokens(n_blocks: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 50_000, size=n_blocks * BLOCK, dtype=np.uint32)
-
-
 def _remote(store: KVCacheStore) -> RemoteTier:
-    tier = store.tiers[-1]
-    assert isinstance(tier, RemoteTier)
-    return tier
+    return last_tier(store, RemoteTier)
 
 
 _WRITER = textwrap.dedent(

@@ -19,6 +19,7 @@ import torch
 
 from kvstore import ConfigError, KVCacheStore, StoreConfig
 from tests.reliability.kvgen import BLOCK, LAYOUT, check_kv, make_kv
+from tests.tiers.shared_tiers import shared_stored_events
 from tests.tiers.sharedfs_host import open_store, shared_tier, tokens
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.sharedfs import files
@@ -293,8 +294,7 @@ def test_events_announce_its_blocks_as_shared_naming_the_directory(tmp_path: Pat
     """As the remote tier's: the shared trait makes its blocks SHARED for routers (every host
     reads them), and the source names the directory, so routers tell which instances share it."""
     from cli.ports import free_port_pair
-    from kvevents import wire_hash
-    from tests.kvstore.test_events import Reader, held
+    from tests.kvstore.test_events import Reader
 
     port = free_port_pair()
     config = StoreConfig(LAYOUT, block_size=BLOCK, namespace="sharedfs-events", events_endpoint=f"tcp://127.0.0.1:{port}",
@@ -304,13 +304,8 @@ def test_events_announce_its_blocks_as_shared_naming_the_directory(tmp_path: Pat
         reader = Reader(port)
         try:
             reader.welcomed()
-            t = tokens(3, 6)
-            store.store(t, make_kv(t, LAYOUT, BLOCK))
-            want = {wire_hash(h) for h in store.block_hashes(t)}
-            reader.until(lambda events: want <= held(events)["SHARED"])
-            assert want <= held(reader.events())["SHARED"] and want <= held(reader.events())["CPU"]
-            stored = [e for e in reader.events() if e["type"] == "BlockStored" and e["medium"] == "SHARED"]
-            assert stored and all(e["kvstrata"]["remote"].startswith("sharedfs:") for e in stored)
+            stored = shared_stored_events(store, reader, tokens(3, 6))
+            assert all(e["kvstrata"]["remote"].startswith("sharedfs:") for e in stored)
             assert all(str((tmp_path / "shared").resolve()) in e["kvstrata"]["remote"] for e in stored)
         finally:
             reader.close()

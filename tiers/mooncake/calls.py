@@ -18,6 +18,8 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from tiers.shared.forks import renew_in_child
+
 T = TypeVar("T")
 
 
@@ -58,6 +60,11 @@ class Lanes:
         self._free = list(range(num_lanes))
         self._num_lanes = num_lanes
         self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
+
+    def _after_fork(self) -> None:
+        """In a forked child: every lane free (the calls that held lanes do not exist here)."""
+        self._free = list(range(self._num_lanes))
 
     def take(self) -> int | None:
         """A free lane's index (now leased), or None if every lane is held."""
@@ -91,12 +98,25 @@ class Workers:
     """`num` daemon threads that run calls; `run(fn, timeout_s)` waits for one at most that long."""
 
     def __init__(self, num: int, name: str) -> None:
+        self._num, self._name = num, name
+        self._closed = False
+        self._start()
+        renew_in_child(self, "_lock")
+
+    def _start(self) -> None:
         self._jobs: queue.SimpleQueue[_Job[object] | None] = queue.SimpleQueue()
-        self._idle = num
+        self._idle = self._num
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(num)]
+        self._threads = [threading.Thread(target=self._loop, name=f"{self._name}-{i}", daemon=True)
+                         for i in range(self._num)]
         for t in self._threads:
             t.start()
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock and workers of its own (the parent's threads, and
+        the calls they ran, do not exist here; a call queued for them would never run)."""
+        if not self._closed:
+            self._start()
 
     def _loop(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -132,5 +152,6 @@ class Workers:
 
     def close(self) -> None:
         """Stop the idle workers (a worker held by an abandoned call stops when it returns)."""
+        self._closed = True
         for _ in self._threads:
             self._jobs.put(None)

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from tiers.errors import ConfigError
 from tiers.mooncake.calls import CallFailed, Lanes, Workers
+from tiers.shared.forks import renew_in_child
 from tiers.shared.health import Health
 
 logger = logging.getLogger("tiers.mooncake.tier")
@@ -182,6 +183,7 @@ class Connection:
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
         self._next_setup = 0.0
+        renew_in_child(self, "_setup_lock")
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a call moving `nbytes`."""

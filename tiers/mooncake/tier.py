@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,12 +29,13 @@ import torch
 from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
-from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.errors import StoreClosedError
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.mooncake.client import ClientParams, Connection, Fault, Lease
 from tiers.mooncake.keys import GENERATION_BYTES, KeyLayout, new_generation, parse_generation
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import RecordCodec
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ _GEN_SLOT = 4096  # the generation's part of a lane (records start after it)
 _HEADER_BYTES = 4096  # a record's header beyond its token ids and extras, at most
 
 
-class MooncakeTier(Tier):
+class MooncakeTier(ChecksRecords, Tier):
     """Blocks in a Mooncake Store, shared by every store with this namespace.
 
     Invariant: a value returned is bit-exact with what some store put under its key (the
@@ -68,8 +70,10 @@ class MooncakeTier(Tier):
         self._keys = KeyLayout(namespace)
         self._generation = new_generation()  # the server's, as last read (a fresh value until then)
         self.counters = TierCounters()
-        self.num_write_drops = self.num_unverifiable = self.num_clears_incomplete = 0
+        self.num_write_drops = self.num_clears_incomplete = 0
         self._warn_drop, self._warn_data, self._warn_clear = (RateLimitedWarning(logger) for _ in range(3))
+        self._checks = RecordCheck(self.codec, self.counters, self._warn_data,
+                                   where=f"mooncake tier (master {self._master})")
         self._closed = False
         self._conn.connect(self.writes)  # a master that is down: a counted fault, set up again later
 
@@ -177,7 +181,7 @@ class MooncakeTier(Tier):
                 sizes.append(size)
                 end += size
             if not offsets:
-                self._damaged("a block larger than the transfer buffer's lane (buffer_bytes too small)")
+                self._checks.damaged("a block larger than the transfer buffer's lane (buffer_bytes too small)")
                 return 0, True
             batch = keys[: len(offsets)]
 
@@ -199,16 +203,17 @@ class MooncakeTier(Tier):
             if codes is None:
                 return 0, True
             batch = batch[: len(codes)]
-            n, damaged = 0, []
+            n, damaged = 0, list[BlockHash]()
             for key, dst, off, code in zip(batch, dsts, offsets, codes):
                 if code == TOO_SMALL:
-                    self._damaged("a value longer than the transfer buffer's lane: not a record of this layout")
-                    damaged.append(key.block_hash)
+                    self._checks.damaged("a value longer than the transfer buffer's lane: not a record of this layout",
+                                         partial(damaged.append, key.block_hash))
                 if code < 0:
                     if code not in (NOT_FOUND, TOO_SMALL):
                         self._conn.fault(self.reads, "read", Fault(f"error code {code}"))
                     break
-                if not self._take(key, dst, lease.view[off : off + code], damaged):
+                if not self._checks.take(lease.view[off : off + code], key, dst,
+                                         partial(damaged.append, key.block_hash)):
                     break
                 n += 1
         finally:
@@ -216,25 +221,6 @@ class MooncakeTier(Tier):
         if damaged:
             self.discard(damaged)
         return n, n < len(batch) or len(batch) == len(keys)
-
-    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview, damaged: list[BlockHash]) -> bool:
-        """Validate one value as `key`'s record and copy its payload into `dst`; False (a
-        counted, warned miss) if it fails; a damaged record's hash goes into `damaged`."""
-        try:
-            self.codec.copy_out(self.codec.decode(value, key), dst)
-        except UnverifiableRecordError as exc:
-            self.num_unverifiable += 1
-            self._warn_data(f"mooncake tier (master {self._master}): {exc}; a miss")
-            return False
-        except CorruptRecordError as exc:
-            self._damaged(str(exc))
-            damaged.append(key.block_hash)
-            return False
-        return True
-
-    def _damaged(self, why: str) -> None:
-        self.counters.num_corrupt += 1
-        self._warn_data(f"mooncake tier (master {self._master}): a damaged record ({why}); removed, a miss")
 
     # -- writes ----------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:

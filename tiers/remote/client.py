@@ -36,6 +36,7 @@ from tiers.remote.lanes import Lanes
 from tiers.remote.resp import SMALL_REPLY, ReplyTooLong
 from tiers.remote.stream import Op, Streams
 from tiers.remote.url import UrlParts, parse, redacted, scrub
+from tiers.shared.forks import renew_in_child
 from tiers.shared.health import Health
 
 logger = logging.getLogger("tiers.remote.tier")
@@ -249,6 +250,7 @@ class Server:
         self._lock = threading.Lock()
         self._client: Any = None
         self._streams: Streams | None = None
+        renew_in_child(self, "_lock")
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a round trip moving `nbytes`."""
@@ -259,7 +261,7 @@ class Server:
             if self._client is None:
                 with deadline(self._timeout_s, REPLY_SLACK):
                     self._client = connect(self.url, self._timeout_s, self.parts, self._password)
-                self._streams = Streams(self._client, self._window_bytes)
+                self._streams = Streams(self._client, self._window_bytes, current_deadline)
             return self._client
 
     def call(self, health: Health, what: str, nbytes: int, fn: Callable[[Any], Any], reply_bytes: int) -> Any:

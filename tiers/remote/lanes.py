@@ -9,7 +9,7 @@ every lane has ended, so no lane touches the caller's memory after its call retu
 must end by itself (the remote tier's lanes run under their call's deadline).
 
 A forked child (vLLM forks its workers) has none of its parent's threads: its `Lanes` start a
-pool of their own (`renew_in_child`), so no lane is queued for a worker that never comes,
+pool of their own (`tiers/shared/forks.py`), so no lane is queued for a worker that never comes,
 holding the call's buffers. Once the interpreter is shutting down (a store closed from an
 `atexit` handler) no worker can be started: every lane runs on the caller's thread.
 """
@@ -17,35 +17,14 @@ holding the call's buffers. Once the interpreter is shutting down (a store close
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import TypeVar
+
+from tiers.shared.forks import renew_in_child
 
 T = TypeVar("T")
-
-
-class _Renewable(Protocol):
-    def _after_fork(self) -> None: ...
-
-
-_RENEW: weakref.WeakSet[_Renewable] = weakref.WeakSet()
-
-
-def renew_in_child(obj: _Renewable) -> None:
-    """Have a forked child call `obj._after_fork()` (renewing its locks and threads, which the
-    parent may have held or run while forking); holds no reference to `obj`."""
-    _RENEW.add(obj)
-
-
-def _after_fork_in_child() -> None:
-    for obj in list(_RENEW):
-        obj._after_fork()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Lanes:
@@ -57,11 +36,10 @@ class Lanes:
         self._name = name
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) if workers else None
         self._lock = threading.Lock()
-        renew_in_child(self)
+        renew_in_child(self, "_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock and pool (the parent's workers do not exist here)."""
-        self._lock = threading.Lock()
+        """In a forked child: a pool of its own (the parent's workers do not exist here)."""
         if self._pool is not None:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self._name)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 
+from tiers.shared.forks import renew_in_child
+
 
 class RecordBuffers:
     """Free buffers of `size` bytes, at most `max_bytes` of them kept. Thread-safe.
@@ -28,6 +30,7 @@ class RecordBuffers:
         self._free: list[bytearray] = []
         self._lock = threading.Lock()
         self.num_reused = 0
+        renew_in_child(self, "_lock")
 
     def take(self) -> bytearray:
         """A buffer of `size` bytes: a returned one if any (its bytes are stale), else new."""

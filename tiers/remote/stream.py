@@ -3,12 +3,13 @@
 redis-py sends a pipeline whole and reads its replies after: the server then builds every
 reply before the client takes the first, and for a prompt of 2 MiB blocks that is hundreds
 of MiB of output buffers allocated, faulted in, copied and pushed out of the CPU caches,
-on both sides. Here each connection (a *lane*: one per node a call touches; a call split by
-`Server.stream` runs one such pass per lane of its own, each on its own thread) keeps at most
-`window_bytes` of commands unanswered, refilling when half is answered, so the data in
-flight stays small and warm; replies are taken in the commands' order across lanes while
-every node works on its window (a cluster's nodes work in parallel). A call that stops early
-(a read's first miss) sends nothing more and reads only what is in flight.
+on both sides. Here a call's pass over its commands keeps, on each connection (a *node
+pass*: one per node the pass touches; a call split into lanes by `Server.stream` runs one
+pass per lane, each on its own thread), at most `window_bytes` of commands unanswered,
+refilling when half is answered, so the data in flight stays small and warm; replies are
+taken in the commands' order across node passes while every node works on its window (a
+cluster's nodes work in parallel). A call that stops early (a read's first miss) sends
+nothing more and reads only what is in flight.
 
 Connections come from the client's redis-py pools (so every URL form, TLS and credentials
 behave as before) and honour the calling thread's deadline (`tiers/remote/client.py`); a
@@ -23,8 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from tiers.remote.lanes import renew_in_child
 from tiers.remote.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
+from tiers.shared.forks import renew_in_child
 
 __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
 
@@ -32,6 +33,7 @@ __all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"
 # exception that ended its connection.
 OnReply = Callable[[int, Any], bool]  # (command index, reply) -> go on?
 BufferFor = Callable[[int], memoryview | None]
+Deadline = Callable[[], float | None]  # the calling thread's deadline (`time.monotonic()`; None: none)
 _REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often after a fault
 
 
@@ -47,8 +49,8 @@ class Op(NamedTuple):
     limit: int = SMALL_REPLY
 
 
-class _Lane:
-    """The commands of one call that go to one node, on one connection."""
+class _NodePass:
+    """The commands of one pass that go to one node, on one connection."""
 
     def __init__(self, pool: Any, error: Exception | None = None) -> None:
         self.pool = pool
@@ -63,7 +65,7 @@ class _Lane:
             self.conn = self.pool.get_connection()
             self.sock = self.conn.deadline_socket()
             self.reader = RespReader(self.sock)
-        except Exception as exc:  # a dead node: this lane's commands fail, the others go on
+        except Exception as exc:  # a dead node: this node's commands fail, the others go on
             self.fail(exc)
 
     def fail(self, exc: Exception) -> None:
@@ -118,39 +120,37 @@ def _drop(size: int) -> None:
 
 class Streams:
     """Windowed pipelines on one redis-py client (`Redis` or `RedisCluster`). Thread-safe:
-    each call (and each lane of a call split by `Server.stream`) takes its own connections."""
+    each call (and each lane of a call split by `Server.stream`) takes its own connections;
+    `deadline` tells a call's thread its deadline (`tiers/remote/client.py`)."""
 
-    def __init__(self, client: Any, window_bytes: int) -> None:
+    def __init__(self, client: Any, window_bytes: int, deadline: Deadline) -> None:
         self._client = client
         self._window_bytes = window_bytes
+        self._deadline = deadline
         self._cluster = hasattr(client, "nodes_manager")
         self._stale = False  # a cluster call saw a redirect or a dead node: reread the slot map
         self._refreshed_at = -_REFRESH_EVERY_S
         self._epoch = 0  # slot map rereads so far
         self._refreshing = threading.Lock()  # lanes of one call run at once (tiers/remote/lanes.py)
-        renew_in_child(self)
+        renew_in_child(self, "_refreshing")
 
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock (a parent's thread may have held it, rereading the map)."""
-        self._refreshing = threading.Lock()
-
-    def _lanes(self, ops: Sequence[Op], start: int) -> list[_Lane]:
-        """The lane of each command from `start` on, in order (one lane per connection pool)."""
+    def _node_passes(self, ops: Sequence[Op], start: int) -> list[_NodePass]:
+        """The node pass of each command from `start` on, in order (one per connection pool)."""
         if not self._cluster:
-            lane = _Lane(self._client.connection_pool)
-            lane.todo.extend(range(start, len(ops)))
-            return [lane] * (len(ops) - start)
-        by_pool: dict[int, _Lane] = {}
+            node = _NodePass(self._client.connection_pool)
+            node.todo.extend(range(start, len(ops)))
+            return [node] * (len(ops) - start)
+        by_pool: dict[int, _NodePass] = {}
         out = []
         for i in range(start, len(ops)):
             try:
                 pool = self._client.get_redis_connection(self._client.get_node_from_key(ops[i].key)).connection_pool
             except Exception as exc:  # a slot no node serves
-                lane = _Lane(None, exc)
+                node = _NodePass(None, exc)
             else:
-                lane = by_pool.setdefault(id(pool), _Lane(pool))
-            lane.todo.append(i)
-            out.append(lane)
+                node = by_pool.setdefault(id(pool), _NodePass(pool))
+            node.todo.append(i)
+            out.append(node)
         return out
 
     def _may_refresh(self) -> bool:
@@ -160,10 +160,14 @@ class Streams:
         """Reread a cluster's slot map if a call found it stale (at most once a second). If no
         node answers, the old map stays (its live nodes still serve their slots). With `since`
         (the map's `_epoch` when a lane's pass began, which then met a redirect) it waits for
-        another lane's reread under way, and rereads only if none came since."""
+        another lane's reread under way (at most a second, never past the call's deadline),
+        and rereads only if none came since."""
         if since is None and (not self._stale or not self._may_refresh()):
             return
-        if not self._refreshing.acquire(timeout=_REFRESH_EVERY_S if since is not None else 0):
+        wait, end = 0.0, self._deadline()
+        if since is not None:
+            wait = _REFRESH_EVERY_S if end is None else max(0.0, min(_REFRESH_EVERY_S, end - time.monotonic()))
+        if not self._refreshing.acquire(timeout=wait):
             return  # another lane is rereading it: this one goes on with the map it has
         try:
             if since is not None and (self._epoch != since or not self._may_refresh()):
@@ -198,16 +202,16 @@ class Streams:
               follow: bool) -> int | None:
         """Stream `ops[start:]`; with `follow`, a redirect ends the pass unreported and its index
         is returned (None otherwise)."""
-        lane_of = self._lanes(ops, start)
-        lanes = list({id(lane): lane for lane in lane_of}.values())
+        node_of = self._node_passes(ops, start)
+        nodes = list({id(node): node for node in node_of}.values())
         try:
-            for lane in lanes:
-                if lane.error is None:
-                    lane.open()
+            for node in nodes:
+                if node.error is None:
+                    node.open()
             for i in range(start, len(ops)):
-                for lane in lanes:
-                    lane.fill(ops, self._window_bytes)
-                reply = lane_of[i - start].read(ops[i], buffer_for)
+                for node in nodes:
+                    node.fill(ops, self._window_bytes)
+                reply = node_of[i - start].read(ops[i], buffer_for)
                 failed = isinstance(reply, Exception)
                 if failed and self._cluster and (not isinstance(reply, ReplyError) or reply.is_redirect):
                     self._stale = True  # a dead node or a moved slot: the slot map may be out of date
@@ -217,6 +221,6 @@ class Streams:
                 if not on_reply(i, reply):
                     break
         finally:
-            for lane in lanes:
-                lane.finish(ops)
+            for node in nodes:
+                node.finish(ops)
         return None

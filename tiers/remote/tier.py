@@ -30,7 +30,7 @@ import torch
 from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
-from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.errors import StoreClosedError
 from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.client import CONNECTIONS_PER_NODE, Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
@@ -39,8 +39,10 @@ from tiers.remote.stream import Op, ReplyTooLong, command
 from tiers.remote.sweep import Walk, sweep, unfinished
 from tiers.remote.url import SCHEMES, check_url, identity, redacted
 from tiers.remote.writer import Record, WriteQueue
+from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import RecordCodec
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ _HEADER_ROOM = 8 << 10  # a reused buffer's room for the record's header (a long
 _IDLE_S = 5.0  # the writer releases the reused buffers after this long without writes
 
 
-class RemoteTier(Tier):
+class RemoteTier(ChecksRecords, Tier):
     """Blocks in a Valkey/Redis server or cluster, shared by every store with this namespace.
 
     Invariant: a value returned is bit-exact with what some store put under its key (the
@@ -90,11 +92,14 @@ class RemoteTier(Tier):
         self._record_bytes = self.codec.block_bytes + _RECORD_SLACK
         self._value_limit = 2 * self._record_bytes + (1 << 16)  # longer values are refused unread
         self.counters = TierCounters()
-        self.num_write_drops = self.num_unverifiable = self.num_foreign_keys = self.num_clears_incomplete = 0
+        self.num_write_drops = self.num_foreign_keys = self.num_clears_incomplete = 0
         self._warn_drop, self._warn_data, self._warn_clear = (RateLimitedWarning(logger) for _ in range(3))
+        self._checks = RecordCheck(self.codec, self.counters, self._warn_data, where=f"remote tier {redacted(url)}",
+                                   damaged="a damaged record ({}); deleted, a miss")
         self._closed = False
         self._count_lock = threading.Lock()
         self._rx = threading.local()  # each reading thread's record buffer, reused
+        renew_in_child(self, "_count_lock")
         self._server.check_policy()  # connects (a cluster client contacts its nodes: a counted fault if down)
         self._gen = Generation(self._keys, lambda fn: self._call(self.reads, "generation", _REPLY_BYTES, fn,
                                                                  2 * _REPLY_BYTES),
@@ -193,9 +198,10 @@ class RemoteTier(Tier):
                 if i > first_miss[0]:
                     return False  # past a miss: not counted whatever it holds
                 if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
-                    self._damaged(f"a value claiming {value.claimed} bytes, too long for this layout")
-                    damaged.append(keys[i].block_hash)
-                if not isinstance(value, memoryview) or not self._take(keys[i], dsts[i], value, damaged):
+                    self._checks.damaged(f"a value claiming {value.claimed} bytes, too long for this layout",
+                                         lambda: damaged.append(keys[i].block_hash))
+                if not isinstance(value, memoryview) or not self._checks.take(
+                        value, keys[i], dsts[i], lambda: damaged.append(keys[i].block_hash)):
                     return missed(i)  # absent, refused by the server, or failed its checks
                 copied[i] = True
                 return True
@@ -221,28 +227,6 @@ class RemoteTier(Tier):
         if buf is None or len(buf) < size:
             buf = self._rx.buf = bytearray(max(size, self._record_bytes))
         return memoryview(buf)[:size]
-
-    def _take(self, key: BlockKey, dst: torch.Tensor, value: memoryview, damaged: list[BlockHash]) -> bool:
-        """Validate one value as `key`'s record and copy its payload into `dst`; False (a
-        counted, warned miss) if it fails; a damaged record's hash goes into `damaged`, to be
-        deleted (an unverifiable one stays)."""
-        try:
-            self.codec.copy_out(self.codec.decode(value, key), dst)
-        except UnverifiableRecordError as exc:
-            with self._count_lock:  # lanes of a read count at once
-                self.num_unverifiable += 1
-            self._warn_data(f"remote tier {redacted(self._url)}: {exc}; a miss")
-            return False
-        except CorruptRecordError as exc:
-            self._damaged(str(exc))
-            damaged.append(key.block_hash)
-            return False
-        return True
-
-    def _damaged(self, why: str) -> None:
-        with self._count_lock:
-            self.counters.num_corrupt += 1
-        self._warn_data(f"remote tier {redacted(self._url)}: a damaged record ({why}); deleted, a miss")
 
     # -- writes ------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection, Iterable
 from typing import NamedTuple
 
 from tiers.keys import BlockKey
-from tiers.remote.lanes import renew_in_child
+from tiers.shared.forks import renew_in_child
 
 
 class Record(NamedTuple):

@@ -6,6 +6,7 @@ import logging
 import threading
 import time
 
+from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 
 FAILURES_TO_OPEN = 3  # consecutive failures that open a breaker
@@ -24,6 +25,7 @@ class Health:
         self._open_until = 0.0
         self._lock = threading.Lock()
         self.warn = RateLimitedWarning(logger)
+        renew_in_child(self, "_lock")
 
     def available(self) -> bool:
         """Whether calls of this kind are made now (the breaker is closed)."""

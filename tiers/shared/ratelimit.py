@@ -7,6 +7,8 @@ import math
 import threading
 import time
 
+from tiers.shared.forks import renew_in_child
+
 WARN_EVERY_S = 10.0
 
 
@@ -20,6 +22,7 @@ class RateLimitedWarning:
         self._last = -math.inf
         self._held = 0
         self._lock = threading.Lock()
+        renew_in_child(self, "_lock")
 
     def __call__(self, message: str) -> None:
         """Log `message` now if the last warning is `every_s` old, else count it as held back."""

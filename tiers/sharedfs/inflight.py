@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterable
 
 from tiers.keys import BlockHash
+from tiers.shared.forks import renew_in_child
 
 
 class WritesInFlight:
@@ -23,6 +24,12 @@ class WritesInFlight:
         self._lock = threading.Lock()
         self._count: dict[BlockHash, int] = {}
         self._doomed: set[BlockHash] = set()
+        renew_in_child(self, "_lock")
+
+    def _after_fork(self) -> None:
+        """In a forked child: no writes in flight (the parent's threads, and the writes they
+        ran, do not exist here)."""
+        self._count, self._doomed = {}, set()
 
     def start(self, h: BlockHash) -> None:
         """One more write of `h` submitted."""

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from tiers.shared.forks import renew_in_child
 from tiers.sharedfs import files
 from tiers.sharedfs.files import Entry
 
@@ -45,6 +46,7 @@ class Space:
         self._lock = threading.Lock()  # the two dicts
         self._busy = threading.Lock()  # one maintenance round at a time in this process
         self.num_scans = self.num_evicted = self.num_orphans_removed = 0
+        renew_in_child(self, "_lock", "_busy")
 
     def add(self, shard: str, delta: int) -> None:
         """This host wrote (`delta` > 0) or removed bytes in `shard`."""

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -36,10 +37,12 @@ import torch
 from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
-from tiers.errors import CorruptRecordError, StoreClosedError, UnverifiableRecordError
+from tiers.errors import StoreClosedError
 from tiers.keys import BlockHash, BlockKey, TierKind
+from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
 from tiers.shared.record import Payload, RecordCodec
+from tiers.shared.record_check import ChecksRecords, RecordCheck
 from tiers.sharedfs import blockio, files
 from tiers.sharedfs.clear import sweep_dirs, walk_blocks
 from tiers.sharedfs.inflight import WritesInFlight
@@ -52,7 +55,7 @@ _RECORD_SLACK = 4096  # a record's header beyond the block's bytes, at most
 T = TypeVar("T")
 
 
-class SharedFSTier(Tier):
+class SharedFSTier(ChecksRecords, Tier):
     """Blocks as files in a directory shared by every store (on any host) with this namespace.
 
     Invariant: a block returned is bit-exact with what some store put under its key (the
@@ -79,11 +82,12 @@ class SharedFSTier(Tier):
         self.clear_budget_s = clear_budget_s
         self._identity = f"sharedfs:{share_id or os.path.realpath(self.root)}"
         self.counters = TierCounters()
-        self.num_write_drops = self.num_unverifiable = self.num_touches = self.num_timeouts = 0
-        self.num_clears_incomplete = 0
-        self._num_errors = 0
+        self.num_write_drops = self.num_touches = self.num_timeouts = self.num_clears_incomplete = self._num_errors = 0
         self._count_lock = threading.Lock()
         self._warn_fault, self._warn_data, self._warn_drop = (RateLimitedWarning(logger) for _ in range(3))
+        self._checks = RecordCheck(self.codec, self.counters, self._warn_data,
+                                   where=f"shared-filesystem tier {self.root}",
+                                   damaged="a damaged block file ({}); removed, a miss")
         self._paused_until = 0.0
         self._closed = False
         self._in_flight = WritesInFlight()  # a discard is never undone by a write still running
@@ -93,6 +97,12 @@ class SharedFSTier(Tier):
                            scan_max_entries=scan_max_entries, orphan_after_s=orphan_after_s,
                            on_removed=self._evicted, on_fault=self._fault)
         self._pool.submit(self.space.maintain, force_scan=True)  # the first scan, in the background
+        renew_in_child(self, "_count_lock")
+
+    def _after_fork(self) -> None:
+        """In a forked child: threads of its own (the parent's do not exist here)."""
+        if not self._closed:
+            self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvstrata-sharedfs")
 
     # -- faults ------------------------------------------------------------------------------
     @property
@@ -184,29 +194,20 @@ class SharedFSTier(Tier):
         try:
             got = blockio.read_file(path, self._limit)
         except blockio.TooLong as exc:
-            self._damaged(path, exc.version, str(exc), key.block_hash)
+            self._checks.damaged(str(exc), partial(self._remove_damaged, path, exc.version, key.block_hash))
             return None
         if got is None:
             return None
-        try:
-            payload = self.codec.decode(got.data, key)
-        except UnverifiableRecordError as exc:
-            with self._count_lock:
-                self.num_unverifiable += 1
-            self._warn_data(f"shared-filesystem tier {self.root}: {exc}; a miss")
-            return None
-        except CorruptRecordError as exc:
-            self._damaged(path, got.version, str(exc), key.block_hash)
+        payload = self._checks.decode(got.data, key, partial(self._remove_damaged, path, got.version, key.block_hash))
+        if payload is None:
             return None
         if blockio.touch_if_older(path, got.mtime, self.touch_after_s):
             with self._count_lock:
                 self.num_touches += 1
         return payload, got
 
-    def _damaged(self, path: str, version: tuple[int, int, int, int], why: str, block_hash: BlockHash) -> None:
-        with self._count_lock:
-            self.counters.num_corrupt += 1
-        self._warn_data(f"shared-filesystem tier {self.root}: a damaged block file ({why}); removed, a miss")
+    def _remove_damaged(self, path: str, version: tuple[int, int, int, int], block_hash: BlockHash) -> None:
+        """Remove a damaged block file, `path`, if it is still `version` (not rewritten since)."""
         try:
             removed = blockio.remove_version(path, version)
         except OSError as exc:
@@ -235,11 +236,9 @@ class SharedFSTier(Tier):
                 if queued < len(keys):
                     ahead.append(self._pool.submit(self._load, keys[queued]))
                     queued += 1
-                try:
-                    self.codec.copy_out(got[0], dsts[n])
-                except CorruptRecordError as exc:
-                    self._damaged(files.block_path(self.ns_dir, keys[n].block_hash), got[1].version, str(exc),
-                                  keys[n].block_hash)
+                h = keys[n].block_hash
+                if not self._checks.copy_out(got[0], dsts[n], partial(
+                        self._remove_damaged, files.block_path(self.ns_dir, h), got[1].version, h)):
                     return n
                 n += 1
             return n

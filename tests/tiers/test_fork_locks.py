@@ -1,0 +1,148 @@
+"""The shared tiers in a forked child (vLLM forks its workers) whose parent's threads held the
+tiers' locks while it forked: the child renews every one of them (`tiers/shared/forks.py`),
+so its stores and reads run instead of waiting for ever on a lock no thread of the child
+will ever release. Against a real `redis-server`, a Mooncake tier whose master is down, and
+a shared-filesystem tier on a local directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from cli.redis_servers import redis_server
+from tests.mooncake_fixtures import MooncakeMaster, need_mooncake
+
+# A tier and `locks` (name: a function reading the lock, so the child reads the renewed one)
+# come from SETUP; a parent's thread holds every lock while the process forks; the child
+# prints which are still held, then runs CHILD, killed by its alarm if that hangs.
+_HELD_AT_FORK = """
+import os, signal, sys, threading
+import torch
+from tiers.keys import BlockHash, BlockKey
+
+torch.set_num_threads(1)  # torch's own thread pool does not cross a fork
+shape, n = (2, 2, 32, 8, 128), 8  # 256 KiB bfloat16 blocks: the remote tier's reused buffers
+blocks = [torch.full(shape, float(i), dtype=torch.bfloat16) for i in range(n)]
+
+def keys(seed):
+    return [BlockKey(BlockHash(bytes([seed, i]) * 8)) for i in range(n)]
+
+SETUP
+common = {
+    "record checks": lambda: tier._checks._lock, "data warnings": lambda: tier._warn_data._lock,
+    "drop warnings": lambda: tier._warn_drop._lock, "change log": lambda: tier._changes._lock,
+}
+locks.update(common)
+held, release = threading.Event(), threading.Event()
+
+def hold():  # a parent's thread inside every critical section at once
+    taken = [lock() for lock in locks.values()]
+    for lock in taken:
+        lock.acquire()
+    held.set()
+    release.wait()
+    for lock in taken:
+        lock.release()
+
+threading.Thread(target=hold, daemon=True).start()
+assert held.wait(10)
+pid = os.fork()
+if pid == 0:
+    try:
+        signal.alarm(60)
+        print("locked", sorted(name for name, lock in locks.items() if lock().locked()), flush=True)
+CHILD
+    finally:
+        os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+release.set()
+tier.close()
+"""
+
+
+def _run(setup: str, child: str, *args: str) -> str:
+    """The script with `setup` and `child` (indented into the child's block) run in a fresh
+    interpreter with `args`; its output, once it exited 0 with a child that did."""
+    script = _HELD_AT_FORK.replace("SETUP", textwrap.dedent(setup)).replace(
+        "CHILD", textwrap.indent(textwrap.dedent(child), " " * 8))
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, env=env)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "child exit 0" in done.stdout, out
+    assert "locked []" in done.stdout, out
+    return out
+
+
+def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
+    """Before, only the lane workers', the writer's and the slot map's locks were renewed: a
+    child forked while another parent thread held, e.g., the client's connect lock or a
+    health lock hung in its first call (killed by its alarm: no result line)."""
+    with redis_server() as server:
+        out = _run("""
+            from tiers.remote.tier import RemoteTier
+            tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=5.0)
+            tier.take_changes()  # the stack takes them: changes are recorded
+            assert tier.put(keys(1), blocks) == n and tier.flush()
+            locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
+                     "connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
+                     "slot map reread": lambda: tier._server._streams._refreshing,
+                     "tier counts": lambda: tier._count_lock}
+        """, """
+            put = tier.put(keys(2), blocks)
+            flushed = tier.flush(timeout_s=20.0)
+            outs = [torch.zeros_like(b) for b in blocks]
+            got = tier.get_into(keys(2), outs)
+            same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+            print("child", put, flushed, tier.num_write_drops, got, same, flush=True)
+        """, server.url)
+        assert "child 8 True 0 8 True" in out, out
+
+
+def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None:
+    """Before, a child forked while another parent thread held the client's setup lock (a
+    setup runs for up to `setup_timeout_s`) hung in its first call; one forked while the
+    workers' or the transfer buffer's lock was held hung in its first call that got that far.
+    The master is down: each call is a counted fault, at once."""
+    master = MooncakeMaster(need_mooncake())  # never started
+    out = _run("""
+        from tiers.mooncake.client import ClientParams
+        from tiers.mooncake.tier import MooncakeTier
+        params = ClientParams("127.0.0.1", sys.argv[2], 16 << 20, 16 << 20, "tcp", "", sys.argv[1])
+        tier = MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-locks", cooldown_s=0.1,
+                            buffer_bytes=8 << 20)
+        locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
+                 "setup": lambda: tier._conn._setup_lock, "workers": lambda: tier._conn._workers._lock,
+                 "transfer buffer": lambda: tier._conn.lanes._lock}
+    """, """
+        put = tier.put(keys(2), blocks)
+        got = tier.get_into(keys(2), [torch.zeros_like(b) for b in blocks])
+        print("child", put, got, tier.num_write_drops > 0, tier.num_errors > 0, flush=True)
+    """, master.master, master.metadata_server)
+    assert "child 0 0 True True" in out, out
+
+
+def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: Path) -> None:
+    """Before, the tier renewed nothing: a child forked while a parent's thread held its
+    counting lock or its space's hung for ever, and one whose parent's I/O threads had all
+    started queued every call for threads it does not have (each a time-out and a pause)."""
+    out = _run("""
+        from tiers.sharedfs.tier import SharedFSTier
+        tier = SharedFSTier(sys.argv[1], 64 << 20, shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=10.0,
+                            io_threads=2)
+        tier.take_changes()  # the stack takes them: changes are recorded
+        assert tier.put(keys(1), blocks) == n and tier.put(keys(3), blocks) == n  # both threads started
+        locks = {"tier counts": lambda: tier._count_lock, "writes in flight": lambda: tier._in_flight._lock,
+                 "space": lambda: tier.space._lock, "maintenance round": lambda: tier.space._busy}
+    """, """
+        put = tier.put(keys(2), blocks)
+        outs = [torch.zeros_like(b) for b in blocks]
+        got = tier.get_into(keys(2), outs)
+        same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+        print("child", put, got, same, tier.num_timeouts, flush=True)
+    """, str(tmp_path / "shared"))
+    assert "child 8 8 True 0" in out, out
