@@ -71,7 +71,7 @@ class Space:
             return
         try:
             if force_scan or self.scan_due():
-                self.scan()
+                self._scan()
             if self.over_capacity():
                 self._evict()
         finally:
@@ -79,7 +79,12 @@ class Space:
 
     def scan(self) -> None:
         """One bounded round: list the shards, rescan them from the cursor for at most
-        `scan_max_entries` files, remove orphaned temporary files."""
+        `scan_max_entries` files, remove orphaned temporary files. Waits for a maintenance
+        round another thread of this process is running (one round at a time)."""
+        with self._busy:
+            self._scan()
+
+    def _scan(self) -> None:
         self._next_scan = time.monotonic() + self.scan_interval_s
         self.num_scans += 1
         try:
@@ -143,7 +148,7 @@ class Space:
                 self._evict_one(entry, shard)
             if self.used_bytes() <= self.target:
                 return
-            self.scan()
+            self._scan()
 
     def _evict_one(self, entry: Entry, shard: str) -> None:
         with self._lock:
