@@ -314,8 +314,8 @@ def _check_ratios(config: object) -> None:
 class EvictionConfig(abc.ABC):
     """An eviction policy's config: a frozen dataclass registered by name with
     `register_eviction` beside the policy, whose `make` builds a new, empty policy. Its
-    `ratio_field`s are checked first, also where a subclass's own `__post_init__` does not
-    call this one's."""
+    `ratio_field`s are checked after a subclass's own `__post_init__`, whether or not that
+    calls this one's."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -324,8 +324,8 @@ class EvictionConfig(abc.ABC):
 
             @functools.wraps(own)
             def post_init(self: EvictionConfig, *init_vars: Any) -> None:
-                _check_ratios(self)
                 own(self, *init_vars)
+                _check_ratios(self)  # the values it keeps, whatever its own set
 
             post_init.checks_ratios = True  # type: ignore[attr-defined]  # not wrapped twice (slots=True remakes the class)
             cls.__post_init__ = post_init  # type: ignore[method-assign]  # the wrapper, in its place
