@@ -222,10 +222,14 @@ class Tier(abc.ABC):
 
         Stops at the first block that is absent or fails validation (the latter is deleted).
         `dsts` are block-shaped tensors of the layout's dtype on any device, possibly
-        strided. Copied blocks become most recently used, prefix last. 0 for [].
+        strided. Copied blocks become most recently used, prefix last. 0 for []. Raises
+        `RuntimeError` if `_get_into` counts outside 0..len(keys) (a bug in the tier: taken at
+        its word, the caller would skip blocks never copied).
         """
         self._check_open()
         n = self._get_into(keys, dsts)
+        if not 0 <= n <= len(keys):
+            raise RuntimeError(f"{type(self).__name__} copied {n} of the {len(keys)} blocks asked (a bug in the tier)")
         self.counters.num_hits += n
         self.touch([k.block_hash for k in reversed(keys[:n])])
         return n

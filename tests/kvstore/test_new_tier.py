@@ -25,6 +25,7 @@ from cli.ports import free_port_pair
 from kvstore import KVCacheStore, StoreConfig
 from kvstore.hashing import BlockHash
 from kvstore.metrics import register_metrics
+from kvstore.tier_stack import TierStack
 from tests.conftest import BLOCK, LAYOUT, make_kv
 from tiers.base import Occupancy, Tier, TierCounters, TierTraits, count_held
 from tiers.changes import ChangeKind
@@ -188,3 +189,34 @@ def test_clear_reaches_it(store: KVCacheStore) -> None:
     store.store(tokens, make_kv(len(tokens), seed=6))
     store.clear()
     assert store.lookup(tokens) == 0 and len(store.tiers[1]) == 0
+
+
+
+class OvercountingDictTier(DictTier):
+    """A tier with a bug: it says it copied one block more than it was asked for."""
+
+    def _get_into(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
+        n = super()._get_into(keys, dsts)
+        return n + 1 if n == len(keys) else n
+
+
+class OtherDictTier(DictTier):
+    kind = TierKind("dict2")
+
+
+def test_a_tier_that_says_it_copied_more_than_asked_is_an_error_never_a_hole_in_the_prefix() -> None:
+    shape, block_bytes = LAYOUT.block_shape(BLOCK), LAYOUT.block_bytes(BLOCK)
+    over, other = OvercountingDictTier(8, block_bytes), OtherDictTier(8, block_bytes)
+    stack = TierStack([over, other], write_through=False)
+    keys = [BlockKey(BlockHash(bytes([i]) * 16)) for i in range(4)]
+    blocks = [torch.full(shape, float(i + 1), dtype=LAYOUT.dtype) for i in range(4)]
+    assert over.put(keys[:2], blocks[:2]) == 2 and other.put(keys[2:], blocks[2:]) == 2
+    dsts = [torch.zeros(shape, dtype=LAYOUT.dtype) for _ in range(4)]
+    # Taken at its word, the first run's count (3 of 2) would skip block 2: never copied, but
+    # counted among the 4 loaded, its zeros handed on as KV.
+    bug = r"^OvercountingDictTier copied 3 of the 2 blocks asked \(a bug in the tier\)$"
+    with pytest.raises(RuntimeError, match=bug):
+        stack.load(keys, dsts, [0, 0, 1, 1])
+    with pytest.raises(RuntimeError, match=bug):
+        over.get_into(keys[:2], dsts[:2])
+    assert other.get_into(keys[2:], dsts[2:]) == 2 and torch.equal(dsts[3], blocks[3])

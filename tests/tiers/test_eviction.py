@@ -4,6 +4,8 @@ sequences, each policy's defining behaviour, pins, prefixes and rollback."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -12,11 +14,13 @@ from kvstore.errors import ConfigError
 from tiers.cpu.residency import Residency
 from tiers.policies.eviction import (
     EVICTION_POLICIES,
+    EvictionConfig,
     EvictionKind,
     EvictionPolicy,
     eviction_config,
     make_policy,
     parse_eviction,
+    ratio_field,
 )
 from tiers.policies.lfu import LFUConfig, LFUPolicy
 from tiers.policies.s3fifo import S3FIFOConfig, S3FIFOPolicy
@@ -281,6 +285,41 @@ def test_each_policy_is_registered_with_a_config_of_its_own() -> None:
         eviction_config({"type": "arc", "ghost_x": True}, "w")
     with pytest.raises(ConfigError, match=r"^w='fifo2' is not a registered eviction policy; registered: \['lru', "):
         eviction_config("fifo2", "w")
+
+
+@dataclass(frozen=True)
+class _SpanConfig(EvictionConfig):
+    """A config from outside kvstrata: a ratio field, and a check of its own other field."""
+
+    ghost_x: float = ratio_field(2.0)
+    min_blocks: int = 1
+
+    def __post_init__(self) -> None:  # the base's not called, as configs before ratio_field wrote it
+        if not isinstance(self.min_blocks, int) or self.min_blocks < 1:
+            raise ConfigError(f"_SpanConfig.min_blocks must be an int > 0, got {self.min_blocks!r}")
+
+    def make(self, capacity_blocks: int) -> EvictionPolicy[Any]:
+        return make_policy("lru", capacity_blocks)
+
+
+@dataclass(frozen=True)
+class _PoliteSpanConfig(_SpanConfig):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        EvictionConfig.__post_init__(self)  # the base's as well: the same check twice
+
+
+def test_a_ratio_field_is_checked_though_its_config_has_a_post_init_of_its_own() -> None:
+    for cls in (_SpanConfig, _PoliteSpanConfig):
+        name = cls.__name__
+        with pytest.raises(ConfigError, match=rf"^{name}\.ghost_x must be a number in \(0, 1e\+06\), got -1$"):
+            cls(ghost_x=-1)
+        with pytest.raises(ConfigError, match=rf"^{name}\.ghost_x must be a number in \(0, 1e\+06\), got 'x'$"):
+            cls(ghost_x="x")  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=r"^_SpanConfig\.min_blocks must be an int > 0, got 0$"):
+            cls(min_blocks=0)
+        config = cls(ghost_x=3)
+        assert config.ghost_x == 3.0 and type(config.ghost_x) is float and cls().ghost_x == 2.0
 
 
 def test_a_residency_runs_the_policy_its_config_makes() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Iterator, MutableMapping
 from dataclasses import dataclass, field, fields
@@ -300,17 +301,37 @@ def ratio_field(default: float, *, upper: float = MAX_RATIO) -> float:
     return field(default=default, metadata={"ratio_upper": upper})
 
 
+def _check_ratios(config: object) -> None:
+    """Check `config`'s `ratio_field`s (`ConfigError` naming the first bad one) and keep them as floats."""
+    for f in fields(config):  # type: ignore[arg-type]  # an EvictionConfig: a dataclass
+        if "ratio_upper" in f.metadata:
+            value = check_ratio(f"{type(config).__name__}.{f.name}", getattr(config, f.name),
+                                upper=f.metadata["ratio_upper"])
+            object.__setattr__(config, f.name, value)
+
+
 @dataclass(frozen=True)
 class EvictionConfig(abc.ABC):
     """An eviction policy's config: a frozen dataclass registered by name with
-    `register_eviction` beside the policy, whose `make` builds a new, empty policy."""
+    `register_eviction` beside the policy, whose `make` builds a new, empty policy. Its
+    `ratio_field`s are checked after a subclass's own `__post_init__`, whether or not that
+    calls this one's."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is not None and not getattr(own, "checks_ratios", False):
+
+            @functools.wraps(own)
+            def post_init(self: EvictionConfig, *init_vars: Any) -> None:
+                own(self, *init_vars)
+                _check_ratios(self)  # the values it keeps, whatever its own set
+
+            post_init.checks_ratios = True  # type: ignore[attr-defined]  # not wrapped twice (slots=True remakes the class)
+            cls.__post_init__ = post_init  # type: ignore[method-assign]  # the wrapper, in its place
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if "ratio_upper" in f.metadata:
-                value = check_ratio(f"{type(self).__name__}.{f.name}", getattr(self, f.name),
-                                    upper=f.metadata["ratio_upper"])
-                object.__setattr__(self, f.name, value)
+        _check_ratios(self)
 
     @property
     def name(self) -> str:
