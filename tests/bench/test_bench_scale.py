@@ -84,8 +84,8 @@ def test_bench_procs_writes_rates_and_ratios(tier: str, tmp_path: Path, monkeypa
 
 def test_scale_disk_times_lookups_on_a_whole_prompt(tmp_path: Path) -> None:
     """The fill stores the short prompt first: the last one, whose lookup the bench times per
-    block, is a whole batch at any N (it was N mod the batch: 576 of 2,048 blocks at 10^6, so
-    a lookup's fixed costs weighed 3.6x more per block there than at 10^4)."""
+    block, is a whole batch at any N (it was N mod the batch: 576 of 2,048 blocks at 10^6 and
+    1,808 at 10^4, so a lookup's fixed costs weighed 3.1x more per block at 10^6)."""
     layout = _layout(0.0)
     kv = torch.zeros(layout.block_shape(2 * BLOCK), dtype=layout.dtype)
     with KVCacheStore(config(str(tmp_path), 5, 0.0)) as store:
