@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.scale import BLOCK
+from bench.scale import BATCH_BLOCKS, BLOCK, _fill
+from bench.scale import _config as scale_config
 from bench.scale_disk import _layout, _store, config
 from cli import main as kvstrata
 from cli.redis_servers import redis_binary
@@ -91,4 +92,13 @@ def test_scale_disk_times_lookups_on_a_whole_prompt(tmp_path: Path) -> None:
     with KVCacheStore(config(str(tmp_path), 5, 0.0)) as store:
         last = _store(store, 5, 2, kv, np.random.default_rng(0))[2]
         assert len(last) == 2 * BLOCK
+        assert store.lookup(last) == len(last)
+
+
+def test_scale_times_lookups_on_a_whole_prompt() -> None:
+    """`bench scale`'s fill has the same order: its timed "32K-token prompt" was N mod 2,048
+    blocks (1,808 at 10^4, 576 at 10^6), now whole."""
+    with KVCacheStore(scale_config("pool", BATCH_BLOCKS + 1, "")) as store:
+        last = _fill(store, BATCH_BLOCKS + 1, np.random.default_rng(0))[1]
+        assert len(last) == BATCH_BLOCKS * BLOCK
         assert store.lookup(last) == len(last)
