@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from bench.scale import BATCH_BLOCKS, BLOCK, _fill
+from bench.scale import _config as scale_config
+from bench.scale_disk import _layout, _store, config
 from cli import main as kvstrata
 from cli.redis_servers import redis_binary
+from kvstore import KVCacheStore
 
 
 @pytest.mark.slow
@@ -75,3 +81,24 @@ def test_bench_procs_writes_rates_and_ratios(tier: str, tmp_path: Path, monkeypa
         assert r["lookup_p99_vs_one_process"] == pytest.approx(t["lookup_p99_us"] / one)
         assert set(r["goals_met"]) == {"aggregate_vs_raw", "lookup_p99", "no_writer_starved"}
     assert "p99 vs 1" in capsys.readouterr().out
+
+
+def test_scale_disk_times_lookups_on_a_whole_prompt(tmp_path: Path) -> None:
+    """The fill stores the short prompt first: the last one, whose lookup the bench times per
+    block, is a whole batch at any N (it was N mod the batch: 576 of 2,048 blocks at 10^6 and
+    1,808 at 10^4, so a lookup's fixed costs weighed 3.1x more per block at 10^6)."""
+    layout = _layout(0.0)
+    kv = torch.zeros(layout.block_shape(2 * BLOCK), dtype=layout.dtype)
+    with KVCacheStore(config(str(tmp_path), 5, 0.0)) as store:
+        last = _store(store, 5, 2, kv, np.random.default_rng(0))[2]
+        assert len(last) == 2 * BLOCK
+        assert store.lookup(last) == len(last)
+
+
+def test_scale_times_lookups_on_a_whole_prompt() -> None:
+    """`bench scale`'s fill has the same order: its timed "32K-token prompt" was N mod 2,048
+    blocks (1,808 at 10^4, 576 at 10^6), now whole."""
+    with KVCacheStore(scale_config("pool", BATCH_BLOCKS + 1, "")) as store:
+        last = _fill(store, BATCH_BLOCKS + 1, np.random.default_rng(0))[1]
+        assert len(last) == BATCH_BLOCKS * BLOCK
+        assert store.lookup(last) == len(last)
