@@ -81,15 +81,28 @@ class Floor:
         self.keys = random_keys if kind == "random" else tick_keys
         self.kind, self.value, self.next, self.low = kind, value, 0, 0
         self.gone: set[int] = set()
+        self.commit_cost = (0.0, 0.0)
         self.rng = np.random.default_rng(7)
 
     def put_txn(self, keys: list[bytes], drop: list[bytes]) -> None:
-        with self.env.begin(write=True, db=self.db) as txn:
+        """One write transaction: delete `drop`, put `keys`; its commit's cost in `commit_cost`."""
+        txn = self.env.begin(write=True, db=self.db)
+        try:
             for key in drop:
                 if not txn.delete(key):
                     raise AssertionError("a key to delete was not there")
             for key in keys:
                 txn.put(key, self.value)
+        except BaseException:
+            txn.abort()
+            raise
+        self.commit_cost = timed(txn.commit)
+
+    def get_txn(self, keys: list[bytes]) -> None:
+        with self.env.begin(db=self.db) as txn:
+            for key in keys:
+                if txn.get(key) is None:
+                    raise AssertionError("a key to read was not there")
 
     def fresh(self) -> list[bytes]:
         ids = np.arange(self.next, self.next + BATCH)
@@ -111,20 +124,43 @@ class Floor:
             ids = np.arange(self.low, self.low + BATCH)
             self.low += BATCH
             return self.keys(ids)
-        picked: list[int] = []
+        return self.keys(self.live(mark_gone=True))
+
+    def live(self, mark_gone: bool) -> np.ndarray:
+        """2,048 distinct random ids of entries still held (`mark_gone`: about to be deleted)."""
+        picked: set[int] = set()
         while len(picked) < BATCH:
             i = int(self.rng.integers(0, self.next))
             if i not in self.gone:
-                self.gone.add(i)
-                picked.append(i)
-        return self.keys(np.array(picked))
+                picked.add(i)
+        if mark_gone:
+            self.gone |= picked
+        return np.array(sorted(picked))
 
     def best(self, evicting: bool) -> dict[str, float]:
         """Best of ROUNDS transactions: µs per block stored, wall and CPU."""
-        walls, cpus = [], []
+        walls, cpus, commits = [], [], []
         for _ in range(ROUNDS):
             drop = self.victims() if evicting else []  # (before `fresh`: only keys already put)
             w, c = timed(self.put_txn, self.fresh(), drop)
+            walls.append(w)
+            cpus.append(c)
+            commits.append(self.commit_cost[1])
+        best = cpus.index(min(cpus))
+        return {"wall_us": min(walls) / BATCH * 1e6, "cpu_us": cpus[best] / BATCH * 1e6,
+                "commit_cpu_us": commits[best] / BATCH * 1e6}
+
+    def best_get(self) -> dict[str, float]:
+        """Best of ROUNDS read transactions of 2,048 gets: random existing keys (random), or
+        2,048 consecutive ticks from a random start (increasing: one prompt's entries)."""
+        walls, cpus = [], []
+        for _ in range(ROUNDS):
+            if self.kind == "random":
+                ids = self.rng.permutation(self.live(mark_gone=False))
+            else:
+                start = int(self.rng.integers(self.low, self.next - BATCH))
+                ids = np.arange(start, start + BATCH)
+            w, c = timed(self.get_txn, self.keys(ids))
             walls.append(w)
             cpus.append(c)
         return {"wall_us": min(walls) / BATCH * 1e6, "cpu_us": min(cpus) / BATCH * 1e6}
@@ -135,7 +171,7 @@ def measure(root: str, n: int, kind: str, value: bytes) -> dict[str, Any]:
     try:
         floor = Floor(path, kind, value)
         fill_wall, fill_cpu = floor.fill(n)
-        put, evict = floor.best(False), floor.best(True)
+        put, evict, get = floor.best(False), floor.best(True), floor.best_get()
         with floor.env.begin() as txn:
             stat = txn.stat(floor.db)
         info = floor.env.info()
@@ -144,8 +180,19 @@ def measure(root: str, n: int, kind: str, value: bytes) -> dict[str, Any]:
     finally:
         shutil.rmtree(path, ignore_errors=True)
     return {"blocks": n, "keys": kind, "fill_wall_us": fill_wall / n * 1e6, "fill_cpu_us": fill_cpu / n * 1e6,
-            "put": put, "evicting": evict, "depth": stat["depth"], "leaf_pages": stat["leaf_pages"],
+            "put": put, "evicting": evict, "get": get, "depth": stat["depth"], "leaf_pages": stat["leaf_pages"],
             "bytes_per_entry": (info["last_pgno"] + 1) * stat["psize"] / n, "file_bytes": file_bytes}
+
+
+def _cpu(r: dict[str, Any]) -> dict[str, float]:
+    """A row's CPU µs per block of each measurement."""
+    return {"fill": r["fill_cpu_us"], "put": r["put"]["cpu_us"], "evicting": r["evicting"]["cpu_us"],
+            "get": r["get"]["cpu_us"]}
+
+
+def _over(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
+    ca, cb = _cpu(a), _cpu(b)
+    return {m: ca[m] / cb[m] for m in ca}
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -153,17 +200,12 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for kind in ("random", "increasing"):
         mine = [r for r in rows if r["keys"] == kind]
-        base = mine[0]
         for r in mine[1:]:
-            out[f"{kind}_{r['blocks']}_vs_{base['blocks']}"] = {
-                "fill": r["fill_cpu_us"] / base["fill_cpu_us"], "put": r["put"]["cpu_us"] / base["put"]["cpu_us"],
-                "evicting": r["evicting"]["cpu_us"] / base["evicting"]["cpu_us"]}
+            out[f"{kind}_{r['blocks']}_vs_{mine[0]['blocks']}"] = _over(r, mine[0])
     for r in rows:
-        if r["keys"] == "random":
-            inc = next(x for x in rows if x["keys"] == "increasing" and x["blocks"] == r["blocks"])
-            out[f"random_vs_increasing_{r['blocks']}"] = {
-                "fill": r["fill_cpu_us"] / inc["fill_cpu_us"], "put": r["put"]["cpu_us"] / inc["put"]["cpu_us"],
-                "evicting": r["evicting"]["cpu_us"] / inc["evicting"]["cpu_us"]}
+        inc = [x for x in rows if x["keys"] == "increasing" and x["blocks"] == r["blocks"]]
+        if r["keys"] == "random" and inc:
+            out[f"random_vs_increasing_{r['blocks']}"] = _over(r, inc[0])
     return out
 
 
@@ -177,8 +219,9 @@ def main() -> None:
     value = np.random.default_rng(3).bytes(VALUE_BYTES)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    print(f"{'N':>10} {'keys':>10} {'fill CPU':>9} {'put wall (CPU)':>16} {'evicting wall (CPU)':>20} "
-          f"{'depth':>5} {'B/entry':>7}  (µs per block)", flush=True)
+    print(f"{'N':>10} {'keys':>10} {'fill CPU':>9} {'put wall (CPU; commit)':>24} "
+          f"{'evicting wall (CPU; commit)':>28} {'get wall (CPU)':>16} {'depth':>5} {'B/entry':>7}  (µs per block)",
+          flush=True)
     for n in sizes:
         free = shutil.disk_usage(args.dir).free
         if n >= 10_000_000 and free < MIN_FREE_10M:
@@ -188,10 +231,12 @@ def main() -> None:
         for kind in ("random", "increasing"):
             r = measure(args.dir, n, kind, value)
             rows.append(r)
-            print(f"{n:>10} {kind:>10} {r['fill_cpu_us']:>9.2f} {r['put']['wall_us']:>7.2f} "
-                  f"({r['put']['cpu_us']:>6.2f}) {r['evicting']['wall_us']:>10.2f} ({r['evicting']['cpu_us']:>6.2f}) "
-                  f"{r['depth']:>5} {r['bytes_per_entry']:>7.0f}", flush=True)
-    result = {"what": "raw py-lmdb put / delete+put per block, random vs increasing keys (scripts/lmdb_floor.py)",
+            cols = [f"{r[m]['wall_us']:>7.2f} ({r[m]['cpu_us']:>6.2f}; {r[m]['commit_cpu_us']:>5.2f})"
+                    for m in ("put", "evicting")]
+            print(f"{n:>10} {kind:>10} {r['fill_cpu_us']:>9.2f} {cols[0]:>24} {cols[1]:>28} "
+                  f"{r['get']['wall_us']:>7.2f} ({r['get']['cpu_us']:>6.2f}) {r['depth']:>5} "
+                  f"{r['bytes_per_entry']:>7.0f}", flush=True)
+    result = {"what": "raw py-lmdb put / delete+put / get per block, random vs increasing keys (scripts/lmdb_floor.py)",
               "batch": BATCH, "value_bytes": VALUE_BYTES, "rounds_best_of": ROUNDS, "lmdb": lmdb.version(),
               "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "rows": rows, "ratios_cpu": ratios(rows) if rows else {}, "notes": notes}
