@@ -43,7 +43,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
         z = (x + np.uint64(0x9E3779B97F4A7C15)) & _M
         z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _M
         z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _M
-        return z ^ (z >> np.uint64(31))
+        out: np.ndarray = z ^ (z >> np.uint64(31))
+        return out
 
 
 def random_keys(ids: np.ndarray) -> list[bytes]:
@@ -236,11 +237,13 @@ def main() -> None:
             print(f"{n:>10} {kind:>10} {r['fill_cpu_us']:>9.2f} {cols[0]:>24} {cols[1]:>28} "
                   f"{r['get']['wall_us']:>7.2f} ({r['get']['cpu_us']:>6.2f}) {r['depth']:>5} "
                   f"{r['bytes_per_entry']:>7.0f}", flush=True)
-    result = {"what": "raw py-lmdb put / delete+put / get per block, random vs increasing keys (scripts/lmdb_floor.py)",
-              "batch": BATCH, "value_bytes": VALUE_BYTES, "rounds_best_of": ROUNDS, "lmdb": lmdb.version(),
-              "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "rows": rows, "ratios_cpu": ratios(rows) if rows else {}, "notes": notes}
-    for k, v in result["ratios_cpu"].items():
+    table = ratios(rows) if rows else {}
+    result: dict[str, Any] = {
+        "what": "raw py-lmdb put / delete+put / get per block, random vs increasing keys (scripts/lmdb_floor.py)",
+        "batch": BATCH, "value_bytes": VALUE_BYTES, "rounds_best_of": ROUNDS, "lmdb": lmdb.version(),
+        "load_average": os.getloadavg(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows, "ratios_cpu": table, "notes": notes}
+    for k, v in table.items():
         print(f"{k}: " + ", ".join(f"{m} {x:.2f}x" for m, x in v.items()))
     os.makedirs("results", exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
