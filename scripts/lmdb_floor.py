@@ -8,7 +8,11 @@ For each N: fill in transactions of 2,048 puts (the fill's average cost per bloc
 tier's "store" column), then time, best of 5 transactions each, CPU (process time) and wall
 per block of 2,048 more puts in one transaction ("put") and of an "evicting" transaction:
 delete 2,048 entries (increasing: the lowest ticks; random: 2,048 random existing keys)
-plus 2,048 puts. Baselines of the same run: the smallest N and the increasing keys.
+plus 2,048 puts (each also with its commit's share), and of 2,048 gets in a read
+transaction. Baselines of the same run: the smallest N and the increasing keys. The
+environment lives in a scratch directory under `--dir`, deleted after each N; 10^7 is
+skipped, with a note, where under 12 GiB are free. Table to stdout; JSON to
+results/lmdb_floor_<time>.json and `--out`.
 
     nice -n 5 python scripts/lmdb_floor.py --sizes 100000,1000000,10000000
 """
