@@ -13,7 +13,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from cli.redis_servers import redis_server
+from cli.redis_servers import redis_cluster, redis_server
 from tests.mooncake_fixtures import MooncakeMaster, need_mooncake
 
 # A tier and `locks` (name: a function reading the lock, so the child reads the renewed one)
@@ -90,7 +90,7 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             assert tier.put(keys(1), blocks) == n and tier.flush()
             locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
                      "connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
-                     "slot map reread": lambda: tier._server._streams._refreshing,
+                     "slot map reread": lambda: (tier._server._connect(), tier._server._streams)[1]._refreshing,
                      "tier counts": lambda: tier._count_lock}
         """, """
             put = tier.put(keys(2), blocks)
@@ -101,6 +101,47 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             print("child", put, flushed, tier.num_write_drops, got, same, flush=True)
         """, server.url)
         assert "child 8 True 0 8 True" in out, out
+
+
+def test_a_forked_remote_tier_on_a_cluster_gets_a_client_of_its_own() -> None:
+    """A cluster client's slot-map locks (redis-py's, held while it rereads the map, e.g. after
+    a redirect) held by a parent's thread as it forked: before, the child kept its parent's
+    client, so its first read that met a moved slot waited for ever to reread the map (killed
+    by its alarm). Now the child connects a client of its own (`Server._after_fork`)."""
+    with redis_cluster(3) as cluster:
+        out = _run("""
+            from tiers.remote.tier import RemoteTier
+
+            class AsLock:  # an RLock seen as a Lock (an RLock has no `locked` before Python 3.14)
+                def __init__(self, lock):
+                    self.lock = lock
+                def acquire(self):
+                    self.lock.acquire()
+                def release(self):
+                    self.lock.release()
+                def locked(self):
+                    if self.lock.acquire(blocking=False):
+                        self.lock.release()
+                        return False
+                    return True
+
+            tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=5.0)
+            tier.take_changes()  # the stack takes them: changes are recorded
+            assert tier.put(keys(1), blocks) == n and tier.flush()
+            nodes = lambda: tier._server._connect().nodes_manager  # the client the process uses
+            locks = {"slot map": lambda: AsLock(nodes()._lock),
+                     "slot map reread": lambda: AsLock(nodes()._initialization_lock)}
+        """, """
+            from types import SimpleNamespace
+            from tests.tiers.test_remote_stream import _move_slot_of
+            servers = [SimpleNamespace(port=int(p)) for p in sys.argv[2].split(",")]
+            _move_slot_of(servers, tier.server_key(keys(1)[0].block_hash))  # a redirect: the map reread
+            outs = [torch.zeros_like(b) for b in blocks]
+            got = tier.get_into(keys(1), outs)
+            same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+            print("child", got, same, tier.num_errors, flush=True)
+        """, cluster.url, ",".join(str(s.port) for s in cluster.servers))
+        assert "child 8 True 0" in out, out
 
 
 def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None:
