@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from cli.redis_servers import redis_cluster, redis_server
@@ -187,3 +188,40 @@ def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: 
         print("child", put, got, same, tier.num_timeouts, flush=True)
     """, str(tmp_path / "shared"))
     assert "child 8 8 True 0" in out, out
+
+
+def test_renewal_keeps_no_closed_tier_alive(tmp_path: Path) -> None:
+    """Every tier registers objects for renewal in a child (`tiers/shared/forks.py`); the
+    registry holds them weakly, so 100 tiers of each kind opened and closed leave it no
+    larger than one did (a strong reference would keep every tier ever opened alive). A
+    guard: it passes before and after this branch."""
+    import gc
+
+    import torch
+
+    from tiers.mooncake.client import ClientParams
+    from tiers.mooncake.tier import MooncakeTier
+    from tiers.remote.tier import RemoteTier
+    from tiers.shared import forks
+    from tiers.sharedfs.tier import SharedFSTier
+
+    shape = (2, 2, 4, 2, 8)
+    master = MooncakeMaster(need_mooncake())  # never started: each setup a counted fault, at once
+    params = ClientParams("127.0.0.1", master.metadata_server, 16 << 20, 16 << 20, "tcp", "", master.master)
+    with redis_server() as server:
+        opens = {
+            "sharedfs": lambda: SharedFSTier(str(tmp_path / "s"), 1 << 20, shape, torch.bfloat16, namespace=b"r"),
+            "remote": lambda: RemoteTier(server.url, shape, torch.bfloat16, namespace=b"r"),
+            "mooncake": lambda: MooncakeTier(params, shape, torch.bfloat16, namespace=b"r", cooldown_s=0.1,
+                                             buffer_bytes=1 << 20),
+        }
+        for kind, open_tier in opens.items():
+            open_tier().close()
+            gc.collect()
+            once = len(forks._RENEW)
+            for _ in range(100):
+                open_tier().close()
+            end = time.monotonic() + 10.0  # a closed tier's idle workers end (and let go of it) soon after
+            while gc.collect() >= 0 and len(forks._RENEW) > once and time.monotonic() < end:
+                time.sleep(0.05)
+            assert len(forks._RENEW) <= once, f"{kind}: {len(forks._RENEW)} objects registered, {once} after one"
