@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from cli.redis_servers import redis_cluster, redis_server
-from tests.mooncake_fixtures import MooncakeMaster, need_mooncake
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, need_mooncake
 
 # A tier and `locks` (name: a function reading the lock, so the child reads the renewed one)
 # come from SETUP; a parent's thread holds every lock while the process forks; the child
@@ -166,6 +166,28 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
         print("child", put, got, tier.num_write_drops > 0, tier.num_errors > 0, flush=True)
     """, master.master, master.metadata_server)
     assert "child 0 0 True True" in out, out
+
+
+def test_a_forked_mooncake_tier_whose_parent_set_up_its_client_misses_at_once() -> None:
+    """The parent's Mooncake client does not cross a fork (its calls are never answered in
+    the child, and a setup of another hangs there). Before, each call of the child waited out
+    its deadline and was abandoned, holding a lane of the transfer buffer for ever (after
+    two, every call failed for want of one); now each is a counted fault at once."""
+    with mooncake_master() as master:
+        out = _run("""
+            from tiers.mooncake.client import ClientParams
+            from tiers.mooncake.tier import MooncakeTier
+            params = ClientParams("127.0.0.1", sys.argv[2], 64 << 20, 16 << 20, "tcp", "", sys.argv[1])
+            tier = MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-client", timeout_s=2.0,
+                                cooldown_s=0.5, buffer_bytes=8 << 20)
+            assert tier.put(keys(1), blocks) == n
+            locks = {}
+        """, """
+            got = tier.get_into(keys(1), [torch.zeros_like(b) for b in blocks])
+            put = tier.put(keys(2), blocks)
+            print("child", got, put, tier.num_errors > 0, tier._conn.lanes.num_free, flush=True)
+        """, master.master, master.metadata_server)
+        assert "child 0 0 True 2" in out, out
 
 
 def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: Path) -> None:
