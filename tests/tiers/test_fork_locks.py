@@ -247,3 +247,38 @@ def test_renewal_keeps_no_closed_tier_alive(tmp_path: Path) -> None:
             while gc.collect() >= 0 and len(forks._RENEW) > once and time.monotonic() < end:
                 time.sleep(0.05)
             assert len(forks._RENEW) <= once, f"{kind}: {len(forks._RENEW)} objects registered, {once} after one"
+
+
+def test_a_renewal_that_fails_leaves_the_others_renewed() -> None:
+    """An object's `_after_fork` that raises (a thread that cannot start) is warned of; before,
+    it ended the renewal, so the locks of every object registered after it stayed held in the
+    child (its first call needing one hung)."""
+    script = textwrap.dedent("""
+        import os, threading
+        from tiers.shared.forks import renew_in_child
+
+        class Broken:
+            def _after_fork(self):
+                raise RuntimeError("can't start new thread")
+
+        class Guarded:
+            def __init__(self):
+                self._lock = threading.Lock()
+
+        broken, guarded = Broken(), Guarded()
+        renew_in_child(broken)
+        renew_in_child(guarded, "_lock")
+        held = threading.Event()
+        threading.Thread(target=lambda: (guarded._lock.acquire(), held.set()), daemon=True).start()
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            print("child locked", guarded._lock.locked(), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    out = done.stdout + done.stderr
+    assert "child locked False" in done.stdout, out
+    assert "renewing a Broken in a forked child failed (RuntimeError: can't start new thread)" in done.stderr, out
