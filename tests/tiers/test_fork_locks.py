@@ -11,10 +11,11 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from cli.redis_servers import redis_server
-from tests.mooncake_fixtures import MooncakeMaster, need_mooncake
+from cli.redis_servers import redis_cluster, redis_server
+from tests.mooncake_fixtures import MooncakeMaster, mooncake_master, need_mooncake
 
 # A tier and `locks` (name: a function reading the lock, so the child reads the renewed one)
 # come from SETUP; a parent's thread holds every lock while the process forks; the child
@@ -90,7 +91,7 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             assert tier.put(keys(1), blocks) == n and tier.flush()
             locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
                      "connect": lambda: tier._server._lock, "record buffers": lambda: tier._buffers._lock,
-                     "slot map reread": lambda: tier._server._streams._refreshing,
+                     "slot map reread": lambda: (tier._server._connect(), tier._server._streams)[1]._refreshing,
                      "tier counts": lambda: tier._count_lock}
         """, """
             put = tier.put(keys(2), blocks)
@@ -101,6 +102,47 @@ def test_a_forked_remote_tier_renews_the_locks_a_parents_thread_held() -> None:
             print("child", put, flushed, tier.num_write_drops, got, same, flush=True)
         """, server.url)
         assert "child 8 True 0 8 True" in out, out
+
+
+def test_a_forked_remote_tier_on_a_cluster_gets_a_client_of_its_own() -> None:
+    """A cluster client's slot-map locks (redis-py's, held while it rereads the map, e.g. after
+    a redirect) held by a parent's thread as it forked: before, the child kept its parent's
+    client, so its first read that met a moved slot waited for ever to reread the map (killed
+    by its alarm). Now the child connects a client of its own (`Server._after_fork`)."""
+    with redis_cluster(3) as cluster:
+        out = _run("""
+            from tiers.remote.tier import RemoteTier
+
+            class AsLock:  # an RLock seen as a Lock (an RLock has no `locked` before Python 3.14)
+                def __init__(self, lock):
+                    self.lock = lock
+                def acquire(self):
+                    self.lock.acquire()
+                def release(self):
+                    self.lock.release()
+                def locked(self):
+                    if self.lock.acquire(blocking=False):
+                        self.lock.release()
+                        return False
+                    return True
+
+            tier = RemoteTier(sys.argv[1], shape, torch.bfloat16, namespace=b"fork-locks", timeout_s=5.0)
+            tier.take_changes()  # the stack takes them: changes are recorded
+            assert tier.put(keys(1), blocks) == n and tier.flush()
+            nodes = lambda: tier._server._connect().nodes_manager  # the client the process uses
+            locks = {"slot map": lambda: AsLock(nodes()._lock),
+                     "slot map reread": lambda: AsLock(nodes()._initialization_lock)}
+        """, """
+            from types import SimpleNamespace
+            from tests.tiers.test_remote_stream import _move_slot_of
+            servers = [SimpleNamespace(port=int(p)) for p in sys.argv[2].split(",")]
+            _move_slot_of(servers, tier.server_key(keys(1)[0].block_hash))  # a redirect: the map reread
+            outs = [torch.zeros_like(b) for b in blocks]
+            got = tier.get_into(keys(1), outs)
+            same = all(bool((a == b).all()) for a, b in zip(outs, blocks))
+            print("child", got, same, tier.num_errors, flush=True)
+        """, cluster.url, ",".join(str(s.port) for s in cluster.servers))
+        assert "child 8 True 0" in out, out
 
 
 def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None:
@@ -126,6 +168,28 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
     assert "child 0 0 True True" in out, out
 
 
+def test_a_forked_mooncake_tier_whose_parent_set_up_its_client_misses_at_once() -> None:
+    """The parent's Mooncake client does not cross a fork (its calls are never answered in
+    the child, and a setup of another hangs there). Before, each call of the child waited out
+    its deadline and was abandoned, holding a lane of the transfer buffer for ever (after
+    two, every call failed for want of one); now each is a counted fault at once."""
+    with mooncake_master() as master:
+        out = _run("""
+            from tiers.mooncake.client import ClientParams
+            from tiers.mooncake.tier import MooncakeTier
+            params = ClientParams("127.0.0.1", sys.argv[2], 64 << 20, 16 << 20, "tcp", "", sys.argv[1])
+            tier = MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-client", timeout_s=2.0,
+                                cooldown_s=0.5, buffer_bytes=8 << 20)
+            assert tier.put(keys(1), blocks) == n
+            locks = {}
+        """, """
+            got = tier.get_into(keys(1), [torch.zeros_like(b) for b in blocks])
+            put = tier.put(keys(2), blocks)
+            print("child", got, put, tier.num_errors > 0, tier._conn.lanes.num_free, flush=True)
+        """, master.master, master.metadata_server)
+        assert "child 0 0 True 2" in out, out
+
+
 def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: Path) -> None:
     """Before, the tier renewed nothing: a child forked while a parent's thread held its
     counting lock or its space's hung for ever, and one whose parent's I/O threads had all
@@ -146,3 +210,75 @@ def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: 
         print("child", put, got, same, tier.num_timeouts, flush=True)
     """, str(tmp_path / "shared"))
     assert "child 8 8 True 0" in out, out
+
+
+def test_renewal_keeps_no_closed_tier_alive(tmp_path: Path) -> None:
+    """Every tier registers objects for renewal in a child (`tiers/shared/forks.py`); the
+    registry holds them weakly, so 100 tiers of each kind opened and closed leave it no
+    larger than one did (a strong reference would keep every tier ever opened alive). A
+    guard: it passes before and after this branch."""
+    import gc
+
+    import torch
+
+    from tiers.mooncake.client import ClientParams
+    from tiers.mooncake.tier import MooncakeTier
+    from tiers.remote.tier import RemoteTier
+    from tiers.shared import forks
+    from tiers.sharedfs.tier import SharedFSTier
+
+    shape = (2, 2, 4, 2, 8)
+    master = MooncakeMaster(need_mooncake())  # never started: each setup a counted fault, at once
+    params = ClientParams("127.0.0.1", master.metadata_server, 16 << 20, 16 << 20, "tcp", "", master.master)
+    with redis_server() as server:
+        opens = {
+            "sharedfs": lambda: SharedFSTier(str(tmp_path / "s"), 1 << 20, shape, torch.bfloat16, namespace=b"r"),
+            "remote": lambda: RemoteTier(server.url, shape, torch.bfloat16, namespace=b"r"),
+            "mooncake": lambda: MooncakeTier(params, shape, torch.bfloat16, namespace=b"r", cooldown_s=0.1,
+                                             buffer_bytes=1 << 20),
+        }
+        for kind, open_tier in opens.items():
+            open_tier().close()
+            gc.collect()
+            once = len(forks._RENEW)
+            for _ in range(100):
+                open_tier().close()
+            end = time.monotonic() + 10.0  # a closed tier's idle workers end (and let go of it) soon after
+            while gc.collect() >= 0 and len(forks._RENEW) > once and time.monotonic() < end:
+                time.sleep(0.05)
+            assert len(forks._RENEW) <= once, f"{kind}: {len(forks._RENEW)} objects registered, {once} after one"
+
+
+def test_a_renewal_that_fails_leaves_the_others_renewed() -> None:
+    """An object's `_after_fork` that raises (a thread that cannot start) is warned of; before,
+    it ended the renewal, so the locks of every object registered after it stayed held in the
+    child (its first call needing one hung)."""
+    script = textwrap.dedent("""
+        import os, threading
+        from tiers.shared.forks import renew_in_child
+
+        class Broken:
+            def _after_fork(self):
+                raise RuntimeError("can't start new thread")
+
+        class Guarded:
+            def __init__(self):
+                self._lock = threading.Lock()
+
+        broken, guarded = Broken(), Guarded()
+        renew_in_child(broken)
+        renew_in_child(guarded, "_lock")
+        held = threading.Event()
+        threading.Thread(target=lambda: (guarded._lock.acquire(), held.set()), daemon=True).start()
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            print("child locked", guarded._lock.locked(), flush=True)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    """)
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    out = done.stdout + done.stderr
+    assert "child locked False" in done.stdout, out
+    assert "renewing a Broken in a forked child failed (RuntimeError: can't start new thread)" in done.stderr, out

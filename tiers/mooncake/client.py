@@ -183,7 +183,17 @@ class Connection:
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
         self._next_setup = 0.0
+        self._forked = False  # a child forked after this process set up a client
         renew_in_child(self, "_setup_lock")
+
+    def _after_fork(self) -> None:
+        """In a forked child of a process that set up a client: every call a counted fault at
+        once. The parent's client is not this process's (its calls are never answered: each
+        would wait out its deadline and hold a lane and a worker for ever), and Mooncake's
+        `setup` of another hangs in such a child. The parent's is kept, never closed."""
+        if self._client is not None:
+            _ORPHANS.append((self._client, self.lanes))
+            self._client, self._forked = None, True
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a call moving `nbytes`."""
@@ -228,6 +238,8 @@ class Connection:
         failed setup none is tried for `cooldown_s` (`CallFailed` at once)."""
         with self._setup_lock:
             if self._client is None:
+                if self._forked:
+                    raise CallFailed("a forked child cannot use the Mooncake client its parent set up")
                 if time.monotonic() < self._next_setup:
                     raise CallFailed("no client: its last setup failed (the master down?); retried later")
                 try:

@@ -46,6 +46,7 @@ CONNECTIONS_PER_NODE = 4  # by default
 _INFO_BYTES = 1 << 20  # INFO memory of every node
 SPLIT_FROM = 4 << 20  # a call moving fewer bytes runs on one connection per node (lanes cost a thread hop)
 _local = threading.local()
+_ORPHANS: list[Any] = []  # a forked child's copies of its parent's clients: never used nor closed
 
 
 def deadline(seconds: float, max_reply_bytes: int) -> contextlib.AbstractContextManager[None]:
@@ -251,6 +252,15 @@ class Server:
         self._client: Any = None
         self._streams: Streams | None = None
         renew_in_child(self, "_lock")
+
+    def _after_fork(self) -> None:
+        """In a forked child: a client of its own, connected on first use. The parent's may be
+        half set up by a thread the child lacks (its client made, its streams not yet), and a
+        cluster client's slot-map locks (redis-py's, held while it rereads the map) may be held
+        for ever; it is kept referenced, never closed (closing it would take those locks)."""
+        if self._client is not None:
+            _ORPHANS.append(self._client)
+        self._client, self._streams = None, None
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a round trip moving `nbytes`."""

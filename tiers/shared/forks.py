@@ -9,10 +9,12 @@ thread registers with `renew_in_child`; the child renews it before anything else
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
 
+logger = logging.getLogger(__name__)
 _RENEW: weakref.WeakKeyDictionary[object, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
@@ -24,12 +26,20 @@ def renew_in_child(obj: object, *locks: str) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for obj, locks in list(_RENEW.items()):
+    """Renew every registered lock, then run each `_after_fork`: one that raises (no thread
+    can start, say) is warned of and leaves the others renewed."""
+    renewing = list(_RENEW.items())
+    for obj, locks in renewing:
         for name in locks:
             setattr(obj, name, threading.Lock())
+    for obj, _ in renewing:
         after_fork = getattr(obj, "_after_fork", None)
         if after_fork is not None:
-            after_fork()
+            try:
+                after_fork()
+            except Exception as exc:  # its threads are missing: its calls fail or time out, counted
+                logger.warning("kvstrata: renewing a %s in a forked child failed (%s: %s)",
+                               type(obj).__name__, type(exc).__name__, exc)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
