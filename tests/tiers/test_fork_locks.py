@@ -159,7 +159,7 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
                             buffer_bytes=8 << 20)
         locks = {"reads' health": lambda: tier.reads._lock, "writes' health": lambda: tier.writes._lock,
                  "setup": lambda: tier._conn._setup_lock, "workers": lambda: tier._conn._workers._lock,
-                 "transfer buffer": lambda: tier._conn.lanes._lock}
+                 "transfer buffer": lambda: tier._conn.regions._lock}
     """, """
         put = tier.put(keys(2), blocks)
         got = tier.get_into(keys(2), [torch.zeros_like(b) for b in blocks])
@@ -171,7 +171,7 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
 def test_a_forked_mooncake_tier_whose_parent_set_up_its_client_misses_at_once() -> None:
     """The parent's Mooncake client does not cross a fork (its calls are never answered in
     the child, and a setup of another hangs there). Before, each call of the child waited out
-    its deadline and was abandoned, holding a lane of the transfer buffer for ever (after
+    its deadline and was abandoned, holding a region of the transfer buffer for ever (after
     two, every call failed for want of one); now each is a counted fault at once."""
     with mooncake_master() as master:
         out = _run("""
@@ -185,7 +185,7 @@ def test_a_forked_mooncake_tier_whose_parent_set_up_its_client_misses_at_once() 
         """, """
             got = tier.get_into(keys(1), [torch.zeros_like(b) for b in blocks])
             put = tier.put(keys(2), blocks)
-            print("child", got, put, tier.num_errors > 0, tier._conn.lanes.num_free, flush=True)
+            print("child", got, put, tier.num_errors > 0, tier._conn.regions.num_free, flush=True)
         """, master.master, master.metadata_server)
         assert "child 0 0 True 2" in out, out
 

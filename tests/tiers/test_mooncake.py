@@ -119,7 +119,7 @@ def test_namespaces_never_see_each_other(master: MooncakeMaster) -> None:
             assert a2.lookup(t) == 0 and a2.retrieve(t).num_tokens == 0
 
 
-@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key", "longer-than-a-lane"])
+@pytest.mark.parametrize("damage", ["garbage", "flip-payload", "other-key", "longer-than-a-region"])
 def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, raw: Any, damage: str) -> None:
     t, other = _tokens(4, 2), _tokens(4, 3)
     with _store(master.tier(), namespace=f"damage-{damage}", cpu_blocks=0) as store:
@@ -131,7 +131,7 @@ def test_a_damaged_record_is_a_counted_miss_and_removed(master: MooncakeMaster, 
         assert len(value) > LAYOUT.block_bytes(BLOCK)
         if damage == "garbage":
             bad = b"not a record at all" * 7
-        elif damage == "longer-than-a-lane":  # no record of this layout is: never read
+        elif damage == "longer-than-a-region":  # no record of this layout is: never read
             bad = b"x" * (3 << 20)
         elif damage == "flip-payload":
             bad = value[:-5] + bytes([value[-5] ^ 0x10]) + value[-4:]
@@ -287,20 +287,20 @@ def test_a_client_kept_for_an_abandoned_call_is_reused_once_the_call_returns() -
         store = _store(master.tier(timeout_s=0.3), cpu_blocks=0)
         t = _tokens(2, 8)
         store.store(t, make_kv(t, LAYOUT, BLOCK))
-        lanes = _mooncake(store)._conn.lanes
+        regions = _mooncake(store)._conn.regions
         master.pause()
         try:
-            assert store.retrieve(t).num_tokens == 0  # abandoned: the call holds its lane
-            assert lanes.num_free < 2
+            assert store.retrieve(t).num_tokens == 0  # abandoned: the call holds its region
+            assert regions.num_free < 2
             store.close()
         finally:
             master.resume()
         deadline = time.monotonic() + 30
-        while lanes.num_free < 2:
+        while regions.num_free < 2:
             assert time.monotonic() < deadline, "the abandoned call did not return once the master ran on"
             time.sleep(0.1)
         with _store(master.tier(timeout_s=0.3), cpu_blocks=0) as again:
-            assert _mooncake(again)._conn.lanes is lanes, "the client and buffer kept aside were never reused"
+            assert _mooncake(again)._conn.regions is regions, "the client and buffer kept aside were never reused"
             res = again.retrieve(t)
             assert res.num_tokens == len(t)
             check_kv(t, res.kv, res.num_tokens, LAYOUT, BLOCK)

@@ -1,11 +1,11 @@
-"""Blocking native calls with a deadline: a few daemon threads that run them, and the lanes of
+"""Blocking native calls with a deadline: a few daemon threads that run them, and the regions of
 one registered transfer buffer they use.
 
 Mooncake's client calls are native and blocking (a dead master makes a put retry for seconds),
 so a caller never makes one itself: a worker thread does, and the caller waits until the
 call's deadline. A call still running at its deadline is abandoned (a fault for the caller)
-and keeps its worker and its lane of the transfer buffer until it returns, so no later call
-reads or writes bytes a late transfer may still touch. With every worker or lane held by
+and keeps its worker and its region of the transfer buffer until it returns, so no later call
+reads or writes bytes a late transfer may still touch. With every worker or region held by
 abandoned calls, a call fails at once.
 """
 
@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 class CallFailed(Exception):
-    """A call did not complete: its deadline passed, no worker or lane was free, or the call
+    """A call did not complete: its deadline passed, no worker or region was free, or the call
     itself raised. The message says which."""
 
 
@@ -48,40 +48,40 @@ class _Job(Generic[T]):
             self.done.set()
 
 
-class Lanes:
-    """A buffer of `num_lanes * lane_bytes` host bytes, page-aligned lanes of it leased one to a
+class Regions:
+    """A buffer of `num_regions * region_bytes` host bytes, page-aligned regions of it leased one to a
     call. Thread-safe."""
 
-    def __init__(self, num_lanes: int, lane_bytes: int) -> None:
-        self.lane_bytes = lane_bytes
-        self.buffer = np.zeros(num_lanes * lane_bytes, dtype=np.uint8)
+    def __init__(self, num_regions: int, region_bytes: int) -> None:
+        self.region_bytes = region_bytes
+        self.buffer = np.zeros(num_regions * region_bytes, dtype=np.uint8)
         self.address = int(self.buffer.ctypes.data)
         self.nbytes = int(self.buffer.nbytes)
-        self._free = list(range(num_lanes))
-        self._num_lanes = num_lanes
+        self._free = list(range(num_regions))
+        self._num_regions = num_regions
         self._lock = threading.Lock()
         renew_in_child(self, "_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child: every lane free (the calls that held lanes do not exist here)."""
-        self._free = list(range(self._num_lanes))
+        """In a forked child: every region free (the calls that held regions do not exist here)."""
+        self._free = list(range(self._num_regions))
 
     def take(self) -> int | None:
-        """A free lane's index (now leased), or None if every lane is held."""
+        """A free region's index (now leased), or None if every region is held."""
         with self._lock:
             return self._free.pop() if self._free else None
 
-    def give(self, lane: int) -> None:
+    def give(self, region: int) -> None:
         with self._lock:
-            self._free.append(lane)
+            self._free.append(region)
 
-    def view(self, lane: int) -> memoryview:
-        """The lane's bytes (writable)."""
-        start = lane * self.lane_bytes
-        return memoryview(self.buffer[start : start + self.lane_bytes].data).cast("B")
+    def view(self, region: int) -> memoryview:
+        """The region's bytes (writable)."""
+        start = region * self.region_bytes
+        return memoryview(self.buffer[start : start + self.region_bytes].data).cast("B")
 
-    def address_of(self, lane: int) -> int:
-        return self.address + lane * self.lane_bytes
+    def address_of(self, region: int) -> int:
+        return self.address + region * self.region_bytes
 
     @property
     def num_free(self) -> int:
@@ -90,8 +90,8 @@ class Lanes:
 
     def check(self) -> None:
         with self._lock:
-            if len(set(self._free)) != len(self._free) or not set(self._free) <= set(range(self._num_lanes)):
-                raise RuntimeError(f"transfer buffer lanes out of order: free {self._free}")
+            if len(set(self._free)) != len(self._free) or not set(self._free) <= set(range(self._num_regions)):
+                raise RuntimeError(f"transfer buffer regions out of order: free {self._free}")
 
 
 class Workers:

@@ -1,11 +1,11 @@
 """The Mooncake tier's connection: the store client, imported and set up lazily, its
 registered transfer buffer, and every call bounded and counted.
 
-A call leases a lane of the registered buffer (`Connection.lease`); the caller fills it
+A call leases a region of the registered buffer (`Connection.lease`); the caller fills it
 (records encoded from its tensors) and `Connection.run` makes the native call on a worker
 thread (`tiers/mooncake/calls.py`) within `timeout_s + nbytes / min_rate_bps`; the caller then
-reads the lane (validation, copies into its tensors). Only the caller's thread touches its
-tensors, so nothing of a call that passed its deadline ever reaches them, and the lane stays
+reads the region (validation, copies into its tensors). Only the caller's thread touches its
+tensors, so nothing of a call that passed its deadline ever reaches them, and the region stays
 leased until the abandoned call returns. Faults (the deadline, an error code
 the tier treats as one, no client) are counted in the kind's `Health` (`tiers/shared/health.py`)
 with a rate-limited warning; repeated ones open its breaker for `cooldown_s`. A client that
@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from tiers.errors import ConfigError
-from tiers.mooncake.calls import CallFailed, Lanes, Workers
+from tiers.mooncake.calls import CallFailed, Regions, Workers
 from tiers.shared.forks import renew_in_child
 from tiers.shared.health import Health
 
 logger = logging.getLogger("tiers.mooncake.tier")
 
 R = TypeVar("R")
-NUM_LANES = 2  # calls in flight at once, each with its own part of the transfer buffer
+NUM_REGIONS = 2  # calls in flight at once, each with its own part of the transfer buffer
 NUM_WORKERS = 4
 PROBE_S = 2.0  # each step of a probe of the master before a setup, at most
 _NOT_AN_RPC = bytes(64)  # a bad RPC header: a live master closes the connection
@@ -71,14 +71,14 @@ class ClientParams:
 
 
 class Lease:
-    """One lane of the transfer buffer, held by the caller and by each native call made with
+    """One region of the transfer buffer, held by the caller and by each native call made with
     it until all let go (a call that passed its deadline holds it until it returns)."""
 
-    def __init__(self, lanes: Lanes, lane: int) -> None:
-        self.lane = lane
-        self.address = lanes.address_of(lane)
-        self.view = lanes.view(lane)
-        self._lanes = lanes
+    def __init__(self, regions: Regions, region: int) -> None:
+        self.region = region
+        self.address = regions.address_of(region)
+        self.view = regions.view(region)
+        self._regions = regions
         self._holders = 1
         self._lock = threading.Lock()
 
@@ -91,10 +91,10 @@ class Lease:
             self._holders -= 1
             last = self._holders == 0
         if last:
-            self._lanes.give(self.lane)
+            self._regions.give(self.region)
 
 
-_ORPHANS: list[tuple[Any, Lanes]] = []  # a forked child's copies of its parent's clients
+_ORPHANS: list[tuple[Any, Regions]] = []  # a forked child's copies of its parent's clients
 
 
 class _Idle:
@@ -105,10 +105,10 @@ class _Idle:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
-        # lanes held by abandoned calls: reused once every lane is free again
-        self._held: dict[tuple[ClientParams, int], list[tuple[Any, Lanes]]] = {}
-        self._kept: list[tuple[Any, Lanes]] = []  # clients that failed their setup: never reused
+        self._idle: dict[tuple[ClientParams, int], list[tuple[Any, Regions]]] = {}
+        # regions held by abandoned calls: reused once every region is free again
+        self._held: dict[tuple[ClientParams, int], list[tuple[Any, Regions]]] = {}
+        self._kept: list[tuple[Any, Regions]] = []  # clients that failed their setup: never reused
         os.register_at_fork(after_in_child=self._forget)
 
     def _forget(self) -> None:
@@ -119,7 +119,7 @@ class _Idle:
                          *self._kept])
         self._idle, self._held, self._kept = {}, {}, []
 
-    def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Lanes] | None:
+    def take(self, key: tuple[ClientParams, int]) -> tuple[Any, Regions] | None:
         """An idle client of `key` with its buffer, one whose abandoned calls have all returned
         since, or None."""
         with self._lock:
@@ -127,20 +127,20 @@ class _Idle:
             if found:
                 return found.pop()
             held = self._held.get(key, [])
-            for i, (_, lanes) in enumerate(held):
-                if lanes.num_free == NUM_LANES:
+            for i, (_, regions) in enumerate(held):
+                if regions.num_free == NUM_REGIONS:
                     return held.pop(i)
             return None
 
-    def give(self, key: tuple[ClientParams, int], client: Any, lanes: Lanes) -> None:
+    def give(self, key: tuple[ClientParams, int], client: Any, regions: Regions) -> None:
         with self._lock:
-            pool = self._idle if lanes.num_free == NUM_LANES else self._held
-            pool.setdefault(key, []).append((client, lanes))
+            pool = self._idle if regions.num_free == NUM_REGIONS else self._held
+            pool.setdefault(key, []).append((client, regions))
 
-    def keep(self, client: Any, lanes: Lanes) -> None:
+    def keep(self, client: Any, regions: Regions) -> None:
         """A client that is never handed to a tier (its setup failed): closed at exit."""
         with self._lock:
-            self._kept.append((client, lanes))
+            self._kept.append((client, regions))
 
     def close_all(self) -> None:
         with self._lock:
@@ -168,17 +168,17 @@ class Connection:
     """One tier's client and its calls."""
 
     def __init__(self, params: ClientParams, *, timeout_s: float, min_rate_bps: float, cooldown_s: float,
-                 setup_timeout_s: float, lane_bytes: int) -> None:
+                 setup_timeout_s: float, region_bytes: int) -> None:
         self._cls = store_class()
         self.params = params
         self._timeout_s = timeout_s
         self._min_rate_bps = min_rate_bps
         self._setup_timeout_s = setup_timeout_s
         self.reads, self.writes = Health("read", cooldown_s, logger), Health("write", cooldown_s, logger)
-        self._key = (params, lane_bytes)
+        self._key = (params, region_bytes)
         idle = _IDLE.take(self._key)
         self._client: Any = None if idle is None else idle[0]
-        self.lanes = Lanes(NUM_LANES, lane_bytes) if idle is None else idle[1]
+        self.regions = Regions(NUM_REGIONS, region_bytes) if idle is None else idle[1]
         self._workers = Workers(NUM_WORKERS, "kvstrata-mooncake")
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
@@ -189,10 +189,10 @@ class Connection:
     def _after_fork(self) -> None:
         """In a forked child of a process that set up a client: every call a counted fault at
         once. The parent's client is not this process's (its calls are never answered: each
-        would wait out its deadline and hold a lane and a worker for ever), and Mooncake's
+        would wait out its deadline and hold a region and a worker for ever), and Mooncake's
         `setup` of another hangs in such a child. The parent's is kept, never closed."""
         if self._client is not None:
-            _ORPHANS.append((self._client, self.lanes))
+            _ORPHANS.append((self._client, self.regions))
             self._client, self._forked = None, True
 
     def limit(self, nbytes: int) -> float:
@@ -206,9 +206,9 @@ class Connection:
                           p.device_name, p.master)
         if rc != 0:
             raise Fault(f"setup returned {rc}")
-        rc = client.register_buffer(self.lanes.address, self.lanes.nbytes)
+        rc = client.register_buffer(self.regions.address, self.regions.nbytes)
         if rc != 0:
-            _IDLE.keep(client, self.lanes)  # never reused: closed at exit
+            _IDLE.keep(client, self.regions)  # never reused: closed at exit
             raise Fault(f"register_buffer returned {rc}")
         return client
 
@@ -260,16 +260,16 @@ class Connection:
         return True
 
     def lease(self, health: Health, what: str) -> Lease | None:
-        """A lane of the transfer buffer for a call (the caller drops it); None (a counted
-        fault) if the breaker of `health` is open or every lane is held by abandoned calls."""
+        """A region of the transfer buffer for a call (the caller drops it); None (a counted
+        fault) if the breaker of `health` is open or every region is held by abandoned calls."""
         if not health.available():
             return None
-        lane = self.lanes.take()
-        if lane is None:
-            self.fault(health, what, CallFailed("every lane of the transfer buffer is held by calls that passed "
+        region = self.regions.take()
+        if region is None:
+            self.fault(health, what, CallFailed("every region of the transfer buffer is held by calls that passed "
                                                 "their deadline"))
             return None
-        return Lease(self.lanes, lane)
+        return Lease(self.regions, region)
 
     def run(self, health: Health, what: str, nbytes: int, native: Callable[[Any], R], lease: Lease) -> R | None:
         """`native(client)` on a worker within the deadline for `nbytes`, holding `lease` while
@@ -293,5 +293,5 @@ class Connection:
         setup (`_Idle`)."""
         self._workers.close()
         if self._client is not None:
-            _IDLE.give(self._key, self._client, self.lanes)
+            _IDLE.give(self._key, self._client, self.regions)
             self._client = None

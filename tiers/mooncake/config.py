@@ -21,7 +21,7 @@ from tiers.tier_config import TierConfig, TierContext, register_tier
 
 _RAW = RawConfig()
 _HOST_PORT = re.compile(r"[A-Za-z0-9_.\-]+:(\d{1,5})|\[[0-9A-Fa-f:]+\]:(\d{1,5})")
-_LANE_SLACK = 128 << 10  # a lane's room beyond one block: the generation, a record's header and token ids
+_REGION_SLACK = 128 << 10  # a region's room beyond one block: the generation, a record's header and token ids
 PROTOCOLS = ("tcp", "rdma")
 
 
@@ -63,8 +63,8 @@ class MooncakeTierConfig(TierConfig):
         device_name: the RDMA devices (e.g. "mlx5_0"); "" for tcp.
         segment_bytes: memory this host gives the cluster's pool (0: none, a client only).
         local_buffer_bytes: the client's own transfer buffer.
-        buffer_bytes: the transfer buffer kvstrata registers once (two lanes: two calls in
-            flight); each lane must hold a block's record.
+        buffer_bytes: the transfer buffer kvstrata registers once (two regions: two calls in
+            flight); each region must hold a block's record.
         timeout_s, min_rate_bps: a call moving n bytes must end within `timeout_s + n /
             min_rate_bps` seconds, else it is a fault (a miss or a dropped write).
         cooldown_s: after repeated faults of one kind of call (reads, writes), make none of
@@ -100,7 +100,7 @@ class MooncakeTierConfig(TierConfig):
         _text(self.device_name, "MooncakeTierConfig.device_name", empty=True)
         require_int("MooncakeTierConfig.segment_bytes", self.segment_bytes, 0, high=1 << 50)
         require_int("MooncakeTierConfig.local_buffer_bytes", self.local_buffer_bytes, 1 << 20, high=1 << 40)
-        require_int("MooncakeTierConfig.buffer_bytes", self.buffer_bytes, 2 * _LANE_SLACK, high=1 << 40)
+        require_int("MooncakeTierConfig.buffer_bytes", self.buffer_bytes, 2 * _REGION_SLACK, high=1 << 40)
         set_(self, "timeout_s", _number(self.timeout_s, "MooncakeTierConfig.timeout_s", 0, 60))
         set_(self, "min_rate_bps", _number(self.min_rate_bps, "MooncakeTierConfig.min_rate_bps", 1023, 1 << 40))
         set_(self, "cooldown_s", _number(self.cooldown_s, "MooncakeTierConfig.cooldown_s", 0, 3600))
@@ -108,11 +108,11 @@ class MooncakeTierConfig(TierConfig):
         set_(self, "codec", codec_config(self.codec, "MooncakeTierConfig.codec"))
 
     def check(self, block_bytes: int, what: str) -> None:
-        """Each lane of the transfer buffer must hold one block's record."""
-        if self.buffer_bytes // 2 < block_bytes + _LANE_SLACK:
+        """Each region of the transfer buffer must hold one block's record."""
+        if self.buffer_bytes // 2 < block_bytes + _REGION_SLACK:
             raise ConfigError(f"{what}.buffer_bytes ({self.buffer_bytes}) must hold two blocks of {block_bytes} "
-                              f"bytes and {_LANE_SLACK} bytes each beside: at least "
-                              f"{2 * (block_bytes + _LANE_SLACK)}")
+                              f"bytes and {_REGION_SLACK} bytes each beside: at least "
+                              f"{2 * (block_bytes + _REGION_SLACK)}")
 
     def open(self, ctx: TierContext) -> Tier:
         self.check(ctx.block_bytes, "MooncakeTierConfig")

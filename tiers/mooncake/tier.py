@@ -10,7 +10,7 @@ counted miss and is removed.
 
 Blocks move in batches (`batch_put_from`, `batch_get_into`) through a transfer buffer
 registered with the client once (`tiers/mooncake/client.py`): records are encoded straight
-into it and read out of it, one lane per call in flight. Every call is bounded (a worker
+into it and read out of it, one region per call in flight. Every call is bounded (a worker
 thread and a deadline) and every fault (the master down, a timeout, an error code) is a miss
 or a dropped write with a counter and a rate-limited warning, never an exception; a breaker
 stops calls of one kind (reads, writes) for `cooldown_s` after repeated faults. A read of a
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 MOONCAKE = TierKind("mooncake")
 NOT_FOUND = -704  # Mooncake's OBJECT_NOT_FOUND
 TOO_SMALL = -600  # a record longer than the slot a reader gave it (longer than this layout's)
-_GEN_SLOT = 4096  # the generation's part of a lane (records start after it)
+_GEN_SLOT = 4096  # the generation's part of a region (records start after it)
 _HEADER_BYTES = 4096  # a record's header beyond its token ids and extras, at most
 
 
@@ -64,7 +64,7 @@ class MooncakeTier(ChecksRecords, Tier):
                  codec: CodecSpec | None = None) -> None:
         self.codec = RecordCodec(block_shape, dtype, verify_tokens=verify_tokens, namespace=namespace, codec=codec)
         self._conn = Connection(params, timeout_s=timeout_s, min_rate_bps=min_rate_bps, cooldown_s=cooldown_s,
-                                setup_timeout_s=setup_timeout_s, lane_bytes=buffer_bytes // 2)
+                                setup_timeout_s=setup_timeout_s, region_bytes=buffer_bytes // 2)
         self.reads, self.writes = self._conn.reads, self._conn.writes
         self._master = params.master
         self._keys = KeyLayout(namespace)
@@ -162,14 +162,14 @@ class MooncakeTier(ChecksRecords, Tier):
         return n
 
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> tuple[int, bool]:
-        """Read as many of `keys` as fit one lane in one batch, validate each and copy it into
+        """Read as many of `keys` as fit one region in one batch, validate each and copy it into
         its `dsts`; stop at the first that is absent or fails. Returns how many were copied
-        and whether the read ended (False: the lane was full, read on)."""
+        and whether the read ended (False: the region was full, read on)."""
         lease = self._conn.lease(self.reads, "read")
         if lease is None:
             return 0, True
         try:
-            room = len(lease.view) - _GEN_SLOT  # the most one record can take of the lane
+            room = len(lease.view) - _GEN_SLOT  # the most one record can take of the region
             offsets: list[int] = []
             sizes: list[int] = []
             end = _GEN_SLOT
@@ -181,7 +181,7 @@ class MooncakeTier(ChecksRecords, Tier):
                 sizes.append(size)
                 end += size
             if not offsets:
-                self._checks.damaged("a block larger than the transfer buffer's lane (buffer_bytes too small)")
+                self._checks.damaged("a block larger than the transfer buffer's region (buffer_bytes too small)")
                 return 0, True
             batch = keys[: len(offsets)]
 
@@ -192,7 +192,7 @@ class MooncakeTier(ChecksRecords, Tier):
                 cut = next((i for i, code in enumerate(codes) if code < 0), len(codes))
                 if cut < len(codes) and codes[cut] == TOO_SMALL and sizes[cut] < room:
                     # longer than its slot (the writer's key carried extras this one lacks, or many):
-                    # the batch ends before it, and it is read again alone, with the whole lane
+                    # the batch ends before it, and it is read again alone, with the whole region
                     codes = codes[:cut] if cut else list(client.batch_get_into(
                         [self._keys.key(gen, batch[0].block_hash)], [lease.address + _GEN_SLOT], [room]))
                 if self._server_generation(client, lease) != gen:  # a clear ran meanwhile: serve none of it
@@ -206,7 +206,8 @@ class MooncakeTier(ChecksRecords, Tier):
             n, damaged = 0, list[BlockHash]()
             for key, dst, off, code in zip(batch, dsts, offsets, codes):
                 if code == TOO_SMALL:
-                    self._checks.damaged("a value longer than the transfer buffer's lane: not a record of this layout",
+                    self._checks.damaged("a value longer than the transfer buffer's region: "
+                                         "not a record of this layout",
                                          partial(damaged.append, key.block_hash))
                 if code < 0:
                     if code not in (NOT_FOUND, TOO_SMALL):
@@ -225,7 +226,7 @@ class MooncakeTier(ChecksRecords, Tier):
     # -- writes ----------------------------------------------------------------------------------
     def _put(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor]) -> int:
         """Write the records, parents first (the reverse of the eviction order given), in
-        batches of one lane each; a batch that fails drops it and every later one (children
+        batches of one region each; a batch that fails drops it and every later one (children
         of what failed), counted."""
         order = list(range(len(keys) - 1, -1, -1))
         written = 0
@@ -239,7 +240,7 @@ class MooncakeTier(ChecksRecords, Tier):
         return written
 
     def _write(self, keys: Sequence[BlockKey], srcs: Sequence[torch.Tensor], order: list[int]) -> tuple[int, int]:
-        """Encode as many blocks of `order` as fit one lane into it and put them in one batch;
+        """Encode as many blocks of `order` as fit one region into it and put them in one batch;
         how many were stored and how many were sent."""
         lease = self._conn.lease(self.writes, "write")
         if lease is None:
@@ -339,4 +340,4 @@ class MooncakeTier(ChecksRecords, Tier):
             raise StoreClosedError(f"mooncake tier (master {self._master}) is closed")
 
     def check_integrity(self) -> None:
-        self._conn.lanes.check()
+        self._conn.regions.check()
