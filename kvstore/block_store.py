@@ -76,7 +76,9 @@ class TierBlockStore(BlockStore):
         self._prefetch_limit = PREFETCH_QUEUE_PER_THREAD * config.io_threads  # prefetches waiting or running
         self._prefetches = threading.BoundedSemaphore(self._prefetch_limit)
         self._prefetch_planned = 0  # blocks running prefetches read into buffers: room they hold in memory
-        self._prefetch_reading: Counter[BlockHash] = Counter()  # those blocks' hashes: no other prefetch reads them
+        # Those blocks' hashes, by the (generation, quarantines) their reads saw: no other prefetch
+        # of that view reads them (one a clear or verify removal voided inserts nothing: not skipped).
+        self._prefetch_reading: dict[tuple[int, int], Counter[BlockHash]] = {}
         self._warn = RateLimitedWarning(logger)
 
     def lookup(self, keys: Sequence[BlockKey]) -> LookupResult:
@@ -234,18 +236,22 @@ class TierBlockStore(BlockStore):
                 # Room other running prefetches planned is theirs: together their buffers
                 # never exceed the memory tier's room, nor do their inserts evict each other.
                 # Blocks another is reading are its own: read once, counted as in flight.
+                view = (generation, quarantines)
+                in_flight = self._prefetch_reading.setdefault(view, Counter())
                 plan = stack.plan_prefetch(hashes, reserved=len(self.retention) + self._prefetch_planned,
-                                           in_flight=self._prefetch_reading)
+                                           in_flight=in_flight)
                 reading = [hashes[p] for p in plan.positions] if plan is not None else []
                 self._prefetch_planned += len(reading)
-                self._prefetch_reading.update(reading)
+                in_flight.update(reading)
             try:
                 return self._prefetch_planned_run(keys, hashes, capped, plan, generation, quarantines)
             finally:
                 with self._lock:
                     self._prefetch_planned -= len(reading)
-                    self._prefetch_reading.subtract(reading)
-                    self._prefetch_reading += Counter()  # drops the hashes no prefetch reads now
+                    in_flight.subtract(reading)
+                    in_flight += Counter()  # drops the hashes no prefetch reads now
+                    if not in_flight and self._prefetch_reading.get(view) is in_flight:
+                        del self._prefetch_reading[view]  # no prefetch of that view runs
 
     def _prefetch_planned_run(self, keys: list[BlockKey], hashes: list[BlockHash], capped: int,
                               plan: Prefetch | None, generation: int, quarantines: int) -> PrefetchResult:

@@ -48,7 +48,8 @@ class PrefetchResult(NamedTuple):
         num_in_memory: leading blocks memory tiers held when it ended; a request for these
             keys now loads that many without touching a slow tier.
         num_in_flight: blocks of the held prefix another running prefetch was reading: not
-            read twice (they reach memory when that one ends).
+            read twice (they reach memory when that one ends, unless its read fails); those of
+            one a clear or a verify removal voided are read again, not counted here.
     """
 
     status: PrefetchStatus

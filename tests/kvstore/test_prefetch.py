@@ -259,3 +259,30 @@ def test_a_prefetch_skips_the_blocks_another_running_prefetch_reads(tmp_path: Pa
         assert store.stats().num_prefetch_promoted == 6  # each block read from disk once
         got = store.retrieve(tokens)
         assert torch.equal(_bits(got.kv), _bits(kv))
+
+
+def test_a_prefetch_reads_the_blocks_a_prefetch_a_clear_voided_is_still_reading(tmp_path: Path) -> None:
+    """A prefetch still reading when clear() ran inserts nothing (CLEARED): a prefetch
+    planned after the clear must read the prompt's blocks stored since, not skip them as in
+    flight. Before, it counted them in flight and left them on disk."""
+    tokens, filler = list(range(4 * BLOCK)), list(range(10_000, 10_000 + 8 * BLOCK))
+    kv = make_kv(len(tokens), seed=12)
+    kw = {"cpu_bytes": 8 * LAYOUT.block_bytes(BLOCK), "io_threads": 2}
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as writer:
+        writer.store(tokens, kv)
+    with KVCacheStore(_config(disk_path=str(tmp_path / "d"), **kw)) as store:
+        gate = DiskGate(store)  # the first prefetch has read its 4 blocks; its insert waits
+        stale = store.prefetch(tokens)
+        assert gate.entered.wait(WAIT_S)
+        store.clear()
+        store.store(tokens, kv)  # the same blocks again, in the new generation ...
+        store.store(filler, make_kv(len(filler), seed=13))  # ... pushed out of memory to disk
+        assert store.locate(tokens) == [TierKind.DISK] * 4
+        fresh = store.prefetch(tokens).result(WAIT_S)
+        gate.release()
+        assert stale.result(WAIT_S).status is PrefetchStatus.CLEARED
+        assert (fresh.status, fresh.num_in_flight, fresh.num_promoted, fresh.num_in_memory) == (
+            PrefetchStatus.DONE, 0, 4, 4)
+        assert store.locate(tokens) == [TierKind.CPU] * 4
+        assert torch.equal(_bits(store.retrieve(tokens).kv), _bits(kv))
+        assert store._blocks._prefetch_reading == {}  # both ended: no hash kept
