@@ -379,3 +379,24 @@ def test_a_forced_round_or_a_scan_waits_for_the_round_running_and_sees_the_direc
     assert on_disk <= space.capacity_bytes, on_disk
     first.join(10)
     assert len(removed) == len(set(removed)) >= 30
+
+
+def test_a_clear_while_a_maintenance_round_runs_finishes_and_leaves_the_tier_working(tmp_path: Path) -> None:
+    """A clear whose files are gone does not wait out its deadline for a maintenance round
+    another thread runs (a slow directory's eviction): before, its closing scan waited for
+    the round, so the finished clear was reported incomplete with 0 files, counted as a
+    timeout, and paused the whole tier for `cooldown_s` (every call a miss)."""
+    t = _open(tmp_path / "s", timeout_s=1.0, clear_budget_s=1.0, cooldown_s=600.0)
+    try:
+        assert t.put([key(i) for i in range(3)], [block(i) for i in range(3)]) == 3
+        t.space._busy.acquire()  # a maintenance round running, held here
+        try:
+            swept = t.sweep()
+        finally:
+            t.space._busy.release()
+        assert (swept.complete, swept.num_deleted, t.num_timeouts) == (True, 3, 0)
+        assert not _path(t, 0).exists()
+        assert t.space.scan_due()  # the estimate is refreshed by the next round instead
+        assert t.put([key(5)], [block(5)]) == 1 and _get(t, [5])[0] == 1  # not paused
+    finally:
+        t.close()

@@ -77,12 +77,20 @@ class Space:
         finally:
             self._busy.release()
 
-    def scan(self) -> None:
+    def scan(self, *, wait_s: float | None = None) -> bool:
         """One bounded round: list the shards, rescan them from the cursor for at most
         `scan_max_entries` files, remove orphaned temporary files. Waits for a maintenance
-        round another thread of this process is running (one round at a time)."""
-        with self._busy:
+        round another thread of this process is running (one round at a time), at most
+        `wait_s` seconds where given: past that, scans nothing and makes the next round scan.
+        Returns whether it scanned."""
+        if not self._busy.acquire(timeout=-1 if wait_s is None else max(0.0, wait_s)):
+            self._next_scan = 0.0  # the round running may have listed before the caller's change
+            return False
+        try:
             self._scan()
+        finally:
+            self._busy.release()
+        return True
 
     def _scan(self) -> None:
         self._next_scan = time.monotonic() + self.scan_interval_s
