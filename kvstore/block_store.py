@@ -237,11 +237,11 @@ class TierBlockStore(BlockStore):
                 # never exceed the memory tier's room, nor do their inserts evict each other.
                 # Blocks another is reading are its own: read once, counted as in flight.
                 view = (generation, quarantines)
-                in_flight = self._prefetch_reading.setdefault(view, Counter())
                 plan = stack.plan_prefetch(hashes, reserved=len(self.retention) + self._prefetch_planned,
-                                           in_flight=in_flight)
+                                           in_flight=self._prefetch_reading.get(view, frozenset()))
                 reading = [hashes[p] for p in plan.positions] if plan is not None else []
                 self._prefetch_planned += len(reading)
+                in_flight = self._prefetch_reading.setdefault(view, Counter())
                 in_flight.update(reading)
             try:
                 return self._prefetch_planned_run(keys, hashes, capped, plan, generation, quarantines)
