@@ -46,11 +46,8 @@ class RecordCheck:
     def take(self, value: memoryview, key: BlockKey, dst: torch.Tensor, on_damaged: OnDamaged) -> bool:
         """Validate `value` as `key`'s record and copy its payload into `dst`; False (a
         counted, warned miss) if it fails, `on_damaged()` called if it is damaged."""
-        def run() -> bool:
-            self.codec.copy_out(self.codec.decode(value, key), dst)
-            return True
-
-        return self._judged(run, on_damaged) is not None
+        payload = self.decode(value, key, on_damaged)
+        return payload is not None and self.copy_out(payload, dst, on_damaged)
 
     def decode(self, value: memoryview | bytes, key: BlockKey, on_damaged: OnDamaged) -> Payload | None:
         """`value` validated as `key`'s record: its payload, or None (as `take`)."""
