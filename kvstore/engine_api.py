@@ -111,7 +111,8 @@ class BlockStore(Protocol):
         each block from the fastest tier holding it, one read per run of one tier.
 
         Stops at the first block missing or failing validation (which its tier deletes):
-        destinations past it are left untouched, so a load never leaves a hole. Lower-tier
+        no destination past it is counted, so a load never leaves a hole (their bytes are
+        undefined: a shared tier receives a block in place before checking it). Lower-tier
         hits are then promoted into the top tier, and the prefix made most recently used.
         Destinations are block-shaped tensors (`StoreConfig.block_shape`, the layout's dtype,
         any device, pairwise disjoint), one per key; or a function given the number of

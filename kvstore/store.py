@@ -212,7 +212,8 @@ class KVCacheStore:
         top tier. A block that fails validation ends the prefix there and is deleted. With
         `out` (`[num_layers, 2, >= len(tokens), num_kv_heads, head_dim]` of the layout's dtype),
         the KV is written there and `kv` is a view of it (no allocation, no page faults);
-        `out` beyond the returned prefix is left untouched.
+        `out` beyond the returned prefix holds undefined bytes (a shared tier receives a block
+        in place before checking it).
         """
         self.check_open()
         device = check_device(device)

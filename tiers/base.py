@@ -222,9 +222,11 @@ class Tier(abc.ABC):
 
         Stops at the first block that is absent or fails validation (the latter is deleted).
         `dsts` are block-shaped tensors of the layout's dtype on any device, possibly
-        strided. Copied blocks become most recently used, prefix last. 0 for []. Raises
-        `RuntimeError` if `_get_into` counts outside 0..len(keys) (a bug in the tier: taken at
-        its word, the caller would skip blocks never copied).
+        strided; those past the count returned may have been written (a shared tier receives
+        a value in place before checking it): their bytes are undefined. Copied blocks become
+        most recently used, prefix last. 0 for []. Raises `RuntimeError` if `_get_into`
+        counts outside 0..len(keys) (a bug in the tier: taken at its word, the caller would
+        skip blocks never copied).
         """
         self._check_open()
         n = self._get_into(keys, dsts)

@@ -139,6 +139,12 @@ class _DeadlineSocket:
         _charge(n)
         return n
 
+    def recvmsg_into(self, buffers: Any, *args: int) -> tuple[int, list[Any], int, Any]:
+        self._arm()
+        got: tuple[int, list[Any], int, Any] = self._sock.recvmsg_into(buffers, *args)
+        _charge(got[0])
+        return got
+
     def sendall(self, data: Any, *flags: int) -> None:
         self._arm()  # since Python 3.5 a timeout bounds the whole sendall
         self._sock.sendall(data, *flags)
@@ -149,7 +155,7 @@ class _DeadlineSocket:
 
     @property
     def gathers(self) -> bool:
-        """Whether `sendmsg` works (not on TLS)."""
+        """Whether `sendmsg` and `recvmsg_into` work (not on TLS)."""
         return not isinstance(self._sock, ssl.SSLSocket)
 
     def __getattr__(self, name: str) -> Any:  # fileno, shutdown, close, getsockname, pending, ...

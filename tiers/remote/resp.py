@@ -4,7 +4,9 @@ Commands are packed as lists of buffers: the values themselves are never copied 
 command; `send_all` hands the whole list to the kernel with `sendmsg` (scatter-gather), one
 system call for many commands. `RespReader` parses replies from its own 64 KiB buffer, and
 reads a bulk reply's value with `recv_into` straight into a buffer the caller chooses (one
-copy, by the kernel), so a value is never assembled piecewise or copied again in Python.
+copy, by the kernel), so a value is never assembled piecewise or copied again in Python; a
+value's last bytes may land in memory of their own (`bulk_into`'s `tail`: a block's tensor),
+the rest in the chosen buffer.
 
 Nothing a server claims is trusted: every reply is read against the most its command can
 return (the caller's `limit`, in bytes on the wire). A longer claim (a bulk length, an
@@ -15,10 +17,11 @@ allocated or read for it: the connection is out of step and must be closed.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 _SMALL = 4096  # arguments shorter than this are copied into the command's header bytes
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+_SCATTER = 8  # views per recvmsg_into (a receive fills a few: more would be converted for nothing)
 _READ_SIZE = 1 << 16  # the reader's own buffer
 SMALL_REPLY = 64  # the bound of a reply that is a status, an integer or a short string
 _PUSH_BYTES = 1 << 16  # the bound of a RESP3 push message skipped before a reply
@@ -31,6 +34,7 @@ class Socket(Protocol):
     """What the reader and `send_all` need of a connected socket."""
 
     def recv_into(self, buffer: Any, nbytes: int = 0, /) -> int: ...
+    def recvmsg_into(self, buffers: Any, /) -> tuple[int, list[Any], int, Any]: ...
     def sendall(self, data: Any, /) -> None: ...
     def sendmsg(self, buffers: Any, /) -> int: ...
 
@@ -62,6 +66,14 @@ class ReplyError(Exception):
 class Oversized(int):
     """In place of a bulk value longer than the caller accepts: its length. The value was
     read and dropped, so the connection stays usable."""
+
+
+class Landed(NamedTuple):
+    """A bulk value received in parts: its first bytes in `head` (a buffer the reader's
+    caller chose), the rest in the views of `tail` (as given to `bulk_into`), in order."""
+
+    head: memoryview
+    tail: Sequence[memoryview]
 
 
 def command(*args: Buffer | str | int) -> list[Buffer]:
@@ -110,6 +122,7 @@ class RespReader:
 
     def __init__(self, sock: Socket) -> None:
         self._sock = sock
+        self._scatter = bool(getattr(sock, "gathers", True))  # recvmsg_into works (not on TLS)
         self._buf = bytearray(_READ_SIZE)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
@@ -161,6 +174,33 @@ class RespReader:
             if n == 0:
                 raise ConnectionError("the server closed the connection")
             pos += n
+
+    def _exact_all(self, views: Sequence[memoryview]) -> None:
+        """`_exact` of each of `views` in turn, with one `recvmsg_into` (the kernel scattering
+        into many views) per system call where the socket allows."""
+        if not self._scatter:
+            for view in views:
+                self._exact(view)
+            return
+        pending = [v.cast("B") for v in views if v.nbytes]
+        i = 0
+        while i < len(pending) and self._start < self._end:  # the bytes held first
+            take = min(self._end - self._start, pending[i].nbytes)
+            pending[i][:take] = self._view[self._start : self._start + take]
+            self._start += take
+            pending[i] = pending[i][take:]
+            i += not pending[i].nbytes
+        while i < len(pending):
+            n = self._sock.recvmsg_into(pending[i : i + _SCATTER])[0]
+            if n == 0:
+                raise ConnectionError("the server closed the connection")
+            while n:
+                size = pending[i].nbytes
+                if n < size:
+                    pending[i] = pending[i][n:]
+                    break
+                n -= size
+                i += 1
 
     def _crlf(self) -> None:
         while self._end - self._start < 2:
@@ -231,12 +271,15 @@ class RespReader:
             pass
         raise ProtocolError(f"not a RESP reply: {line[:40]!r}")
 
-    def bulk_into(self, buffer_for: Callable[[int], memoryview | None],
-                  limit: int) -> memoryview | Oversized | ReplyError | None:
+    def bulk_into(self, buffer_for: Callable[[int], memoryview | None], limit: int,
+                  tail: Sequence[memoryview] | None = None) -> memoryview | Landed | Oversized | ReplyError | None:
         """The next reply, a bulk string of at most `limit` bytes, read into
         `buffer_for(length)` (a view of exactly that many bytes; None: longer than wanted, read
-        and dropped, `Oversized` returned). None for a null reply; a `ReplyError` for an
-        error; `ReplyTooLong` for a longer claim (nothing read for it); `ProtocolError` for
+        and dropped, `Oversized` returned). With `tail` (writable views of T bytes in all) a
+        value longer than T is split: its last T bytes are received straight into the views,
+        in order, the rest into `buffer_for(length - T)`, and a `Landed` is returned (a
+        shorter value leaves `tail` untouched). None for a null reply; a `ReplyError` for an error;
+        `ReplyTooLong` for a longer claim (nothing read for it); `ProtocolError` for
         anything else."""
         while True:
             line = self._line()
@@ -254,14 +297,19 @@ class RespReader:
                 return None
             if size > limit:
                 raise ReplyTooLong("a bulk string", size, limit)
-            dst = buffer_for(size)
+            landed = 0 if tail is None else sum(view.nbytes for view in tail)
+            into = tail if tail is not None and size > landed else None
+            dst = buffer_for(size if into is None else size - landed)
             if dst is None:
                 self._skip(size)
                 self._crlf()
                 return Oversized(size)
-            self._exact(dst)
+            if into is None:
+                self._exact(dst)
+            else:
+                self._exact_all([dst, *into])
             self._crlf()
-            return dst
+            return dst if into is None else Landed(dst, into)
         if kind == b"_":
             return None
         if kind == b"-":

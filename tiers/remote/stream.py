@@ -24,10 +24,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from tiers.remote.resp import SMALL_REPLY, Buffer, Oversized, ReplyError, ReplyTooLong, RespReader, command, send_all
+from tiers.remote.resp import (
+    SMALL_REPLY,
+    Buffer,
+    Landed,
+    Oversized,
+    ReplyError,
+    ReplyTooLong,
+    RespReader,
+    command,
+    send_all,
+)
 from tiers.shared.forks import renew_in_child
 
-__all__ = ["Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
+__all__ = ["Landed", "Op", "Oversized", "ReplyError", "ReplyTooLong", "Streams", "command"]
 
 # The reply to one command (a bulk value only during the callback that receives it), or the
 # exception that ended its connection.
@@ -39,14 +49,17 @@ _REFRESH_EVERY_S = 1.0  # a cluster's slot map is reread at most this often afte
 
 class Op(NamedTuple):
     """One command: the key that routes it, its packed buffers, the bytes it moves both
-    ways (for the window), whether its reply is a bulk value to read into a buffer, and the
-    most its reply may hold on the wire (a longer claim ends the connection: `ReplyTooLong`)."""
+    ways (for the window), whether its reply is a bulk value to read into a buffer, the
+    most its reply may hold on the wire (a longer claim ends the connection: `ReplyTooLong`),
+    and where a longer bulk value's last bytes land (`RespReader.bulk_into`'s `tail`; a
+    reply read only to be dropped never lands there)."""
 
     key: bytes
     buffers: list[Buffer]
     cost: int
     bulk: bool = False
     limit: int = SMALL_REPLY
+    tail: Sequence[memoryview] | None = None
 
 
 class _NodePass:
@@ -92,7 +105,7 @@ class _NodePass:
         if self.error is not None:
             return self.error
         try:
-            reply = self.reader.bulk_into(buffer_for, op.limit) if op.bulk else self.reader.reply(op.limit)
+            reply = self.reader.bulk_into(buffer_for, op.limit, op.tail) if op.bulk else self.reader.reply(op.limit)
         except Exception as exc:  # a timeout, a dropped connection, a protocol error
             self.fail(exc)
             return exc

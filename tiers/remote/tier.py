@@ -35,7 +35,7 @@ from tiers.keys import BlockHash, BlockKey, TierKind
 from tiers.remote.client import CONNECTIONS_PER_NODE, Server, connect
 from tiers.remote.keys import Generation, KeyLayout, new_generation
 from tiers.remote.recycle import RecordBuffers
-from tiers.remote.stream import Op, ReplyTooLong, command
+from tiers.remote.stream import Landed, Op, ReplyTooLong, command
 from tiers.remote.sweep import Walk, sweep, unfinished
 from tiers.remote.url import SCHEMES, check_url, identity, redacted
 from tiers.remote.writer import Record, WriteQueue
@@ -174,10 +174,12 @@ class RemoteTier(ChecksRecords, Tier):
         return n
 
     def _read(self, keys: Sequence[BlockKey], dsts: Sequence[torch.Tensor]) -> int:
-        """GET `keys` in one windowed pipeline (lanes if large), each value received into its
-        thread's record buffer, validated and copied into its `dsts`; returns how many blocks
-        precede the first absent, failed or refused one (a lane stops at its first such, or
-        past another lane's; a later block it copied, validated, is not counted)."""
+        """GET `keys` in one windowed pipeline (lanes if large), each value's payload received
+        straight into its `dsts` where that is a contiguous CPU block (`RecordCodec.landing`;
+        its prefix and header into a buffer of the thread's), else the whole value into a
+        record buffer and copied out once validated; returns how many blocks precede the first
+        absent, failed or refused one (a lane stops at its first such, or past another lane's;
+        a later block it read, validated or not, is not counted: its `dsts` hold anything)."""
         copied = [False] * len(keys)
         first_miss = [len(keys)]
         damaged: list[BlockHash] = []
@@ -194,23 +196,31 @@ class RemoteTier(ChecksRecords, Tier):
             if i == 0:
                 return self._gen.check(generation, value) or missed(0)
             i -= 1
+
+            def on_damaged() -> None:
+                damaged.append(keys[i].block_hash)
+
             try:
                 if i > first_miss[0]:
                     return False  # past a miss: not counted whatever it holds
                 if isinstance(value, ReplyTooLong):  # refused unread (a fault, its connection closed)
                     self._checks.damaged(f"a value claiming {value.claimed} bytes, too long for this layout",
-                                         lambda: damaged.append(keys[i].block_hash))
-                if not isinstance(value, memoryview) or not self._checks.take(
-                        value, keys[i], dsts[i], lambda: damaged.append(keys[i].block_hash)):
+                                         on_damaged)
+                if isinstance(value, Landed):
+                    ok = self._checks.take_landed(value.head, value.tail, keys[i], dsts[i], on_damaged)
+                else:
+                    ok = isinstance(value, memoryview) and self._checks.take(value, keys[i], dsts[i], on_damaged)
+                if not ok:
                     return missed(i)  # absent, refused by the server, or failed its checks
                 copied[i] = True
                 return True
             finally:
-                if isinstance(value, memoryview):
-                    self._buffers.give(value.obj)  # a reused buffer back (this thread's own is not taken)
+                if isinstance(value, (memoryview, Landed)):  # a reused buffer back (this thread's own is not taken)
+                    self._buffers.give((value.head if isinstance(value, Landed) else value).obj)
 
-        ops = [self._gen.op(), *(Op(key, command(b"GET", key), self._record_bytes, bulk=True, limit=self._value_limit)
-                                 for key in (self._keys.key(generation, k.block_hash) for k in keys))]
+        ops = [self._gen.op(), *(Op(key, command(b"GET", key), self._record_bytes, bulk=True, limit=self._value_limit,
+                                    tail=self.codec.landing(dst))
+                                 for key, dst in zip((self._keys.key(generation, k.block_hash) for k in keys), dsts))]
         self._stream(self.reads, "read", self._record_bytes * len(keys) + _REPLY_BYTES, ops, on_value,
                      self._buffer_for, head=1)
         if damaged:
@@ -220,12 +230,13 @@ class RemoteTier(ChecksRecords, Tier):
     def _buffer_for(self, size: int) -> memoryview:
         """`size` bytes (at most `_value_limit`: longer values are refused unread) of a
         reused record buffer (faulted in already; `on_value` gives it back), where blocks are
-        large and it fits, else of this thread's own."""
-        if self._recycle and size <= self._buffers.size:
+        large and it fits, else (or for a value's head, its payload landing apart) of this
+        thread's own."""
+        if self._recycle and _HEADER_ROOM < size <= self._buffers.size:
             return memoryview(self._buffers.take())[:size]
         buf: bytearray | None = getattr(self._rx, "buf", None)
         if buf is None or len(buf) < size:
-            buf = self._rx.buf = bytearray(max(size, self._record_bytes))
+            buf = self._rx.buf = bytearray(max(size, _HEADER_ROOM if self._recycle else self._record_bytes))
         return memoryview(buf)[:size]
 
     # -- writes ------------------------------------------------------------------------------

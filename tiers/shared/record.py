@@ -24,8 +24,10 @@ layout and version out: never decoded).
 
 from __future__ import annotations
 
+import itertools
+import math
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import msgpack
@@ -44,6 +46,8 @@ _MAGIC = b"KVS2"
 _OLD_MAGIC = b"KVS1"  # format 1: its checksum covered key, namespace, tokens and payload only
 _PREFIX = struct.Struct("<4sIQ")  # magic, header length, checksum
 _COVERED = 8  # the prefix's bytes before the checksum (covered by it)
+MAX_RUNS = 1024  # a block received in place in at most this many runs (`RecordCodec.landing`)
+MIN_RUN_BYTES = 32 << 10  # ... each of at least this many bytes (shorter ones: a receive and a copy cost less)
 
 
 class Payload(NamedTuple):
@@ -53,9 +57,10 @@ class Payload(NamedTuple):
     codec_id: int
 
 
-def _digest(head: memoryview | bytes, rest: memoryview | bytes) -> int:
+def _digest(head: memoryview | bytes, rest: Sequence[memoryview]) -> int:
     h = xxhash.xxh3_64(head)
-    h.update(rest)
+    for part in rest:
+        h.update(part)
     return h.intdigest()
 
 
@@ -74,7 +79,40 @@ def _seal(buf: bytearray | memoryview, hlen: int) -> None:
     """Write the prefix of the record in `buf` (header and payload already in place)."""
     _PREFIX.pack_into(buf, 0, _MAGIC, hlen, 0)
     mv = memoryview(buf)
-    _PREFIX.pack_into(buf, 0, _MAGIC, hlen, _digest(mv[:_COVERED], mv[_PREFIX.size :]))
+    _PREFIX.pack_into(buf, 0, _MAGIC, hlen, _digest(mv[:_COVERED], (mv[_PREFIX.size :],)))
+
+
+def _prefix(mv: memoryview) -> tuple[int, int]:
+    """The header length and checksum a record's prefix (at the front of `mv`) states."""
+    if len(mv) < _PREFIX.size:
+        raise CorruptRecordError("record shorter than its prefix")
+    magic, hlen, xxh = _PREFIX.unpack(mv[: _PREFIX.size])
+    if magic == _OLD_MAGIC:
+        raise UnverifiableRecordError("a record of format 1 (its checksum does not cover its header), not read")
+    if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
+        raise CorruptRecordError("bad magic or header length")
+    return hlen, xxh
+
+
+def _header(mv: memoryview, hlen: int, block_hash: bytes, payload_bytes: int) -> dict[str, object]:
+    """The header of the record at the front of `mv` (its checksum held), checked against the
+    key and the payload's length; see `parse_record`."""
+    try:
+        hdr = msgpack.unpackb(mv[_PREFIX.size : _PREFIX.size + hlen], raw=False)
+    except Exception as exc:  # msgpack raises many types on garbage (a writer's bug: the checksum held)
+        raise CorruptRecordError(f"undecodable header: {exc}") from None
+    if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
+        raise CorruptRecordError("unknown record format")
+    if hdr.get("key") != bytes(block_hash):
+        raise CorruptRecordError("record stored under another key")
+    if hdr.get("n") != payload_bytes:
+        raise CorruptRecordError("payload length mismatch")
+    if not all(isinstance(hdr.get(f, b""), bytes) for f in ("tok", "ns", "par", "ext")) or "tok" not in hdr:
+        raise CorruptRecordError("bad token, namespace, parent or extras field")
+    codec_id = hdr.get("c")
+    if not isinstance(codec_id, int) or isinstance(codec_id, bool) or codec_id < 0:
+        raise CorruptRecordError(f"bad codec field {codec_id!r}")
+    return hdr
 
 
 def parse_record(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str, object], memoryview]:
@@ -83,32 +121,30 @@ def parse_record(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str
     `UnverifiableRecordError` for a record of format 1. Says nothing about whether it is
     this tier's."""
     mv = memoryview(value).cast("B")
-    if len(mv) < _PREFIX.size:
-        raise CorruptRecordError("record shorter than its prefix")
-    magic, hlen, xxh = _PREFIX.unpack(mv[: _PREFIX.size])
-    if magic == _OLD_MAGIC:
-        raise UnverifiableRecordError("a record of format 1 (its checksum does not cover its header), not read")
-    if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
-        raise CorruptRecordError("bad magic or header length")
-    if _digest(mv[:_COVERED], mv[_PREFIX.size :]) != xxh:
+    hlen, xxh = _prefix(mv)
+    if _digest(mv[:_COVERED], (mv[_PREFIX.size :],)) != xxh:
         raise CorruptRecordError("checksum mismatch")
-    try:
-        hdr = msgpack.unpackb(mv[_PREFIX.size : _PREFIX.size + hlen], raw=False)
-    except Exception as exc:  # msgpack raises many types on garbage (a writer's bug: the checksum held)
-        raise CorruptRecordError(f"undecodable header: {exc}") from None
     payload = mv[_PREFIX.size + hlen :]
-    if not isinstance(hdr, dict) or hdr.get("v") != FORMAT_VERSION:
-        raise CorruptRecordError("unknown record format")
-    if hdr.get("key") != bytes(block_hash):
-        raise CorruptRecordError("record stored under another key")
-    if hdr.get("n") != len(payload):
-        raise CorruptRecordError("payload length mismatch")
-    if not all(isinstance(hdr.get(f, b""), bytes) for f in ("tok", "ns", "par", "ext")) or "tok" not in hdr:
-        raise CorruptRecordError("bad token, namespace, parent or extras field")
-    codec_id = hdr.get("c")
-    if not isinstance(codec_id, int) or isinstance(codec_id, bool) or codec_id < 0:
-        raise CorruptRecordError(f"bad codec field {codec_id!r}")
-    return hdr, payload
+    return _header(mv, hlen, block_hash, len(payload)), payload
+
+
+def header_ends(head: memoryview) -> bool:
+    """Whether `head` ends where the header of the record it begins does (what follows it
+    is then the payload): its prefix names a header of exactly the rest of `head`."""
+    mv = head.cast("B")
+    return len(mv) >= _PREFIX.size and _PREFIX.size + _PREFIX.unpack(mv[: _PREFIX.size])[1] == len(mv)
+
+
+def parse_head(head: memoryview, tail: Sequence[memoryview], block_hash: bytes) -> dict[str, object]:
+    """`parse_record` of a record received in parts: `head` (its prefix and header, whole:
+    `header_ends`), then its payload in the views `tail`, in order; the header."""
+    mv = head.cast("B")
+    hlen, xxh = _prefix(mv)
+    if _PREFIX.size + hlen != len(mv):
+        raise CorruptRecordError("bad magic or header length")
+    if _digest(mv[:_COVERED], (mv[_PREFIX.size :], *tail)) != xxh:
+        raise CorruptRecordError("checksum mismatch")
+    return _header(mv, hlen, block_hash, sum(part.nbytes for part in tail))
 
 
 class RecordCodec:
@@ -212,6 +248,35 @@ class RecordCodec:
         _PREFIX.pack_into(head, 0, _MAGIC, len(header), h.intdigest())
         return head, payload
 
+    def landing(self, dst: torch.Tensor) -> list[memoryview] | None:
+        """Where in block `dst` a raw payload's bytes may be received straight: the views of
+        its contiguous runs, in the payload's order (one for a contiguous block; one per
+        leading index where only its trailing dimensions are, as a block's rows of a
+        `[layers, 2, tokens, heads, dim]` tensor: a layer's K or V), or None: `dst` is not a
+        CPU tensor of this layout with disjoint runs, or they are more than `MAX_RUNS` or
+        shorter than `MIN_RUN_BYTES` (a receive and a copy then cost less)."""
+        if dst.device.type != "cpu" or dst.dtype != self._dtype or list(dst.shape) != self._shape \
+                or dst.stride()[-1] != 1:
+            return None
+        u8 = dst.detach().view(torch.uint8)
+        shape, strides = u8.shape, u8.stride()
+        lead, run = len(shape), 1
+        while lead and (shape[lead - 1] == 1 or strides[lead - 1] == run):
+            lead -= 1
+            run *= shape[lead]
+        if math.prod(shape[:lead]) > MAX_RUNS or (lead and run < MIN_RUN_BYTES):
+            return None
+        offsets = [0]
+        for n, stride in zip(shape[:lead], strides[:lead]):
+            offsets = [o + i * stride for o in offsets for i in range(n)]
+        ordered = sorted(offsets)
+        if any(b - a < run for a, b in itertools.pairwise(ordered)):
+            return None  # runs that overlap (a stride of 0)
+        whole = torch.as_strided(u8, (ordered[-1] + run,), (1,)).numpy()
+        if not whole.flags.writeable:
+            return None
+        return [whole.data[o : o + run] for o in offsets]
+
     def decode(self, value: memoryview | bytes, key: BlockKey) -> Payload:
         """Validate a record as this tier's block `key` and return its payload; raise
         `CorruptRecordError` if damaged, `UnverifiableRecordError` if it is sound but this
@@ -219,12 +284,22 @@ class RecordCodec:
         codec it does not know or accept, or an encoding of another element dtype or group;
         format 1). An encoded payload's bytes are checked by `copy_out`."""
         hdr, payload = parse_record(value, key.block_hash)
+        return Payload(payload, self._check(hdr, len(payload), key))
+
+    def decode_landed(self, head: memoryview, tail: Sequence[memoryview], key: BlockKey) -> int:
+        """`decode` of a record received as `head` (its prefix and header, whole) and then its
+        payload in `tail` (`landing`'s views); its codec id (0: raw, the payload is in place)."""
+        return self._check(parse_head(head, tail, key.block_hash), sum(part.nbytes for part in tail), key)
+
+    def _check(self, hdr: dict[str, object], payload_bytes: int, key: BlockKey) -> int:
+        """The codec id of a record whose header `hdr` is sound, once its namespace, layout,
+        token ids and encoding are found this reader's (see `decode`)."""
         if hdr.get("ns") != self._namespace:
             raise CorruptRecordError("record of another namespace under this key")
         codec_id = hdr["c"]
         assert isinstance(codec_id, int)  # `parse_record` checked it
         if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or (
-                codec_id == 0 and len(payload) != self._block_bytes):
+                codec_id == 0 and payload_bytes != self._block_bytes):
             raise CorruptRecordError("record layout differs from this tier's")
         tokens = hdr["tok"]
         assert isinstance(tokens, bytes)  # `parse_record` checked it
@@ -233,7 +308,7 @@ class RecordCodec:
             codec = self._codecs.reader(codec_id, "record")
             if (hdr.get("el"), hdr.get("g")) != self._depends(codec):
                 raise UnverifiableRecordError(f"{codec.kind.label} record encoded with another element dtype or group")
-        return Payload(payload, codec_id)
+        return codec_id
 
     def copy_out(self, payload: Payload, dst: torch.Tensor) -> None:
         """Write a `decode`d payload into `dst`. Raises `CorruptRecordError` if an encoded

@@ -11,7 +11,7 @@ The remote, Mooncake and shared-filesystem tiers read records other hosts wrote
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -21,7 +21,7 @@ from tiers.errors import CorruptRecordError, UnverifiableRecordError
 from tiers.keys import BlockKey
 from tiers.shared.forks import renew_in_child
 from tiers.shared.ratelimit import RateLimitedWarning
-from tiers.shared.record import Payload, RecordCodec
+from tiers.shared.record import Payload, RecordCodec, header_ends
 
 T = TypeVar("T")
 OnDamaged = Callable[[], object]  # removes the damaged record (or notes it, to be removed)
@@ -48,6 +48,21 @@ class RecordCheck:
         counted, warned miss) if it fails, `on_damaged()` called if it is damaged."""
         payload = self.decode(value, key, on_damaged)
         return payload is not None and self.copy_out(payload, dst, on_damaged)
+
+    def take_landed(self, head: memoryview, tail: Sequence[memoryview], key: BlockKey, dst: torch.Tensor,
+                    on_damaged: OnDamaged) -> bool:
+        """`take` of a record received as `head` and then `tail`, `dst`'s own bytes
+        (`RecordCodec.landing`): a raw payload is checked where it landed, with no copy. A
+        record laid out otherwise (its header not ending `head`; an encoded payload) is
+        joined into one buffer first, then taken. On False `dst` holds anything."""
+        if not header_ends(head):  # not a header, then a raw payload of this size: taken whole
+            return self.take(memoryview(b"".join((head, *tail))), key, dst, on_damaged)
+        codec_id = self._judged(lambda: self.codec.decode_landed(head, tail, key), on_damaged)
+        if codec_id is None:
+            return False
+        if codec_id:  # an encoded payload of a block's size: decoded from a copy, never over itself
+            return self.copy_out(Payload(memoryview(b"".join(tail)), codec_id), dst, on_damaged)
+        return True
 
     def decode(self, value: memoryview | bytes, key: BlockKey, on_damaged: OnDamaged) -> Payload | None:
         """`value` validated as `key`'s record: its payload, or None (as `take`)."""

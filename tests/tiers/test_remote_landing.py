@@ -1,0 +1,229 @@
+"""A remote value's payload received straight into the caller's block (`RecordCodec.landing`,
+`RespReader.bulk_into`'s `tail`): the bytes land in place and are checked there, a damaged
+one is a counted miss, a record laid out otherwise is read whole, and a reply read only to
+be dropped never lands. Real sockets and a real `redis-server`.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from kvstore import KVCacheStore, KVLayout, StoreConfig
+from tests.redis_fixtures import RedisServer, redis_server
+from tiers.remote.resp import Landed, Oversized, RespReader
+from tiers.remote.tier import RemoteTier
+from tiers.shared.record import MIN_RUN_BYTES, RecordCodec, pack_record, parse_record
+
+# 32 KiB rows: a block of 16 tokens is 4 runs of 32 KiB in a `[layers, 2, tokens, heads, dim]` tensor.
+WIDE = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+BLOCK = 16
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+def _kv(num_tokens: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(WIDE.block_shape(num_tokens), generator=g).to(WIDE.dtype)
+
+
+def _tokens(num_blocks: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 50_000, num_blocks * BLOCK).astype(np.uint32)
+
+
+def _store(url: str, **tier: object) -> KVCacheStore:
+    """A store of the remote tier alone, one connection (no lanes: replies in one order)."""
+    remote = {"type": "remote", "url": url, "connections_per_node": 1, **tier}
+    return KVCacheStore(StoreConfig(WIDE, block_size=BLOCK, tiers=[remote], namespace="landing",
+                                    load_policy="always"))
+
+
+def _remote(store: KVCacheStore) -> RemoteTier:
+    tier = store.tiers[-1]
+    assert isinstance(tier, RemoteTier)
+    return tier
+
+
+class _Calls:
+    """Counts a tier's record-check calls (the real ones run)."""
+
+    def __init__(self, tier: RemoteTier, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts = {"take": 0, "take_landed": 0, "copy_out": 0}
+        checks = tier._checks
+        for name in self.counts:
+            real = getattr(checks, name)
+
+            def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+                self.counts[_name] += 1
+                return _real(*args)
+
+            monkeypatch.setattr(checks, name, counted)
+
+
+# -- where a block's bytes may land ------------------------------------------------------------
+def test_landing_views_are_a_blocks_runs_in_the_payloads_order() -> None:
+    codec = RecordCodec(WIDE.block_shape(BLOCK), WIDE.dtype, verify_tokens=True, namespace=b"n")
+    whole = torch.zeros(WIDE.block_shape(BLOCK), dtype=WIDE.dtype)
+    runs = codec.landing(whole)
+    assert runs is not None and len(runs) == 1 and runs[0].nbytes == WIDE.block_bytes(BLOCK)
+    out = torch.zeros(WIDE.block_shape(4 * BLOCK), dtype=WIDE.dtype)
+    rows = out[:, :, BLOCK : 2 * BLOCK]
+    runs = codec.landing(rows)
+    assert runs is not None and len(runs) == 2 * WIDE.num_layers and all(r.nbytes >= MIN_RUN_BYTES for r in runs)
+    payload = _kv(BLOCK, seed=5).view(torch.uint8).numpy().tobytes()  # a record's payload: the block, contiguous
+    at = 0
+    for run in runs:
+        run[:] = payload[at : at + run.nbytes]
+        at += run.nbytes
+    assert at == len(payload) and torch.equal(rows, _kv(BLOCK, seed=5))
+    assert not out[:, :, :BLOCK].any() and not out[:, :, 2 * BLOCK :].any()  # the other rows untouched
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "short runs", "overlapping"])
+def test_a_block_its_payload_cannot_land_in_has_no_landing(case: str) -> None:
+    codec = RecordCodec(WIDE.block_shape(BLOCK), WIDE.dtype, verify_tokens=True, namespace=b"n")
+    dst = {
+        "dtype": lambda: torch.zeros(WIDE.block_shape(BLOCK), dtype=torch.float16),
+        "shape": lambda: torch.zeros(WIDE.block_shape(2 * BLOCK), dtype=WIDE.dtype),
+        "short runs": lambda: torch.zeros((WIDE.num_layers, 2, WIDE.num_kv_heads, 4 * BLOCK, WIDE.head_dim),
+                                          dtype=WIDE.dtype).transpose(2, 3)[:, :, :BLOCK],  # 256-byte runs
+        "overlapping": lambda: torch.zeros((1, *WIDE.block_shape(BLOCK)[1:]), dtype=WIDE.dtype)
+        .expand(WIDE.block_shape(BLOCK)),
+    }[case]()
+    assert codec.landing(dst) is None
+
+
+# -- the RESP reader ---------------------------------------------------------------------------
+class _OneBufferAtATime:
+    """A socket as a TLS one is seen: no `recvmsg_into` (each view received on its own)."""
+
+    gathers = False
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        return self._sock.recv_into(buffer, nbytes)
+
+
+@pytest.mark.parametrize("scatter", [True, False])
+def test_a_bulk_value_longer_than_its_tail_is_split_and_a_shorter_one_is_not(
+        pair: tuple[socket.socket, socket.socket], scatter: bool) -> None:
+    a, b = pair
+    value = np.random.default_rng(2).bytes(3 * 40_000 + 100)
+    stream = b"$%d\r\n%s\r\n$5\r\nshort\r\n$%d\r\n%s\r\n:1\r\n" % (len(value), value, len(value), value)
+    sender = threading.Thread(target=b.sendall, args=(stream,), daemon=True)  # more than a socket buffer holds
+    sender.start()
+    reader = RespReader(a if scatter else _OneBufferAtATime(a))  # type: ignore[arg-type]
+    target = bytearray(3 * 40_000)
+    tail = [memoryview(target)[i : i + 40_000] for i in range(0, len(target), 40_000)][::-1]  # any order of views
+    got = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20, tail)
+    assert isinstance(got, Landed) and bytes(got.head) == value[:100]
+    assert b"".join(bytes(v) for v in tail) == value[100:]
+    target[:] = bytes(len(target))
+    short = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20, tail)
+    assert isinstance(short, memoryview) and bytes(short) == b"short" and not any(target)  # tail untouched
+    assert reader.bulk_into(lambda n: None, 1 << 20, tail) == Oversized(len(value))  # dropped, tail untouched
+    assert not any(target) and reader.reply() == 1 and reader.idle
+    sender.join(5)
+
+
+# -- the tier, against a real server -----------------------------------------------------------
+@pytest.mark.parametrize("into", ["rows of out", "contiguous blocks"])
+def test_values_land_in_the_callers_blocks_checked_there_with_no_copy(
+        server: RedisServer, monkeypatch: pytest.MonkeyPatch, into: str) -> None:
+    t, kv = _tokens(6), _kv(6 * BLOCK)
+    with _store(server.url) as writer:
+        assert writer.store(t, kv) == len(t) and writer.flush()
+    with _store(server.url) as reader:
+        calls = _Calls(_remote(reader), monkeypatch)
+        if into == "rows of out":
+            out = torch.zeros_like(kv)
+            assert reader.retrieve(t, out=out).num_tokens == len(t)
+            assert torch.equal(out, kv)
+        else:
+            keys = reader.keys(t)
+            dsts = [torch.zeros(WIDE.block_shape(BLOCK), dtype=WIDE.dtype) for _ in keys]
+            assert reader.blocks.load(keys, dsts).num_blocks == 6
+            assert all(torch.equal(d, kv[:, :, i * BLOCK : (i + 1) * BLOCK]) for i, d in enumerate(dsts))
+        assert calls.counts == {"take": 0, "take_landed": 6, "copy_out": 0}
+
+
+def test_a_damaged_payload_that_landed_is_a_counted_miss_deleted_and_ends_the_prefix(
+        server: RedisServer) -> None:
+    t, kv = _tokens(6, seed=1), _kv(6 * BLOCK, seed=1)
+    with _store(server.url) as store:
+        assert store.store(t, kv) == len(t) and store.flush()
+        key = _remote(store).server_key(store.block_hashes(t)[2])
+        raw = redis.Redis(port=server.port)
+        length = raw.strlen(key)
+        raw.setrange(key, length - 1000, bytes([raw.getrange(key, length - 1000, length - 1000)[0] ^ 0x10]))
+        out = torch.zeros_like(kv)
+        res = store.retrieve(t, out=out)
+        assert res.num_tokens == 2 * BLOCK and torch.equal(out[:, :, : 2 * BLOCK], kv[:, :, : 2 * BLOCK])
+        assert _remote(store).stats().num_corrupt == 1
+        assert raw.exists(key) == 0  # deleted
+        assert store.lookup(t) == 2 * BLOCK
+
+
+def test_a_record_whose_header_ends_past_where_a_raw_payload_would_begin_is_read_whole(
+        server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An encoded (zstd) record with a long header, longer in all than a raw block: the
+    split puts part of its header in the block, so it is joined and read as a whole."""
+    t = _tokens(1, seed=2)
+    kv = torch.zeros(WIDE.block_shape(BLOCK), dtype=WIDE.dtype)
+    kv[0, 0, :, 0, :8] = 1.5  # compressible: zstd makes it smaller
+    with _store(server.url, codec="zstd") as writer:
+        assert writer.store(t, kv) == BLOCK and writer.flush()
+        key = _remote(writer).server_key(writer.block_hashes(t)[0])
+    raw = redis.Redis(port=server.port)
+    value = raw.get(key)
+    assert value is not None and len(value) < WIDE.block_bytes(BLOCK)
+    header, payload = parse_record(value, bytes(writer.block_hashes(t)[0]))
+    assert header["c"] != 0
+    padded = pack_record({**header, "pad": b"\x00" * WIDE.block_bytes(BLOCK)}, payload)
+    assert len(padded) > WIDE.block_bytes(BLOCK)
+    raw.set(key, bytes(padded))
+    with _store(server.url) as reader:
+        calls = _Calls(_remote(reader), monkeypatch)
+        out = torch.full_like(kv, 3.0)
+        assert reader.retrieve(t, out=out).num_tokens == BLOCK and torch.equal(out, kv)
+        assert calls.counts["take_landed"] == 1 and calls.counts["take"] == 1  # joined, then taken whole
+
+
+def test_replies_read_only_to_be_dropped_never_land(server: RedisServer) -> None:
+    """One connection, the 4th of 40 blocks absent: the replies after it that were in
+    flight are read and dropped, none written into the caller's rows."""
+    t, kv = _tokens(40, seed=3), _kv(40 * BLOCK, seed=3)
+    with _store(server.url) as store:
+        assert store.store(t, kv) == len(t) and store.flush()
+        redis.Redis(port=server.port).delete(_remote(store).server_key(store.block_hashes(t)[3]))
+        out = torch.zeros_like(kv)
+        assert store.retrieve(t, out=out).num_tokens == 3 * BLOCK
+        assert torch.equal(out[:, :, : 3 * BLOCK], kv[:, :, : 3 * BLOCK])
+        assert not out[:, :, 3 * BLOCK :].any()
+
+
+def test_blocks_a_value_cannot_land_in_are_read_through_a_record_buffer(server: RedisServer) -> None:
+    """Destinations of 256-byte runs (heads outermost): each value is received whole and
+    copied out once checked."""
+    t, kv = _tokens(3, seed=4), _kv(3 * BLOCK, seed=4)
+    with _store(server.url) as store:
+        assert store.store(t, kv) == len(t) and store.flush()
+        keys = store.keys(t)
+        base = torch.zeros((3, WIDE.num_layers, 2, WIDE.num_kv_heads, BLOCK, WIDE.head_dim), dtype=WIDE.dtype)
+        dsts = [base[i].transpose(2, 3) for i in range(3)]  # block-shaped, 256-byte runs
+        assert _remote(store).codec.landing(dsts[0]) is None
+        assert store.blocks.load(keys, dsts).num_blocks == 3
+        assert all(torch.equal(d, kv[:, :, i * BLOCK : (i + 1) * BLOCK]) for i, d in enumerate(dsts))
