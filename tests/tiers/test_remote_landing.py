@@ -6,20 +6,31 @@ be dropped never lands. Real sockets and a real `redis-server`.
 
 from __future__ import annotations
 
+import math
+import random
+import shutil
 import socket
+import struct
+import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import redis
 import torch
+import xxhash
 
+from cli.ports import free_port
+from cli.redis_servers import RedisServerError
 from kvstore import KVCacheStore, KVLayout, StoreConfig
-from tests.redis_fixtures import RedisServer, redis_server
+from tests.redis_fixtures import RedisServer, need_redis, redis_server
+from tiers.codecs.base import CodecKind
 from tiers.remote.resp import Landed, Oversized, RespReader
 from tiers.remote.tier import RemoteTier
+from tiers.shared import record as record_module
 from tiers.shared.record import MIN_RUN_BYTES, RecordCodec, pack_record, parse_record
 
 # 32 KiB rows: a block of 16 tokens is 4 runs of 32 KiB in a `[layers, 2, tokens, heads, dim]` tensor.
@@ -227,3 +238,131 @@ def test_blocks_a_value_cannot_land_in_are_read_through_a_record_buffer(server: 
         assert _remote(store).codec.landing(dsts[0]) is None
         assert store.blocks.load(keys, dsts).num_blocks == 3
         assert all(torch.equal(d, kv[:, :, i * BLOCK : (i + 1) * BLOCK]) for i, d in enumerate(dsts))
+
+
+# -- adversarial: what may land, and what may be counted ---------------------------------------
+def test_landing_runs_are_the_payloads_bytes_in_order_for_any_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks sliced, permuted and offset out of larger tensors, size-1 dimensions with any
+    stride, zero strides (runs of one byte allowed here): writing a payload run by run puts
+    exactly it in the block, in its C order, and not one byte outside the block's elements;
+    runs that would overlap (a zero stride) are no landing."""
+    monkeypatch.setattr(record_module, "MIN_RUN_BYTES", 1)
+    rng = random.Random(7)
+    landed = 0
+    for _ in range(600):
+        shape = [rng.choice([1, 1, 2, 3, 4]) for _ in range(rng.randint(1, 5))]
+        dtype = rng.choice([torch.uint8, torch.bfloat16, torch.float32])
+        codec = RecordCodec(tuple(shape), dtype, verify_tokens=False, namespace=b"n")
+        flat = torch.zeros(4096, dtype=dtype)
+        big = [n + rng.choice([0, 0, 1, 2]) for n in shape]
+        perm = rng.sample(range(len(shape)), len(shape))
+        base = flat[rng.randint(0, 9) :][: math.prod(big)].view([big[p] for p in perm])
+        base = base.permute([perm.index(d) for d in range(len(shape))])
+        dst = base[tuple(slice(at, at + n) for at, n in ((rng.randint(0, b - n), n) for b, n in zip(big, shape)))]
+        strides = [rng.choice([0, 7, 300]) if n == 1 and rng.random() < 0.5 else s for n, s in zip(shape, dst.stride())]
+        if rng.random() < 0.1 and max(shape) > 1:
+            strides[shape.index(max(shape))] = 0  # an expanded dimension: its runs overlap
+        dst = torch.as_strided(dst, shape, strides, dst.storage_offset())
+        runs = codec.landing(dst)
+        if any(n > 1 and s == 0 for n, s in zip(shape, strides)):
+            assert runs is None  # its runs would overlap
+            continue
+        if runs is None:
+            continue
+        landed += 1
+        payload = torch.randint(1, 256, (codec.block_bytes,), dtype=torch.uint8)
+        mine = torch.zeros(flat.numel(), dtype=torch.bool)
+        torch.as_strided(mine, shape, dst.stride(), dst.storage_offset()).fill_(True)
+        before = flat.clone()
+        at = 0
+        for run in runs:
+            run[:] = payload[at : at + run.nbytes].numpy().tobytes()
+            at += run.nbytes
+        assert at == codec.block_bytes and torch.equal(dst.contiguous().view(torch.uint8).flatten(), payload)
+        assert torch.equal(flat[~mine].view(torch.uint8), before[~mine].view(torch.uint8))
+    assert landed > 100
+
+
+def _crafted(case: str, value: bytes, block_hash: bytes) -> bytes:
+    """Block `block_hash`'s sound record `value` made into what a buggy or hostile server
+    could hold under its key."""
+    header, payload = parse_record(value, block_hash)
+    block = WIDE.block_bytes(BLOCK)
+    if case == "a block's bytes exactly":
+        return value[-block:]
+    if case == "a block's bytes and five more":
+        return value[-block - 5 :]
+    if case == "the record and three bytes more":
+        return value + b"abc"
+    if case == "a header length pointing into the payload":  # resealed: its checksum holds
+        moved = bytearray(value)
+        struct.pack_into("<I", moved, 4, struct.unpack_from("<I", moved, 4)[0] + 8)
+        h = xxhash.xxh3_64(bytes(moved[:8]))
+        h.update(bytes(moved[16:]))  # the checksum covers the magic, the length, then all past the prefix
+        struct.pack_into("<Q", moved, 8, h.intdigest())
+        return bytes(moved)
+    changed = {"another namespace": {"ns": b"other"}, "another key": {"key": b"\x01" * len(block_hash)},
+               "another layout": {"shape": [WIDE.num_layers, 2, BLOCK, WIDE.num_kv_heads // 2, 2 * WIDE.head_dim]},
+               "a raw payload said to be zstd": {"c": CodecKind.ZSTD.value, "el": "bfloat16"}}[case]
+    return bytes(pack_record({**header, **changed}, payload))
+
+
+@pytest.mark.parametrize("case", ["a block's bytes exactly", "a block's bytes and five more",
+                                  "the record and three bytes more", "a header length pointing into the payload",
+                                  "another namespace", "another key", "another layout",
+                                  "a raw payload said to be zstd"])
+def test_a_crafted_value_under_a_blocks_key_is_a_counted_miss_never_a_hit(server: RedisServer, case: str) -> None:
+    """Whatever lengths and fields a value under block 2's key has (whole, landed, or
+    landed then joined), it is a counted miss that ends the prefix there and is deleted;
+    the blocks before it are exact."""
+    t, kv = _tokens(4, seed=8), _kv(4 * BLOCK, seed=8)
+    with _store(server.url) as store:
+        assert store.store(t, kv) == len(t) and store.flush()
+        block_hash = bytes(store.block_hashes(t)[2])
+        key = _remote(store).server_key(store.block_hashes(t)[2])
+        raw = redis.Redis(port=server.port)
+        raw.set(key, _crafted(case, raw.get(key), block_hash))
+        out = torch.zeros_like(kv)
+        assert store.retrieve(t, out=out).num_tokens == 2 * BLOCK
+        assert torch.equal(out[:, :, : 2 * BLOCK], kv[:, :, : 2 * BLOCK])
+        assert _remote(store).stats().num_corrupt == 1 and raw.exists(key) == 0
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[RedisServer, str]]:
+    """A real redis-server speaking TLS on a port of its own (a self-signed certificate),
+    plain TCP on its usual one; skipped where openssl or the server's TLS is missing."""
+    need_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    port = free_port()
+    try:
+        with redis_server("--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+                          "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no") as s:
+            yield s, f"rediss://127.0.0.1:{port}?ssl_cert_reqs=none"
+    except RedisServerError:
+        pytest.skip("this redis-server has no TLS")
+
+
+def test_over_tls_values_land_run_by_run_and_a_damaged_one_is_a_counted_miss(
+        tls_server: tuple[RedisServer, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`rediss://` (no `recvmsg_into` on a TLS socket): each value lands run by run in the
+    rows of `out`, exact, with lanes; a value damaged in its payload ends the prefix."""
+    server, url = tls_server
+    t, kv = _tokens(24, seed=9), _kv(24 * BLOCK, seed=9)
+    with _store(url, connections_per_node=4) as store:
+        assert store.store(t, kv) == len(t) and store.flush()
+        calls = _Calls(_remote(store), monkeypatch)
+        out = torch.zeros_like(kv)
+        assert store.retrieve(t, out=out).num_tokens == len(t) and torch.equal(out, kv)
+        assert calls.counts == {"take": 0, "take_landed": 24, "copy_out": 0}
+        key = _remote(store).server_key(store.block_hashes(t)[5])
+        raw = redis.Redis(port=server.port)
+        raw.setrange(key, raw.strlen(key) - 1, b"\xff" if raw.getrange(key, -1, -1) != b"\xff" else b"\x00")
+        out = torch.zeros_like(kv)
+        assert store.retrieve(t, out=out).num_tokens == 5 * BLOCK
+        assert torch.equal(out[:, :, : 5 * BLOCK], kv[:, :, : 5 * BLOCK])
+        assert _remote(store).stats().num_corrupt == 1
