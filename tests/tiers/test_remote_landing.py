@@ -6,6 +6,7 @@ be dropped never lands. Real sockets and a real `redis-server`.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import shutil
@@ -148,6 +149,40 @@ def test_a_bulk_value_longer_than_its_tail_is_split_and_a_shorter_one_is_not(
     assert reader.bulk_into(lambda n: None, 1 << 20, tail) == Oversized(len(value))  # dropped, tail untouched
     assert not any(target) and reader.reply() == 1 and reader.idle
     sender.join(5)
+
+
+def test_values_split_over_many_views_arrive_whole_however_the_stream_is_cut(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    """Tails of up to 20 views (empty ones, one-byte ones, more than one `recvmsg_into`
+    takes), values longer and shorter than the tail, sent in pieces of 1 byte to 200 KB
+    so the reader's own buffer holds none, part, all or more than a value: each value
+    arrives whole and in order, scattering or not, and the next reply is intact."""
+    rng = random.Random(11)
+    a, b = pair
+    for _ in range(60):
+        sizes = [rng.choice([0, 1, 5, 100, 4000, 70_000]) for _ in range(rng.randint(0, 20))]
+        tail_bytes = sum(sizes)
+        values = [rng.randbytes(tail_bytes + rng.choice([1, 30, 9000, 70_000]) if rng.random() < 0.8
+                                else rng.randint(0, tail_bytes)) for _ in range(3)]
+        stream = b"".join(b"$%d\r\n%s\r\n" % (len(v), v) for v in values) + b":7\r\n"
+        cuts = [0]
+        while cuts[-1] < len(stream):
+            cuts.append(cuts[-1] + rng.choice([1, 3, 100, 5000, 65_536, 200_000]))
+        pieces = [stream[i:j] for i, j in itertools.pairwise(cuts)]
+        sender = threading.Thread(target=lambda chunks=pieces: [b.sendall(c) for c in chunks], daemon=True)
+        sender.start()
+        reader = RespReader(a if rng.random() < 0.7 else _OneBufferAtATime(a))  # type: ignore[arg-type]
+        for value in values:
+            target = bytearray(tail_bytes)
+            ends = list(itertools.accumulate(sizes, initial=0))
+            got = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 22,
+                                   [memoryview(target)[i:j] for i, j in itertools.pairwise(ends)])
+            if len(value) > tail_bytes:
+                assert isinstance(got, Landed) and bytes(got.head) + target == value
+            else:
+                assert isinstance(got, memoryview) and bytes(got) == value and not any(target)
+        assert reader.reply() == 7 and reader.idle
+        sender.join(5)
 
 
 # -- the tier, against a real server -----------------------------------------------------------
