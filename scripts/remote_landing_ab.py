@@ -7,8 +7,10 @@ a faulted-in `[layers, 2, tokens, heads, dim]` buffer is timed with landing off 
 received into a record buffer, then checked and copied out: the code before) and on (the
 payload received straight into `out`'s rows), alternating off, on, on, off for `--rounds`
 rounds. Off is done by raising the smallest run landed (`MIN_RUN_BYTES`) past any block, so
-both sides run the same code otherwise. 256 KiB blocks have 4 KiB runs, below the 32 KiB
-that lands: both sides copy (a check on the noise). Median GB/s of each side and on / off.
+both sides run the same code otherwise. 256 KiB and 2 MiB blocks have runs of 4 and 32 KiB,
+below the 128 KiB that lands: both sides copy (a check on the noise); 32 MiB blocks have
+runs of 512 KiB. `--min-run` lands shorter runs on the "on" side (what 32 KiB would give).
+Median GB/s of each side and on / off.
 Table to stdout; JSON to `--out` (default results/remote_landing_ab_<time>.json).
 
     nice -n 5 python scripts/remote_landing_ab.py --connections 1,4
@@ -35,7 +37,7 @@ SIZES = {"256K": 2, "2M": 16, "32M": 256}  # value size -> tokens per block
 LANDS = record.MIN_RUN_BYTES
 
 
-def run(mib: int, rounds: int, connections: list[int]) -> dict[str, Any]:
+def run(mib: int, rounds: int, connections: list[int], lands: int = LANDS) -> dict[str, Any]:
     tokens = mib * 1024 // 128  # 128 KiB of KV per token
     t = np.arange(tokens, dtype=np.uint32)
     kv = torch.randn(LLAMA_3_8B.block_shape(tokens), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -55,7 +57,7 @@ def run(mib: int, rounds: int, connections: list[int]) -> dict[str, Any]:
                     assert store.flush(), "the remote tier did not flush"
                     store.retrieve(t, out=out)  # warm: connections, record buffers, out faulted in
                     for side in ["off", "on", "on", "off"] * rounds:
-                        record.MIN_RUN_BYTES = LANDS if side == "on" else 1 << 62
+                        record.MIN_RUN_BYTES = lands if side == "on" else 1 << 62
                         t0 = time.perf_counter()
                         got = store.retrieve(t, out=out).num_tokens
                         runs[side].append(nbytes / (time.perf_counter() - t0) / 1e9)
@@ -70,7 +72,7 @@ def run(mib: int, rounds: int, connections: list[int]) -> dict[str, Any]:
                       f"on/off {on / off:5.3f}", flush=True)
     finally:
         server.stop()
-    return {"mib": mib, "rounds": rounds, "connections": connections, "results": results}
+    return {"mib": mib, "rounds": rounds, "connections": connections, "min_run_bytes": lands, "results": results}
 
 
 def main() -> None:
@@ -78,9 +80,10 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", default="1,4")
+    parser.add_argument("--min-run", type=int, default=LANDS, help="smallest run landed on the 'on' side (bytes)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report = run(args.mib, args.rounds, [int(c) for c in args.connections.split(",")])
+    report = run(args.mib, args.rounds, [int(c) for c in args.connections.split(",")], args.min_run)
     out = Path(args.out or f"results/remote_landing_ab_{time.strftime('%Y%m%d_%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

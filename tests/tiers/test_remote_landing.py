@@ -36,8 +36,8 @@ from tiers.remote.tier import RemoteTier
 from tiers.shared import record as record_module
 from tiers.shared.record import MIN_RUN_BYTES, RecordCodec, pack_record, parse_record
 
-# 32 KiB rows: a block of 16 tokens is 4 runs of 32 KiB in a `[layers, 2, tokens, heads, dim]` tensor.
-WIDE = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+# 128 KiB rows: a block of 16 tokens is 4 runs of 128 KiB in a `[layers, 2, tokens, heads, dim]` tensor.
+WIDE = KVLayout(num_layers=2, num_kv_heads=32, head_dim=128, dtype=torch.bfloat16)
 BLOCK = 16
 
 

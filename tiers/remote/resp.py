@@ -104,16 +104,23 @@ def send_all(sock: Socket, buffers: Sequence[Buffer], *, gather: bool = True) ->
     views = [memoryview(b).cast("B") for b in buffers]
     i = 0
     while i < len(views):
-        sent = sock.sendmsg(views[i : i + _IOV_MAX])
-        while sent:
-            size = views[i].nbytes
-            if sent < size:
-                views[i] = views[i][sent:]
-                break
-            sent -= size
-            i += 1
+        i = _consume(views, i, sock.sendmsg(views[i : i + _IOV_MAX]))
         while i < len(views) and not views[i].nbytes:
             i += 1
+
+
+def _consume(views: list[memoryview], i: int, n: int) -> int:
+    """Mark the next `n` bytes of `views` from `views[i]` on done, in order (a system call
+    moved them): views wholly done are passed over, one partly done is cut to its rest.
+    Returns the index of the first view not wholly done."""
+    while n:
+        size = views[i].nbytes
+        if n < size:
+            views[i] = views[i][n:]
+            return i
+        n -= size
+        i += 1
+    return i
 
 
 class RespReader:
@@ -194,13 +201,7 @@ class RespReader:
             n = self._sock.recvmsg_into(pending[i : i + _SCATTER])[0]
             if n == 0:
                 raise ConnectionError("the server closed the connection")
-            while n:
-                size = pending[i].nbytes
-                if n < size:
-                    pending[i] = pending[i][n:]
-                    break
-                n -= size
-                i += 1
+            i = _consume(pending, i, n)
 
     def _crlf(self) -> None:
         while self._end - self._start < 2:
