@@ -79,8 +79,11 @@ def test_bench_procs_writes_rates_and_ratios(tier: str, tmp_path: Path, monkeypa
         assert r["read_vs_raw"] == pytest.approx(t["read_gbps"] / raw["read_gbps"])
         assert 0 < t["lookup_p50_us"] <= t["lookup_p99_us"]
         assert r["lookup_p99_vs_one_process"] == pytest.approx(t["lookup_p99_us"] / one)
+        assert out["burst_us"] <= raw["burst_p50_us"] <= raw["burst_p99_us"]  # a burst lasts at least its length
+        assert r["lookup_p99_vs_burst"] == pytest.approx(t["lookup_p99_us"] / raw["burst_p99_us"])
         assert set(r["goals_met"]) == {"aggregate_vs_raw", "lookup_p99", "no_writer_starved"}
-    assert "p99 vs 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "p99 vs 1" in printed and "p99 vs burst" in printed
 
 
 def test_scale_disk_times_lookups_on_a_whole_prompt(tmp_path: Path) -> None:
