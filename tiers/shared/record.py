@@ -82,16 +82,21 @@ def _seal(buf: bytearray | memoryview, hlen: int) -> None:
     _PREFIX.pack_into(buf, 0, _MAGIC, hlen, _digest(mv[:_COVERED], (mv[_PREFIX.size :],)))
 
 
-def _prefix(mv: memoryview) -> tuple[int, int]:
-    """The header length and checksum a record's prefix (at the front of `mv`) states."""
+def _parse(mv: memoryview, block_hash: bytes, tail: Sequence[memoryview]) -> tuple[dict[str, object], int]:
+    """The header (and its length) of the record `mv` then `tail` (the payload's views, or
+    none: the payload is the rest of `mv`), checked as `parse_record` says; with `tail`, `mv`
+    must end where the header does."""
     if len(mv) < _PREFIX.size:
         raise CorruptRecordError("record shorter than its prefix")
     magic, hlen, xxh = _PREFIX.unpack(mv[: _PREFIX.size])
     if magic == _OLD_MAGIC:
         raise UnverifiableRecordError("a record of format 1 (its checksum does not cover its header), not read")
-    if magic != _MAGIC or _PREFIX.size + hlen > len(mv):
+    if magic != _MAGIC or _PREFIX.size + hlen > len(mv) or (tail and _PREFIX.size + hlen != len(mv)):
         raise CorruptRecordError("bad magic or header length")
-    return hlen, xxh
+    if _digest(mv[:_COVERED], (mv[_PREFIX.size :], *tail)) != xxh:
+        raise CorruptRecordError("checksum mismatch")
+    payload_bytes = len(mv) - _PREFIX.size - hlen + sum(part.nbytes for part in tail)
+    return _header(mv, hlen, block_hash, payload_bytes), hlen
 
 
 def _header(mv: memoryview, hlen: int, block_hash: bytes, payload_bytes: int) -> dict[str, object]:
@@ -121,11 +126,8 @@ def parse_record(value: memoryview | bytes, block_hash: bytes) -> tuple[dict[str
     `UnverifiableRecordError` for a record of format 1. Says nothing about whether it is
     this tier's."""
     mv = memoryview(value).cast("B")
-    hlen, xxh = _prefix(mv)
-    if _digest(mv[:_COVERED], (mv[_PREFIX.size :],)) != xxh:
-        raise CorruptRecordError("checksum mismatch")
-    payload = mv[_PREFIX.size + hlen :]
-    return _header(mv, hlen, block_hash, len(payload)), payload
+    hdr, hlen = _parse(mv, block_hash, ())
+    return hdr, mv[_PREFIX.size + hlen :]
 
 
 def header_ends(head: memoryview) -> bool:
@@ -138,13 +140,7 @@ def header_ends(head: memoryview) -> bool:
 def parse_head(head: memoryview, tail: Sequence[memoryview], block_hash: bytes) -> dict[str, object]:
     """`parse_record` of a record received in parts: `head` (its prefix and header, whole:
     `header_ends`), then its payload in the views `tail`, in order; the header."""
-    mv = head.cast("B")
-    hlen, xxh = _prefix(mv)
-    if _PREFIX.size + hlen != len(mv):
-        raise CorruptRecordError("bad magic or header length")
-    if _digest(mv[:_COVERED], (mv[_PREFIX.size :], *tail)) != xxh:
-        raise CorruptRecordError("checksum mismatch")
-    return _header(mv, hlen, block_hash, sum(part.nbytes for part in tail))
+    return _parse(head.cast("B"), block_hash, tail)[0]
 
 
 class RecordCodec:
@@ -284,22 +280,23 @@ class RecordCodec:
         codec it does not know or accept, or an encoding of another element dtype or group;
         format 1). An encoded payload's bytes are checked by `copy_out`."""
         hdr, payload = parse_record(value, key.block_hash)
-        return Payload(payload, self._check(hdr, len(payload), key))
+        return Payload(payload, self._check(hdr, key))
 
     def decode_landed(self, head: memoryview, tail: Sequence[memoryview], key: BlockKey) -> int:
         """`decode` of a record received as `head` (its prefix and header, whole) and then its
         payload in `tail` (`landing`'s views); its codec id (0: raw, the payload is in place)."""
-        return self._check(parse_head(head, tail, key.block_hash), sum(part.nbytes for part in tail), key)
+        return self._check(parse_head(head, tail, key.block_hash), key)
 
-    def _check(self, hdr: dict[str, object], payload_bytes: int, key: BlockKey) -> int:
-        """The codec id of a record whose header `hdr` is sound, once its namespace, layout,
-        token ids and encoding are found this reader's (see `decode`)."""
+    def _check(self, hdr: dict[str, object], key: BlockKey) -> int:
+        """The codec id of a record whose header `hdr` is sound (its "n" the payload's length,
+        as `parse_record` checked), once its namespace, layout, token ids and encoding are
+        found this reader's (see `decode`)."""
         if hdr.get("ns") != self._namespace:
             raise CorruptRecordError("record of another namespace under this key")
         codec_id = hdr["c"]
         assert isinstance(codec_id, int)  # `parse_record` checked it
         if hdr.get("dtype") != self._dtype_name or hdr.get("shape") != self._shape or (
-                codec_id == 0 and payload_bytes != self._block_bytes):
+                codec_id == 0 and hdr["n"] != self._block_bytes):
             raise CorruptRecordError("record layout differs from this tier's")
         tokens = hdr["tok"]
         assert isinstance(tokens, bytes)  # `parse_record` checked it
