@@ -19,6 +19,12 @@ stores the bare bytes and checks only their length.
 
 `--remote-connections 1,4` runs one kvstrata side per value of the tier's
 `connections_per_node`, in the same rounds, each row naming its count.
+
+Rows named "block API" time the same prompts, in the same child, through the engine API
+(`store.blocks.save` then `flush()`, `store.blocks.load`) from and into contiguous block
+tensors, as LMCache's memory objects are: what LMCache's side does, where `retrieve(out=)`
+also scatters each value into `out`'s rows of a `[layers, 2, tokens, heads, dim]` tensor
+(64 rows of 4 KiB per 256 KiB value), a copy LMCache's side leaves to a later step.
 """
 
 from __future__ import annotations
@@ -69,7 +75,34 @@ def kvstrata_side(spec: dict[str, Any]) -> dict[str, Any]:
             assert got == len(tokens), f"the remote tier read {got} of {len(tokens)} tokens"
         out["read_s"] = time.perf_counter() - t0
         assert all(torch.equal(d.view(torch.int16), kv.view(torch.int16)) for d, (_, kv) in zip(dsts, prompts))
+        out.update(_block_api(store, prompts, spec["block_tokens"]))
     return out
+
+
+def _block_api(store: Any, prompts: list[tuple[Any, Any]], block_tokens: int) -> dict[str, float]:
+    """The same prompts through the engine API (`store.blocks.save`/`load`) from and into
+    contiguous block tensors, as LMCache's memory objects are (copied from the KV untimed, as
+    LMCache's are); the namespace cleared first, untimed."""
+    import torch
+
+    store.clear()
+    keys = [store.keys(tokens) for tokens, _ in prompts]
+    srcs = [[kv[:, :, i * block_tokens : (i + 1) * block_tokens].contiguous() for i in range(len(k))]
+            for k, (_, kv) in zip(keys, prompts)]
+    dsts = [[torch.zeros_like(s) for s in blocks] for blocks in srcs]  # faulted in
+    t0 = time.perf_counter()
+    for k, blocks in zip(keys, srcs):
+        store.blocks.save(k, blocks)
+    assert store.flush(), "the remote tier did not flush"
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k, blocks in zip(keys, dsts):
+        got = store.blocks.load(k, blocks).num_blocks
+        assert got == len(k), f"the remote tier loaded {got} of {len(k)} blocks"
+    read_s = time.perf_counter() - t0
+    assert all(torch.equal(d.view(torch.int16), s.view(torch.int16))
+               for ds, ss in zip(dsts, srcs) for d, s in zip(ds, ss))
+    return {"blocks_write_s": write_s, "blocks_read_s": read_s}
 
 
 def _child(side: str, spec: dict[str, Any], python: str) -> dict[str, Any]:
@@ -142,7 +175,10 @@ def rows(remote: dict[str, Any]) -> list[list[Any]]:
             lm = med("lmcache", label, key)
             for c in connections:
                 side = side_name(c, connections)
-                k = med(side, label, key)
-                name = f"remote {what} {label} values" + ("" if side == "kvstrata" else f", {c} connections")
-                out.append([f"{name} (GB/s)", k, lm, k / lm if lm == lm else "-"])
+                for api, prefix in (("", ""), (", block API", "blocks_")):
+                    if not all(prefix + key in r for r in res.get(side, {}).get(label, [])):
+                        continue  # a report from before the block API's rows
+                    k = med(side, label, prefix + key)
+                    name = f"remote {what} {label} values{api}" + ("" if side == "kvstrata" else f", {c} connections")
+                    out.append([f"{name} (GB/s)", k, lm, k / lm if lm == lm else "-"])
     return out

@@ -37,7 +37,8 @@ SIZES = {"256K": 2, "2M": 16, "32M": 256}  # value size -> tokens per block
 LANDS = record.MIN_RUN_BYTES
 
 
-def run(mib: int, rounds: int, connections: list[int], lands: int = LANDS) -> dict[str, Any]:
+def run(mib: int, rounds: int, connections: list[int], lands: int = LANDS,
+        sizes: dict[str, int] | None = None) -> dict[str, Any]:
     tokens = mib * 1024 // 128  # 128 KiB of KV per token
     t = np.arange(tokens, dtype=np.uint32)
     kv = torch.randn(LLAMA_3_8B.block_shape(tokens), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -47,7 +48,7 @@ def run(mib: int, rounds: int, connections: list[int], lands: int = LANDS) -> di
     results: dict[str, Any] = {}
     try:
         for conns in connections:
-            for label, block in SIZES.items():
+            for label, block in (sizes or SIZES).items():
                 tier = {"type": "remote", "url": server.url, "connections_per_node": conns}
                 cfg = StoreConfig(LLAMA_3_8B, block_size=block, tiers=[tier], namespace="landing-ab",
                                   result_buffer_bytes=0)
@@ -81,9 +82,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--connections", default="1,4")
     parser.add_argument("--min-run", type=int, default=LANDS, help="smallest run landed on the 'on' side (bytes)")
+    parser.add_argument("--tokens", default=None,
+                        help="tokens per block, comma-separated (default 2,16,256: 256 KiB, 2 MiB, 32 MiB values)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    report = run(args.mib, args.rounds, [int(c) for c in args.connections.split(",")], args.min_run)
+    sizes = {f"{int(t) * 128}K": int(t) for t in args.tokens.split(",")} if args.tokens else None
+    report = run(args.mib, args.rounds, [int(c) for c in args.connections.split(",")], args.min_run, sizes)
     out = Path(args.out or f"results/remote_landing_ab_{time.strftime('%Y%m%d_%H%M%S')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -28,6 +28,7 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
                           "--rounds", "1", "--workdir", str(tmp_path), "--remote-mib", "32"]) == 0
     out = capsys.readouterr().out
     assert "LMCache is not installed here" in out and "remote read 32M values" in out
+    assert "remote read 256K values, block API" in out  # the engine API's rows, contiguous blocks
     data = json.loads((results_dir / "peer.json").read_text())
     side = data["results"]["kvstrata"][0]
     assert side["restart_hit_tokens"] == 256 and side["write_s"] > 0 and side["lookup_256_us"] > 0
@@ -35,7 +36,7 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
     remote = data["remote"]["results"]  # the remote tier against a redis-server the bench started
     assert set(remote) == {"kvstrata"} and set(remote["kvstrata"]) == {"256K", "2M", "32M"}
     assert all(r[0]["bytes"] == 32 << 20 and r[0]["write_s"] > 0 and r[0]["read_s"] > 0
-               for r in remote["kvstrata"].values())
+               and r[0]["blocks_write_s"] > 0 and r[0]["blocks_read_s"] > 0 for r in remote["kvstrata"].values())
 
 
 def test_peer_refuses_bad_token_counts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,7 +47,7 @@ _OLD_MAGIC = b"KVS1"  # format 1: its checksum covered key, namespace, tokens an
 _PREFIX = struct.Struct("<4sIQ")  # magic, header length, checksum
 _COVERED = 8  # the prefix's bytes before the checksum (covered by it)
 MAX_RUNS = 1024  # a block received in place in at most this many runs (`RecordCodec.landing`)
-MIN_RUN_BYTES = 128 << 10  # ... each of at least this many bytes (shorter: a receive and a copy cost no more)
+MIN_RUN_BYTES = 32 << 10  # ... each of at least this many bytes (shorter: a receive and a copy cost less)
 
 
 class Payload(NamedTuple):
