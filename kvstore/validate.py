@@ -83,8 +83,13 @@ def check_disjoint(tensors: Sequence[torch.Tensor], what: str) -> None:
     if len(tensors) == 1 and _spread(tensors[0]):
         return  # one tensor laid out without overlap (a contiguous one, or block rows of it)
     by_device: dict[torch.device, list[np.ndarray]] = {}
+    spans: dict[torch.device, list[tuple[int, int]]] = {}  # contiguous tensors: one run each
     for t in tensors:
         if t.numel() == 0:
+            continue
+        if t.is_contiguous():
+            start = t.data_ptr()
+            spans.setdefault(t.device, []).append((start, start + t.numel() * t.element_size()))
             continue
         if any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
             raise InvalidInputError(f"{what}: a tensor has expanded (stride-0) dimensions; its elements alias")
@@ -94,6 +99,8 @@ def check_disjoint(tensors: Sequence[torch.Tensor], what: str) -> None:
                 raise InvalidInputError(f"{what}: cannot prove the destination tensors disjoint")
             continue
         by_device.setdefault(t.device, []).append(runs)
+    for device, listed in spans.items():
+        by_device.setdefault(device, []).append(np.array(listed, dtype=np.int64))
     for groups in by_device.values():
         runs = np.concatenate(groups)
         runs = runs[np.argsort(runs[:, 0], kind="stable")]

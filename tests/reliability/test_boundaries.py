@@ -6,6 +6,7 @@ behaviour: a clear error that changes nothing, or a miss, never another block's 
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -67,7 +68,20 @@ def test_aliased_destinations_are_refused_and_promotion_stays_exact(tmp_path: Pa
         overlapping = [whole[:, :, i : i + BLOCK] for i in (0, BLOCK // 2, BLOCK)]
         with pytest.raises(InvalidInputError, match="overlap"):
             store.blocks.load(store.keys(tokens), overlapping)
+        shape = LAYOUT.block_shape(BLOCK)
+        size = math.prod(shape)
+        flat = torch.empty(4 * size, dtype=LAYOUT.dtype)
+        contiguous = [flat[at : at + size].view(shape) for at in (0, size, 2 * size - 1)]
+        with pytest.raises(InvalidInputError, match="overlap"):  # contiguous blocks sharing one element
+            store.blocks.load(store.keys(tokens), contiguous)
+        mixed = [whole.view(-1)[:size].view(shape), whole[:, :, BLOCK:], flat[:size].view(shape)]
+        with pytest.raises(InvalidInputError, match="overlap"):  # a contiguous block over a strided one
+            store.blocks.load(store.keys(tokens), mixed)
         assert len(store.tiers[0]) == 0  # nothing was promoted by the refused calls
+        apart = [flat[at : at + size].view(shape) for at in (0, size, 2 * size)]
+        assert store.blocks.load(store.keys(tokens), apart).num_blocks == 3  # adjacent, not overlapping: read
+        check_kv(tokens, torch.cat(apart, dim=2), 3 * BLOCK, LAYOUT, BLOCK)
+        store.tiers[0].clear()
         res = store.retrieve(tokens)  # promotes the three blocks
         check_kv(tokens, res.kv, res.num_tokens, LAYOUT, BLOCK)
         res = store.retrieve(tokens)  # now served by the CPU tier: its bytes are the right ones

@@ -23,6 +23,7 @@ _SMALL = 4096  # arguments shorter than this are copied into the command's heade
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 _SCATTER = 8  # views per recvmsg_into (a receive fills a few: more would be converted for nothing)
 _READ_SIZE = 1 << 16  # the reader's own buffer
+_SPARE = 4096  # of it, received into with a value's last views (more: payload bytes copied out of it later)
 SMALL_REPLY = 64  # the bound of a reply that is a status, an integer or a short string
 _PUSH_BYTES = 1 << 16  # the bound of a RESP3 push message skipped before a reply
 _MAX_DEPTH = 8  # aggregates nested deeper are a protocol error
@@ -197,10 +198,19 @@ class RespReader:
             self._start += take
             pending[i] = pending[i][take:]
             i += not pending[i].nbytes
+        if self._start == self._end:
+            self._start = self._end = 0
         while i < len(pending):
-            n = self._sock.recvmsg_into(pending[i : i + _SCATTER])[0]
+            batch = pending[i : i + _SCATTER]
+            rest = sum(v.nbytes for v in batch) if i + _SCATTER >= len(pending) else -1
+            if rest >= 0 and self._end < len(self._buf):  # the last views: what follows them (the CRLF, the
+                batch.append(self._view[self._end : self._end + _SPARE])  # next reply's head) comes in the same call
+            n = self._sock.recvmsg_into(batch)[0]
             if n == 0:
                 raise ConnectionError("the server closed the connection")
+            if 0 <= rest < n:
+                self._end += n - rest
+                n = rest
             i = _consume(pending, i, n)
 
     def _crlf(self) -> None:

@@ -255,6 +255,9 @@ class RecordCodec:
                 or dst.stride()[-1] != 1:
             return None
         u8 = dst.detach().view(torch.uint8)
+        if u8.is_contiguous():  # one run (a staging buffer's or the pool's block)
+            flat = u8.view(-1).numpy()
+            return [flat.data] if flat.flags.writeable else None
         shape, strides = u8.shape, u8.stride()
         lead, run = len(shape), 1
         while lead and (shape[lead - 1] == 1 or strides[lead - 1] == run):
