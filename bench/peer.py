@@ -160,7 +160,8 @@ def run(prompts: int = 4, prompt_tokens: int = 4096, lookup_tokens: list[int] | 
         remote["table"] = peer_remote.rows(remote)
         print_table(f"kvstrata remote tier vs LMCache resp://, {remote['mib']} MiB of the same KV per value size, "
                     f"one redis-server (median of {rounds} interleaved rounds)",
-                    ["measure", "kvstrata", "LMCache", "kvstrata / LMCache"], remote["table"])
+                    ["measure", "kvstrata", "LMCache", "minimal client", "kvstrata / LMCache", "kvstrata / minimal"],
+                    remote["table"])
         report["remote"] = remote
     return report
 
@@ -213,8 +214,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from bench.peer_raw_resp import raw_side as minimal_side
     from bench.peer_remote import kvstrata_side as remote_side
 
     request = json.loads(sys.argv[1])
-    fn = {"kvstrata": kvstrata_side, "kvstrata-remote": remote_side, "raw": raw_side}[request.pop("side")]
+    fn = {"kvstrata": kvstrata_side, "kvstrata-remote": remote_side, "minimal-remote": minimal_side,
+          "raw": raw_side}[request.pop("side")]
     print(json.dumps(fn(request)), flush=True)

@@ -25,6 +25,10 @@ Rows named "block API" time the same prompts, in the same child, through the eng
 tensors, as LMCache's memory objects are: what LMCache's side does, where `retrieve(out=)`
 also scatters each value into `out`'s rows of a `[layers, 2, tokens, heads, dim]` tensor
 (64 rows of 4 KiB per 256 KiB value), a copy LMCache's side leaves to a later step.
+
+The "minimal client" column (`bench/peer_raw_resp.py`, its own child in the same rounds) is
+the floor: the same bytes as bare values, pipelined on one connection by a client with no
+checks and almost no Python per value.
 """
 
 from __future__ import annotations
@@ -110,6 +114,8 @@ def _child(side: str, spec: dict[str, Any], python: str) -> dict[str, Any]:
 
     if side == "lmcache":
         cmd = [python, str(_WORKER), json.dumps({**spec, "phase": "remote"})]
+    elif side == "minimal":
+        cmd = [sys.executable, "-m", "bench.peer", json.dumps({**spec, "side": "minimal-remote"})]
     else:
         cmd = [sys.executable, "-m", "bench.peer", json.dumps({**spec, "side": "kvstrata-remote"})]
     done = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
@@ -131,7 +137,7 @@ def run(mib: int, rounds: int, lmcache: str | None, connections: tuple[int, ...]
         print("redis-server is not installed here: no remote rows")
         return None
     per_side = {side_name(c, connections): c for c in connections}
-    sides = list(per_side) + (["lmcache"] if lmcache else [])
+    sides = [*per_side, "minimal"] + (["lmcache"] if lmcache else [])
     tokens = max(256, mib * 8 // 256 * 256)  # 128 KiB per token, whole 32 MiB chunks
     results: dict[str, dict[str, list[dict[str, Any]]]] = {s: {k: [] for k in SIZES} for s in sides}
     # No maxmemory: 8 of LMCache's 32 MiB SETs at once grow query buffers past a bound that
@@ -161,7 +167,8 @@ def _flushall(url: str) -> None:
 
 
 def rows(remote: dict[str, Any]) -> list[list[Any]]:
-    """Table rows: per size, store and read GB/s of both sides (medians) and their ratio."""
+    """Table rows: per size, store and read GB/s of kvstrata, LMCache and the minimal client
+    (medians), and kvstrata's ratios to the other two."""
     res = remote["results"]
     out: list[list[Any]] = []
 
@@ -172,7 +179,7 @@ def rows(remote: dict[str, Any]) -> list[list[Any]]:
     connections = tuple(remote.get("connections", [4]))
     for label in SIZES:
         for what, key in (("store", "write_s"), ("read", "read_s")):
-            lm = med("lmcache", label, key)
+            lm, floor = med("lmcache", label, key), med("minimal", label, key)
             for c in connections:
                 side = side_name(c, connections)
                 for api, prefix in (("", ""), (", block API", "blocks_")):
@@ -180,5 +187,6 @@ def rows(remote: dict[str, Any]) -> list[list[Any]]:
                         continue  # a report from before the block API's rows
                     k = med(side, label, prefix + key)
                     name = f"remote {what} {label} values{api}" + ("" if side == "kvstrata" else f", {c} connections")
-                    out.append([f"{name} (GB/s)", k, lm, k / lm if lm == lm else "-"])
+                    out.append([f"{name} (GB/s)", k, lm, floor, k / lm if lm == lm else "-",
+                                k / floor if floor == floor else "-"])
     return out

@@ -34,7 +34,8 @@ def test_peer_without_lmcache_runs_the_kvstrata_side(results_dir: Path, tmp_path
     assert side["restart_hit_tokens"] == 256 and side["write_s"] > 0 and side["lookup_256_us"] > 0
     assert "lmcache" not in data["results"]
     remote = data["remote"]["results"]  # the remote tier against a redis-server the bench started
-    assert set(remote) == {"kvstrata"} and set(remote["kvstrata"]) == {"256K", "2M", "32M"}
+    assert set(remote) == {"kvstrata", "minimal"} and set(remote["kvstrata"]) == {"256K", "2M", "32M"}
+    assert all(r[0]["bytes"] == 32 << 20 and r[0]["read_s"] > 0 for r in remote["minimal"].values())  # the floor
     assert all(r[0]["bytes"] == 32 << 20 and r[0]["write_s"] > 0 and r[0]["read_s"] > 0
                and r[0]["blocks_write_s"] > 0 and r[0]["blocks_read_s"] > 0 for r in remote["kvstrata"].values())
 
