@@ -23,6 +23,7 @@ from kvstore import KVLayout
 from tests.reliability.kvgen import BLOCK
 from tiers.keys import BlockHash, BlockKey
 from tiers.remote.client import Server
+from tiers.remote.lanes import Lanes
 from tiers.remote.stream import Op, command
 from tiers.remote.tier import RemoteTier
 
@@ -196,3 +197,37 @@ def test_a_write_whose_lane_is_cut_mid_way_counts_every_block_it_lost(cut_at: in
                 assert all(_same(o, b) for o, b in zip(out[:got], blocks[:got]))
             finally:
                 tier.close()
+
+
+def test_an_interrupt_in_the_callers_lane_returns_only_once_the_running_lanes_ended() -> None:
+    """Ctrl-C (a `KeyboardInterrupt`) in the caller's lane: `run` raises it only after the lane
+    a worker runs has ended (it writes into the call's buffers), and a lane no thread started
+    never starts afterwards."""
+    lanes = Lanes(1, "interrupt-test")
+    started, release = threading.Event(), threading.Event()
+    log: list[str] = []
+
+    def worker_lane() -> str:
+        started.set()
+        release.wait(5)
+        time.sleep(0.2)  # still writing when the caller's lane is interrupted
+        log.append("worker lane ended")
+        return "w"
+
+    def callers_lane() -> str:
+        assert started.wait(5)
+        release.set()
+        raise KeyboardInterrupt
+
+    def never() -> str:
+        log.append("a lane started after the call")
+        return "n"
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lanes.run([callers_lane, worker_lane, never])  # lane 0 is the caller's
+        assert log == ["worker lane ended"]  # ended before run raised; the third never ran
+        time.sleep(0.3)
+        assert log == ["worker lane ended"]
+    finally:
+        lanes.close()

@@ -44,7 +44,9 @@ class Lanes:
             self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix=self._name)
 
     def run(self, lanes: Sequence[Callable[[], T]]) -> list[T | Exception]:
-        """Each lane's result (or the exception it raised), in order, once every lane ended."""
+        """Each lane's result (or the exception it raised), in order, once every lane ended.
+        A `BaseException` (Ctrl-C) raised in the caller's thread is raised once the lanes
+        under way have ended, and the lanes not yet started never start."""
         results: list[T | Exception | None] = [None] * len(lanes)
         claimed = [threading.Lock() for _ in lanes]
         ended = [threading.Event() for _ in lanes]
@@ -67,10 +69,15 @@ class Lanes:
                 except RuntimeError:  # the interpreter is shutting down: no worker starts now
                     self._pool.shutdown(wait=False, cancel_futures=True)
                     self._pool = None
-        for k in range(len(lanes)):
-            attempt(k)
-        for event in ended:
-            event.wait()
+        try:
+            for k in range(len(lanes)):
+                attempt(k)
+        finally:  # also on a KeyboardInterrupt in the caller's lane: no lane outlives the call
+            for k in range(len(lanes)):
+                if claimed[k].acquire(blocking=False):  # not started: no thread will start it now
+                    ended[k].set()
+            for event in ended:
+                event.wait()
         return results  # type: ignore[return-value]  # every slot is set once its lane ended
 
     def close(self) -> None:
