@@ -16,7 +16,7 @@ import socket
 import struct
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +199,90 @@ def test_values_split_over_many_views_arrive_whole_however_the_stream_is_cut(
                 assert isinstance(got, memoryview) and bytes(got) == value and not any(target)
         assert reader.reply() == 7 and reader.idle
         sender.join(5)
+
+
+class _Capped:
+    """A real socket that hands over at most `caps(k)` bytes in its k-th system call (the
+    kernel's order kept: `recvmsg_into` fills the views given in turn), counting calls and bytes."""
+
+    def __init__(self, sock: socket.socket, caps: Callable[[int], int], gathers: bool = True) -> None:
+        self._sock, self._caps, self.gathers = sock, caps, gathers
+        self.calls = self.received = 0
+
+    def _counted(self, n: int) -> int:
+        self.calls, self.received = self.calls + 1, self.received + n
+        return n
+
+    def recv_into(self, buffer: Any, nbytes: int = 0) -> int:
+        return self._counted(self._sock.recv_into(memoryview(buffer).cast("B")[: self._caps(self.calls)]))
+
+    def recvmsg_into(self, buffers: Any) -> tuple[int, list[Any], int, Any]:
+        assert self.gathers, "a socket that cannot gather was asked to"
+        cut, left = [], self._caps(self.calls)
+        for buf in buffers:
+            if left:
+                cut.append(buf[:left])
+                left -= cut[-1].nbytes
+        got = self._sock.recvmsg_into(cut)
+        self._counted(got[0])
+        return got
+
+
+def _boundaries() -> Iterator[tuple[list[int], int]]:
+    """Tails of 1 to 12 views (more than one `recvmsg_into` takes) under every cap that cuts
+    them anywhere; tails of 29 KB under caps that leave the value's end, its CRLF and up to
+    4 KiB and more of what follows for one receive."""
+    for sizes in ([1], [3, 1, 5], [2] * 9, [1, 7, 2, 1, 3, 1, 1, 4, 2, 6, 1, 5]):
+        for cap in range(1, 91):
+            yield sizes, cap
+    for cap in (7000, 15_000, 20_000, 26_000, 40_000):
+        yield [20_000, 3, 9000], cap
+
+
+@pytest.mark.parametrize("gathers", [True, False])
+def test_a_values_last_receive_takes_no_more_than_what_follows_it_whatever_a_call_brings(
+        pair: tuple[socket.socket, socket.socket], gathers: bool) -> None:
+    """So that a value's head and tail are held in part, in whole or not at all on entry, and
+    its last receive fills its views exactly, stops short of them, or spills 1 byte to all 4
+    KiB of the spare (the CRLF and the next replies) into the reader's buffer: each value
+    arrives whole, the replies after it intact, the stream's every byte received once (what
+    `_charge` counts) and none asked for past it (a 2 s timeout)."""
+    a, b = pair
+    a.settimeout(2)
+    rng = random.Random(3)
+    for sizes, cap in _boundaries():
+        value = rng.randbytes(sum(sizes) + rng.choice([1, 2, 40]))
+        after = rng.randbytes(rng.choice([0, 3, 6000]))  # the next value: none, short, or longer than 4 KiB
+        stream = b"$%d\r\n%s\r\n$%d\r\n%s\r\n:7\r\n" % (len(value), value, len(after), after)
+        b.sendall(stream)
+        sock = _Capped(a, lambda k, c=cap: c, gathers)
+        reader = RespReader(sock)  # type: ignore[arg-type]
+        target = bytearray(sum(sizes))
+        ends = list(itertools.accumulate(sizes, initial=0))
+        got = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20,
+                               [memoryview(target)[i:j] for i, j in itertools.pairwise(ends)])
+        assert isinstance(got, Landed) and bytes(got.head) + target == value, (sizes, cap)
+        assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)) == after, (sizes, cap)
+        assert reader.reply() == 7 and reader.idle and sock.received == len(stream), (sizes, cap)
+
+
+def test_a_values_last_receive_brings_its_crlf_and_the_next_reply(pair: tuple[socket.socket, socket.socket]) -> None:
+    """The value's line read alone, the rest of the stream waiting: one `recvmsg_into`
+    receives the value's views, its CRLF and the replies after it; reading them makes no
+    system call."""
+    a, b = pair
+    value = bytes(range(256)) * 200
+    stream = b"$%d\r\n%s\r\n$5\r\nshort\r\n:7\r\n" % (len(value), value)
+    b.sendall(stream)
+    line = len(b"$%d\r\n" % len(value))
+    sock = _Capped(a, lambda k: line if k == 0 else 1 << 20)
+    reader = RespReader(sock)  # type: ignore[arg-type]
+    target = bytearray(len(value) - 100)
+    got = reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20,
+                           [memoryview(target)[i : i + 10_000] for i in range(0, len(target), 10_000)])
+    assert isinstance(got, Landed) and bytes(got.head) + target == value and sock.calls == 2
+    assert bytes(reader.bulk_into(lambda n: memoryview(bytearray(n)), 1 << 20)) == b"short" and reader.reply() == 7
+    assert sock.calls == 2 and reader.idle and sock.received == len(stream)
 
 
 # -- the tier, against a real server -----------------------------------------------------------
