@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,4 +52,14 @@ def write_results(name: str, payload: dict[str, object]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2, default=str))
     print(f"\nresults written to {path}")
+    return path
+
+
+def write_report(report: dict[str, Any], name: str, out: str | None = None) -> Path:
+    """Write a script's `report` as JSON to `out` (default results/<name>_<UTC time>.json,
+    its folder made); print and return the path."""
+    path = Path(out or f"results/{name}_{time.strftime('%Y%m%d_%H%M%S', time.gmtime())}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    print(f"results written to {path}")
     return path

@@ -15,7 +15,6 @@ Table to stdout; JSON to `--out` (default results/remote_cpu_split_<time>.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cli.output import write_report
 from cli.redis_servers import RedisServer
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
@@ -91,10 +91,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report = run(args.tokens, args.connections, args.rounds)
-    out = Path(args.out or f"results/remote_cpu_split_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"results written to {out}")
+    write_report(report, "remote_cpu_split", args.out)
 
 
 if __name__ == "__main__":

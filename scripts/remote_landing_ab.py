@@ -19,16 +19,15 @@ Table to stdout; JSON to `--out` (default results/remote_landing_ab_<time>.json)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 import tiers.shared.record as record
+from cli.output import write_report
 from cli.redis_servers import RedisServer
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
@@ -88,10 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = {f"{int(t) * 128}K": int(t) for t in args.tokens.split(",")} if args.tokens else None
     report = run(args.mib, args.rounds, [int(c) for c in args.connections.split(",")], args.min_run, sizes)
-    out = Path(args.out or f"results/remote_landing_ab_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"results written to {out}")
+    write_report(report, "remote_landing_ab", args.out)
 
 
 if __name__ == "__main__":

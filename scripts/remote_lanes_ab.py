@@ -15,15 +15,14 @@ Table to stdout; JSON to `--out` (default results/remote_lanes_ab_<time>.json).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from cli.output import write_report
 from cli.redis_servers import RedisServer
 from kvstore import KVCacheStore, KVLayout, StoreConfig
 
@@ -92,10 +91,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     report = run(args.mib, args.rounds, [int(x) for x in args.tokens.split(",")])
-    out = Path(args.out or f"results/remote_lanes_ab_{time.strftime('%Y%m%d_%H%M%S')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
-    print(f"results written to {out}")
+    write_report(report, "remote_lanes_ab", args.out)
 
 
 if __name__ == "__main__":
