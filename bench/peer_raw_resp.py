@@ -15,6 +15,8 @@ import socket
 import time
 from typing import Any
 
+from tiers.remote.resp import send_all
+
 DEPTH = 4  # requests in flight (a minimal client's SETs of 256 KiB ran fastest at 2-8 here)
 
 
@@ -30,27 +32,12 @@ def _pipelined(sock: socket.socket, requests: list[list[Any]], reply_bytes: int,
     total = len(requests) * reply_bytes
     while received < total:
         while sent < len(requests) and sent - received // reply_bytes < DEPTH:
-            parts, left = requests[sent], sum(memoryview(p).nbytes for p in requests[sent])
-            while left:  # sendmsg may take part of a large value
-                n = sock.sendmsg(parts)
-                left -= n
-                parts = _after(parts, n)
+            send_all(sock, requests[sent])  # gathered by sendmsg, whole
             sent += 1
         n = sock.recv_into(into[received:])
         if n == 0:
             raise ConnectionError("the server closed the connection")
         received += n
-
-
-def _after(parts: list[Any], n: int) -> list[Any]:
-    """`parts` less their first `n` bytes."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views and n >= views[0].nbytes:
-        n -= views[0].nbytes
-        views.pop(0)
-    if views and n:
-        views[0] = views[0][n:]
-    return views
 
 
 def raw_side(spec: dict[str, Any]) -> dict[str, Any]:

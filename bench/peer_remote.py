@@ -183,8 +183,6 @@ def rows(remote: dict[str, Any]) -> list[list[Any]]:
             for c in connections:
                 side = side_name(c, connections)
                 for api, prefix in (("", ""), (", block API", "blocks_")):
-                    if not all(prefix + key in r for r in res.get(side, {}).get(label, [])):
-                        continue  # a report from before the block API's rows
                     k = med(side, label, prefix + key)
                     name = f"remote {what} {label} values{api}" + ("" if side == "kvstrata" else f", {c} connections")
                     out.append([f"{name} (GB/s)", k, lm, floor, k / lm if lm == lm else "-",

@@ -200,17 +200,18 @@ class RespReader:
             i += not pending[i].nbytes
         if self._start == self._end:
             self._start = self._end = 0
-        while i < len(pending):
+        while i < len(pending):  # the own buffer is empty here (every held byte was taken)
             batch = pending[i : i + _SCATTER]
-            rest = sum(v.nbytes for v in batch) if i + _SCATTER >= len(pending) else -1
-            if rest >= 0 and self._end < len(self._buf):  # the last views: what follows them (the CRLF, the
-                batch.append(self._view[self._end : self._end + _SPARE])  # next reply's head) comes in the same call
+            last = i + _SCATTER >= len(pending)
+            if last:  # what follows the value (its CRLF, the next reply's head) comes in the same call
+                batch.append(self._view[self._end : self._end + _SPARE])
             n = self._sock.recvmsg_into(batch)[0]
             if n == 0:
                 raise ConnectionError("the server closed the connection")
-            if 0 <= rest < n:
-                self._end += n - rest
-                n = rest
+            spill = n - sum(v.nbytes for v in pending[i:]) if last else 0
+            if spill > 0:  # every view is full; the rest went into the own buffer
+                self._end += spill
+                n -= spill
             i = _consume(pending, i, n)
 
     def _crlf(self) -> None:
