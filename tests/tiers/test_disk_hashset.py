@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tiers.disk import hashset
-from tiers.disk.hashset import CompactHashSet
+from tiers.disk import columns, hashset
+from tiers.disk.hashset import CompactHashSet, MergeJob
 
 # 16-byte hashes sharing their first 8 bytes often (the probe's tie path), random ones,
 # 32-byte ones (sha256) and lengths no column holds.
@@ -25,7 +25,8 @@ _HASHES = st.one_of(
     st.binary(min_size=0, max_size=40),
 )
 _OPS = st.lists(st.tuples(st.sampled_from(["add", "discard", "update", "difference_update", "contains", "held",
-                                           "count_prefix", "merge", "rebuild", "iter"]),
+                                           "count_prefix", "merge", "rebuild", "iter", "start", "finish",
+                                           "abandon"]),
                           st.lists(_HASHES, max_size=12), st.integers(0, 14)), max_size=60)
 
 
@@ -36,15 +37,25 @@ def _same(got: CompactHashSet, want: set[bytes]) -> None:
 
 
 @given(initial=st.lists(_HASHES, max_size=40), ops=_OPS, merge_min=st.integers(0, 6),
-       merge_share=st.sampled_from([0.0, 0.1, 1.0]), tagged=st.booleans(), seed=st.integers(0, 2**16))
-@settings(max_examples=400, deadline=None)
+       merge_share=st.sampled_from([0.0, 0.1, 1.0]), tagged=st.booleans(), seed=st.integers(0, 2**16),
+       deferred=st.booleans())
+@settings(max_examples=500, deadline=None)
 def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[bytes], int]], merge_min: int,
-                              merge_share: float, tagged: bool, seed: int) -> None:
+                              merge_share: float, tagged: bool, seed: int, deferred: bool) -> None:
+    """`deferred`: merges run as the disk tier's copy runs them, later (`start_merge`, then
+    `finish_merge` or `abandon_merge` after more changes, or superseded by `merge`)."""
     rng = random.Random(seed)
+    jobs: list[MergeJob] = []
+
+    def defer(target: CompactHashSet) -> None:
+        if deferred:
+            target.on_merge_due = lambda: jobs.extend(j for j in [target.start_merge()] if j is not None)
+
     tag = b"T" * 8 if tagged else b""
     keys = [tag + h for h in initial]
     rng.shuffle(keys)
     got = CompactHashSet.from_keys(keys, skip=len(tag), merge_min=merge_min, merge_share=merge_share)
+    defer(got)
     want = set(initial)
     _same(got, want)
     for op, hs, start in ops:
@@ -75,10 +86,23 @@ def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[by
             assert got.count_prefix(run, n) == expect
         elif op == "merge":
             got.merge()
+            assert not any(got.finish_merge(j, j.run()) for j in jobs)  # superseded
+            jobs.clear()
+        elif op == "start":
+            jobs.extend(j for j in [got.start_merge()] if j is not None)
+            assert len(jobs) <= 1  # one at a time
+        elif op in ("finish", "abandon") and jobs:
+            job = jobs.pop(rng.randrange(len(jobs)))
+            if op == "finish":
+                got.finish_merge(job, job.run())
+            else:
+                got.abandon_merge(job)
         elif op == "rebuild":
             rebuilt = CompactHashSet.from_keys(sorted(tag + h for h in want), skip=len(tag))
             assert rebuilt.same_as(got) and got.same_as(rebuilt)
             got = rebuilt
+            jobs.clear()
+            defer(got)
         _same(got, want)
     other = CompactHashSet.from_keys(list(want) + [b"\x00" * 16] * 2)
     assert other.same_as(got) == (b"\x00" * 16 in want)
@@ -198,7 +222,7 @@ def test_a_probe_among_many_hashes_sharing_their_leading_word_is_a_search_not_a_
 
     def count(frame: types.FrameType, event: str, arg: object) -> object:
         nonlocal lines
-        if event == "line" and frame.f_code.co_filename == hashset.__file__:
+        if event == "line" and frame.f_code.co_filename in (hashset.__file__, columns.__file__):
             lines += 1
         return count
 

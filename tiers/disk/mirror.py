@@ -14,10 +14,15 @@ Invariant: after `refresh()`, `hashes` equals this namespace's keys in the index
 snapshot no older than the call. Every use of `hashes` holds the lock (the compact set is
 not thread-safe). A hash wrongly held would only send a read to the index, which finds no
 entry (a miss); `check()` holds the copy exactly equal to the index all the same.
+
+The copy's merges (O(n): 0.45 s at 10^7 blocks, every few dozen write transactions of any
+process) run on a thread of their own (`_merge`), holding the lock only to start and to put
+the new columns in place: a lookup that replays a change never waits for one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from itertools import compress
@@ -25,22 +30,52 @@ from itertools import compress
 import lmdb
 
 from tiers.disk.env import begin
-from tiers.disk.hashset import CompactHashSet
+from tiers.disk.hashset import CompactHashSet, MergeJob
 from tiers.disk.index import Index
 from tiers.keys import BlockHash
+
+logger = logging.getLogger(__name__)
 
 
 class Mirror:
     """The hashes of one namespace (by index tag) held in a disk tier; thread-safe."""
 
     def __init__(self, env: lmdb.Environment, index: Index, tag: bytes) -> None:
-        self.hashes = CompactHashSet()
         self._env, self._index, self._tag = env, index, tag
         self._seq = -1  # log position applied; -1: never built
         self._txnid = -1  # LMDB transaction id seen at the last refresh
         self._lock = threading.Lock()
         self.num_rebuilds = 0
         self.num_replayed = 0
+        self.num_merge_failures = 0
+        self.hashes = self._merging_in_background(CompactHashSet())
+
+    def _merging_in_background(self, hashes: CompactHashSet) -> CompactHashSet:
+        hashes.on_merge_due = lambda: self._start_merge(hashes)
+        return hashes
+
+    def _start_merge(self, hashes: CompactHashSet) -> None:
+        """(The lock held.) Merge `hashes`' changes into its columns on a thread of its own."""
+        job = hashes.start_merge()
+        if job is not None:
+            threading.Thread(target=self._merge, args=(hashes, job), name="kvstrata-disk-merge", daemon=True).start()
+
+    def _merge(self, hashes: CompactHashSet, job: MergeJob) -> None:
+        """Build the merged columns without the lock, then put them in place. A failure (no
+        memory for the new columns) is warned about, and that copy merges in place from then
+        on."""
+        try:
+            merged = job.run()
+        except Exception as exc:  # MemoryError at most: the job only reads arrays and sets
+            with self._lock:
+                hashes.abandon_merge(job)
+                hashes.on_merge_due = None
+                self.num_merge_failures += 1
+            logger.warning("disk tier: merging the in-memory index on a thread failed (%r); it merges during "
+                           "lookups from now on", exc)
+            return
+        with self._lock:
+            hashes.finish_merge(job, merged)
 
     def refresh(self) -> None:
         """Catch up with every transaction committed before this call."""
@@ -65,7 +100,7 @@ class Mirror:
         self._seq = seq
 
     def _rebuild(self, txn: lmdb.Transaction) -> None:
-        self.hashes = self._index.hashes_of(txn, self._tag)
+        self.hashes = self._merging_in_background(self._index.hashes_of(txn, self._tag))
         self.num_rebuilds += 1
 
     def _apply(self, removed: list[bytes], added: list[bytes]) -> None:
