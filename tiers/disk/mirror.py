@@ -22,7 +22,9 @@ the new columns in place: a lookup that replays a change never waits for one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from itertools import compress
@@ -35,6 +37,7 @@ from tiers.disk.index import Index
 from tiers.keys import BlockHash
 
 logger = logging.getLogger(__name__)
+_MERGE_NICE = 10  # added to the merge thread's nice value
 
 
 class Mirror:
@@ -61,9 +64,12 @@ class Mirror:
             threading.Thread(target=self._merge, args=(hashes, job), name="kvstrata-disk-merge", daemon=True).start()
 
     def _merge(self, hashes: CompactHashSet, job: MergeJob) -> None:
-        """Build the merged columns without the lock, then put them in place. A failure (no
-        memory for the new columns) is warned about, and that copy merges in place from then
-        on."""
+        """Build the merged columns without the lock, at a low CPU priority (lookups and
+        writes first), then put them in place. A failure (no memory for the new columns) is
+        warned about, and that copy merges in place from then on."""
+        with contextlib.suppress(OSError, AttributeError):  # (Linux: a thread's own nice value)
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + _MERGE_NICE))
         try:
             merged = job.run()
         except Exception as exc:  # MemoryError at most: the job only reads arrays and sets
