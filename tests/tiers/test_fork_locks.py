@@ -168,26 +168,60 @@ def test_a_forked_mooncake_tier_renews_the_locks_a_parents_thread_held() -> None
     assert "child 0 0 True True" in out, out
 
 
+# The parent opens a Mooncake tier on a live master and stores: its client is set up.
+_MOONCAKE_CLIENT_SET_UP = """
+    from tiers.mooncake.client import ClientParams
+    from tiers.mooncake.tier import MooncakeTier
+    params = ClientParams("127.0.0.1", sys.argv[2], 64 << 20, 16 << 20, "tcp", "", sys.argv[1])
+
+    def open_tier():
+        return MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-client", timeout_s=2.0, cooldown_s=0.5,
+                            buffer_bytes=8 << 20)
+
+    tier = open_tier()
+    assert tier.put(keys(1), blocks) == n
+    locks = {}
+"""
+
+
 def test_a_forked_mooncake_tier_whose_parent_set_up_its_client_misses_at_once() -> None:
     """The parent's Mooncake client does not cross a fork (its calls are never answered in
     the child, and a setup of another hangs there). Before, each call of the child waited out
     its deadline and was abandoned, holding a region of the transfer buffer for ever (after
     two, every call failed for want of one); now each is a counted fault at once."""
     with mooncake_master() as master:
-        out = _run("""
-            from tiers.mooncake.client import ClientParams
-            from tiers.mooncake.tier import MooncakeTier
-            params = ClientParams("127.0.0.1", sys.argv[2], 64 << 20, 16 << 20, "tcp", "", sys.argv[1])
-            tier = MooncakeTier(params, shape, torch.bfloat16, namespace=b"fork-client", timeout_s=2.0,
-                                cooldown_s=0.5, buffer_bytes=8 << 20)
-            assert tier.put(keys(1), blocks) == n
-            locks = {}
-        """, """
+        out = _run(_MOONCAKE_CLIENT_SET_UP, """
             got = tier.get_into(keys(1), [torch.zeros_like(b) for b in blocks])
             put = tier.put(keys(2), blocks)
             print("child", got, put, tier.num_errors > 0, tier._conn.regions.num_free, flush=True)
         """, master.master, master.metadata_server)
         assert "child 0 0 True 2" in out, out
+
+
+def test_a_new_mooncake_tier_in_a_child_of_a_process_that_set_up_a_client_misses_at_once() -> None:
+    """Mooncake's `setup` of a client in a child forked after its parent set one up hangs,
+    holding the interpreter's lock, so no deadline bounds it. Before, a NEW tier opened in
+    such a child hung in that setup as it opened (the child killed by its alarm; the parent,
+    meanwhile, died of a segmentation fault in a Mooncake thread); now the child knows an
+    ancestor set up a client, and each call of the child's tier, and of its own child's, is a
+    counted fault at once with a warning that says what to do."""
+    with mooncake_master() as master:
+        out = _run(_MOONCAKE_CLIENT_SET_UP, """
+            fresh = open_tier()
+            put = fresh.put(keys(2), blocks)
+            got = fresh.get_into(keys(1), [torch.zeros_like(b) for b in blocks])
+            print("child", put, got, fresh.num_write_drops > 0, fresh.num_errors > 0, flush=True)
+            fresh.close()
+            if (grandchild := os.fork()) == 0:  # a fork of a fork: its ancestor set up a client too
+                signal.alarm(60)
+                again = open_tier()
+                print("grandchild", again.put(keys(3), blocks), again.num_errors > 0, flush=True)
+                os._exit(0)
+            print("grandchild exit", os.waitstatus_to_exitcode(os.waitpid(grandchild, 0)[1]), flush=True)
+        """, master.master, master.metadata_server)
+        assert "child 0 0 True True" in out, out
+        assert "grandchild 0 True" in out and "grandchild exit 0" in out, out
+        assert "open the Mooncake tier in a process that is not a fork" in out, out
 
 
 def test_a_forked_shared_filesystem_tier_renews_its_locks_and_threads(tmp_path: Path) -> None:

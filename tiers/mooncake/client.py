@@ -10,7 +10,8 @@ leased until the abandoned call returns. Faults (the deadline, an error code
 the tier treats as one, no client) are counted in the kind's `Health` (`tiers/shared/health.py`)
 with a rate-limited warning; repeated ones open its breaker for `cooldown_s`. A client that
 could not be set up (the master down) is set up again by a later call, once its breaker lets
-calls through.
+calls through. A process forked from one that set up a client never sets one up (`_SetUps`):
+each of its calls is a counted fault at once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ NUM_WORKERS = 4
 PROBE_S = 2.0  # each step of a probe of the master before a setup, at most
 _NOT_AN_RPC = bytes(64)  # a bad RPC header: a live master closes the connection
 _HTTP_PROBE = b"GET / HTTP/1.0\r\n\r\n"
+FORKED = ("this process is a fork of one that set up a Mooncake client, and Mooncake cannot set up a client "
+          "in such a child (its setup hangs): open the Mooncake tier in a process that is not a fork of one that "
+          "set up a Mooncake client (e.g. start workers with the 'spawn' method)")
 EXTRA = ("pip install 'kvstrata[mooncake]' (the Mooncake store client; it needs libibverbs1: "
          "apt-get install libibverbs1)")
 
@@ -95,6 +99,23 @@ class Lease:
 
 
 _ORPHANS: list[tuple[Any, Regions]] = []  # a forked child's copies of its parent's clients
+
+
+class _SetUps:
+    """Whether this process began to set up a native client (`here`), and whether an ancestor
+    did before it forked this process or a parent of it (`ancestor`). Mooncake's `setup` hangs
+    in such a child, holding the interpreter's lock (no deadline bounds it), and a client
+    set up before the fork is never answered there: its connections never set one up."""
+
+    def __init__(self) -> None:
+        self.here = self.ancestor = False
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self.ancestor, self.here = self.ancestor or self.here, False
+
+
+_SET_UPS = _SetUps()
 
 
 class _Idle:
@@ -183,17 +204,15 @@ class Connection:
         self._setup_lock = threading.Lock()
         self._cooldown_s = cooldown_s
         self._next_setup = 0.0
-        self._forked = False  # a child forked after this process set up a client
         renew_in_child(self, "_setup_lock")
 
     def _after_fork(self) -> None:
-        """In a forked child of a process that set up a client: every call a counted fault at
-        once. The parent's client is not this process's (its calls are never answered: each
-        would wait out its deadline and hold a region and a worker for ever), and Mooncake's
-        `setup` of another hangs in such a child. The parent's is kept, never closed."""
+        """In a forked child: the parent's client is not this process's (its calls are never
+        answered: each would wait out its deadline and hold a region and a worker for ever);
+        it is kept, never closed, and every call is a counted fault at once (`_SetUps`)."""
         if self._client is not None:
             _ORPHANS.append((self._client, self.regions))
-            self._client, self._forked = None, True
+            self._client = None
 
     def limit(self, nbytes: int) -> float:
         """The deadline of a call moving `nbytes`."""
@@ -202,6 +221,7 @@ class Connection:
     def _setup(self) -> Any:
         p = self.params
         client = self._cls()
+        _SET_UPS.here = True  # a fork from now on, even mid-setup, leaves a child that cannot set one up
         rc = client.setup(p.local_hostname, p.metadata_server, p.segment_bytes, p.local_buffer_bytes, p.protocol,
                           p.device_name, p.master)
         if rc != 0:
@@ -235,11 +255,12 @@ class Connection:
 
     def _connected(self) -> Any:
         """The client, set up first (within `setup_timeout_s`) if there is none yet; after a
-        failed setup none is tried for `cooldown_s` (`CallFailed` at once)."""
+        failed setup none is tried for `cooldown_s`, and none ever in a fork of a process that
+        set one up (`CallFailed` at once)."""
         with self._setup_lock:
             if self._client is None:
-                if self._forked:
-                    raise CallFailed("a forked child cannot use the Mooncake client its parent set up")
+                if _SET_UPS.ancestor:
+                    raise CallFailed(FORKED)
                 if time.monotonic() < self._next_setup:
                     raise CallFailed("no client: its last setup failed (the master down?); retried later")
                 try:
