@@ -7,6 +7,7 @@ import os
 import random
 import sys
 import types
+from collections.abc import Sequence
 
 import numpy as np
 from hypothesis import given, settings
@@ -30,10 +31,15 @@ _OPS = st.lists(st.tuples(st.sampled_from(["add", "discard", "update", "differen
                           st.lists(_HASHES, max_size=12), st.integers(0, 14)), max_size=60)
 
 
-def _same(got: CompactHashSet, want: set[bytes]) -> None:
+def _same(got: CompactHashSet, want: set[bytes], probe: Sequence[bytes] = ()) -> None:
+    """`got` holds `want`: its length, its iteration, and its probes of every held hash and
+    of `probe`."""
     assert len(got) == len(want)
     listed = list(got)
     assert len(listed) == len(want) and set(listed) == want
+    every = sorted(want) + list(probe)
+    assert got.held(every).tolist() == [h in want for h in every]
+    assert all((h in got) == (h in want) for h in every)
 
 
 @given(initial=st.lists(_HASHES, max_size=40), ops=_OPS, merge_min=st.integers(0, 6),
@@ -103,7 +109,7 @@ def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[by
             got = rebuilt
             jobs.clear()
             defer(got)
-        _same(got, want)
+        _same(got, want, hs)
     other = CompactHashSet.from_keys(list(want) + [b"\x00" * 16] * 2)
     assert other.same_as(got) == (b"\x00" * 16 in want)
 

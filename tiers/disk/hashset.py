@@ -7,8 +7,9 @@ held in a `SortedColumns` (`tiers/disk/columns.py`: sorted uint64 columns, in by
 order LMDB's cursor yields them, so a build from the index sorts nothing; about 17 bytes per
 block at width 16). Stores and removals go to two small Python sets (`_added`: not in the
 columns, `_removed`: in them), merged into new columns once they exceed `merge_share` of
-them, so a change costs O(1) amortized. Hashes of any other length sit in a plain set
-(`_other`).
+them, so a change costs O(1) amortized. A dict (`_view`) holds the membership of every hash
+those sets (or the frozen ones below) name, so a probe looks each hash up once however many
+sets there are. Hashes of any other length sit in a plain set (`_other`).
 
 A merge is O(n) (0.45 s at 10^7 hashes). Where `on_merge_due` is set, the set calls it
 instead of merging: the owner then runs the merge on another thread (`start_merge`, then
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import compress, islice
+from itertools import compress, islice, repeat
 from typing import NamedTuple
 
 import numpy as np
@@ -78,6 +79,9 @@ class CompactHashSet:
         self._removed: set[bytes] = set()
         self._frozen_added: set[bytes] = set()
         self._frozen_removed: set[bytes] = set()
+        # membership of every hash the four sets name, and of some whose change undid itself
+        # (a hash of the width it does not name is held if in the columns)
+        self._view: dict[bytes, bool] = {}
         self._merging = 0  # the generation of the merge under way; 0: none
         self._generation = 0
         self._other: set[bytes] = set()
@@ -137,11 +141,14 @@ class CompactHashSet:
         return self._layered(hashes, found, frozen_only=True)
 
     def _layered(self, hashes: Sequence[bytes], found: Mask, *, frozen_only: bool = False) -> Mask:
-        """`found` (each of `hashes` in the columns) with the delta sets applied over it."""
-        layers = [(self._frozen_removed, False), (self._frozen_added, True)]
+        """`found` (each of `hashes` in the columns) with the frozen sets applied over it, or
+        (not `frozen_only`) every change since the columns were built: `_view`."""
         if not frozen_only:
-            layers += [(self._removed, False), (self._added, True)]
-        for members, held in layers:
+            if not self._view:
+                return found
+            known = np.fromiter(map(self._view.get, hashes, repeat(2)), np.int8, len(hashes))
+            return np.where(known == 2, found, known == 1)
+        for members, held in ((self._frozen_removed, False), (self._frozen_added, True)):
             if members:
                 mask = np.fromiter(map(members.__contains__, hashes), np.bool_, len(hashes))
                 found = found | mask if held else found & ~mask
@@ -176,11 +183,8 @@ class CompactHashSet:
             return False
         if len(h) != self._width:
             return h in self._other
-        for members, held in ((self._added, True), (self._removed, False), (self._frozen_added, True),
-                              (self._frozen_removed, False)):
-            if h in members:
-                return held
-        return bool(self._base.find(cols_of([h], self._width))[1][0])
+        known = self._view.get(h)
+        return bool(self._base.find(cols_of([h], self._width))[1][0]) if known is None else known
 
     def __len__(self) -> int:
         return (self._base.n - len(self._frozen_removed) + len(self._frozen_added) - len(self._removed)
@@ -208,6 +212,7 @@ class CompactHashSet:
                 moved = {h for h in self._other if len(h) == self._width}
                 self._other -= moved
                 self._added |= moved
+                self._view.update(dict.fromkeys(moved, True))
         return {h for h in hs if len(h) == self._width}
 
     def update(self, hashes: Iterable[bytes]) -> None:
@@ -219,9 +224,12 @@ class CompactHashSet:
         back = mine & self._removed
         self._removed -= back
         mine -= back
+        self._view.update(dict.fromkeys(back, True))
         if mine:
             todo = list(mine)
-            self._added.update(compress(todo, ~self._in_base(todo)))
+            new = list(compress(todo, ~self._in_base(todo)))
+            self._added.update(new)
+            self._view.update(dict.fromkeys(new, True))
         self._maybe_merge()
         if len(self._other) > max(self._merge_min, 2 * self._other_seen):
             self._rewiden()
@@ -251,9 +259,12 @@ class CompactHashSet:
         self._added -= gone
         mine -= gone
         mine -= self._removed
+        self._view.update(dict.fromkeys(gone, False))
         if mine:
             todo = list(mine)
-            self._removed.update(compress(todo, self._in_base(todo)))
+            held = list(compress(todo, self._in_base(todo)))
+            self._removed.update(held)
+            self._view.update(dict.fromkeys(held, False))
         self._maybe_merge()
 
     def add(self, h: bytes) -> None:
@@ -264,8 +275,9 @@ class CompactHashSet:
 
     # -- merges -------------------------------------------------------------------------
     def _maybe_merge(self) -> None:
-        if self._merging or len(self._added) + len(self._removed) <= max(self._merge_min,
-                                                                         self._merge_share * self._base.n):
+        """Merge (or have `on_merge_due` merge) once the changes pass the threshold, counted
+        in `_view` (which also holds changes that undid themselves, so churn merges too)."""
+        if self._merging or len(self._view) <= max(self._merge_min, self._merge_share * self._base.n):
             return
         if self.on_merge_due is None:
             self.merge()
@@ -276,7 +288,10 @@ class CompactHashSet:
         """Freeze the delta sets for a merge (new changes go to fresh ones) and return the
         job that builds the columns from them; None if there is nothing to merge or a merge
         is under way."""
-        if self._merging or not (self._added or self._removed) or self._width is None:
+        if self._merging or self._width is None:
+            return None
+        if not (self._added or self._removed):
+            self._view = {}  # (changes that undid themselves: nothing to merge)
             return None
         self._generation += 1
         self._merging = self._generation
@@ -291,6 +306,7 @@ class CompactHashSet:
             return False
         self._base = merged
         self._frozen_added, self._frozen_removed = set(), set()
+        self._view = {**dict.fromkeys(self._removed, False), **dict.fromkeys(self._added, True)}
         self._merging = 0
         self.num_merges += 1
         return True
@@ -313,10 +329,11 @@ class CompactHashSet:
         if self._merging:
             self._thaw()
         if not (self._added or self._removed):
+            self._view = {}  # (changes that undid themselves: nothing to merge)
             return
         assert self._width is not None
         self._base = self._base.merged(self._width, self._added, self._removed)
-        self._added, self._removed = set(), set()
+        self._added, self._removed, self._view = set(), set(), {}
         self.num_merges += 1
 
     def same_as(self, other: CompactHashSet) -> bool:
