@@ -145,12 +145,9 @@ def test_merges_under_way_over_few_hashes_match_a_python_set(initial: list[bytes
     got.defer_merges = True
     want = set(initial)
     for op, hs in ops:
-        if op == "update":
-            got.update(hs)
-            want.update(hs)
-        elif op == "difference_update":
-            got.difference_update(hs)
-            want.difference_update(hs)
+        if op in ("update", "difference_update"):
+            getattr(got, op)(hs)
+            getattr(want, op)(hs)
         else:
             jobs.do(got, op)
         if got.merge_due:

@@ -37,6 +37,7 @@ from tiers.keys import BlockHash
 from tiers.shared.ratelimit import RateLimitedWarning
 
 logger = logging.getLogger(__name__)
+_CLOSE_WAIT_S = 60.0  # the longest `close` waits for a merge (a thread stopped at interpreter exit never ends)
 
 
 class Mirror:
@@ -100,9 +101,10 @@ class Mirror:
                    "lookups from now on")
 
     def close(self) -> None:
-        """Wait for a merge under way to end (its thread holds the old columns and the new)."""
+        """Wait (up to a minute: 0.45 s at 10^7 blocks) for a merge under way to end: its
+        thread holds the old columns and the new."""
         if self._merger is not None:
-            self._merger.join()
+            self._merger.join(timeout=_CLOSE_WAIT_S)
 
     def refresh(self) -> None:
         """Catch up with every transaction committed before this call."""
