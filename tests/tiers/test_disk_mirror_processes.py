@@ -12,14 +12,11 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests import ROOT
-from tiers.disk import columns
 from tiers.disk.tier import LMDBTier
 from tiers.keys import BlockHash, BlockKey
 
@@ -116,49 +113,3 @@ def test_the_in_memory_index_follows_another_process_through_merges_and_never_in
         fresh.close()
         tier.close()
 
-
-def test_a_lookup_never_waits_for_the_in_memory_index_to_merge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                ) -> None:
-    """Merging the copy's changes into its columns is O(n): 0.45 s at 10^7 blocks, about
-    every 40 write transactions of 2,048 blocks (with evictions) of any process. It ran inside
-    whichever lookup replayed the change that crossed the threshold. Now it runs on a thread
-    of its own: here the merge is held back, and lookups go on, exact, until it ends."""
-    calls: list[str] = []
-    release = threading.Event()
-    merged = columns.SortedColumns.merged
-
-    def held_back(self: columns.SortedColumns, *args: object) -> columns.SortedColumns:
-        calls.append(threading.current_thread().name)
-        if threading.current_thread() is not threading.main_thread():
-            assert release.wait(timeout=60)
-        return merged(self, *args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(columns.SortedColumns, "merged", held_back)
-    rng = random.Random(11)
-    src = torch.zeros(SHAPE, dtype=torch.float16)
-    looker, writer = _open(tmp_path), _open(tmp_path)  # (one environment, a copy each)
-    try:
-        first = [BlockHash(rng.randbytes(16)) for _ in range(5000)]
-        looker.put([BlockKey(h) for h in first], [src] * len(first))
-        later = [BlockHash(rng.randbytes(16)) for _ in range(5000)]
-        writer.put([BlockKey(h) for h in later], [src] * len(later))  # past the copy's merge threshold
-        writer.discard(first[:100])
-        assert looker.match_prefix(later) == len(later)  # replays the writer's changes
-        assert calls and threading.main_thread().name not in calls, calls
-        assert looker.match_prefix(first) == 0 and looker.match_prefix(first, 100) == len(first) - 100
-        newest = [BlockHash(rng.randbytes(16)) for _ in range(50)]
-        writer.put([BlockKey(h) for h in newest], [src] * len(newest))
-        writer.discard(later[:10])
-        assert looker.match_prefix(newest) == len(newest) and looker.match_prefix(later) == 0
-        release.set()
-        deadline = time.monotonic() + 60
-        while looker._mirror.hashes.num_merges == 0 and time.monotonic() < deadline:  # type: ignore[attr-defined]
-            time.sleep(0.01)
-        assert looker._mirror.hashes.num_merges >= 1  # type: ignore[attr-defined]
-        assert looker.match_prefix(later, 10) == len(later) - 10 and looker.match_prefix(newest) == len(newest)
-        assert threading.main_thread().name not in calls
-        looker.check_integrity()
-    finally:
-        release.set()
-        writer.close()
-        looker.close()

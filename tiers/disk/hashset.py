@@ -11,8 +11,8 @@ them, so a change costs O(1) amortized. A dict (`_view`) holds the membership of
 those sets (or the frozen ones below) name, so a probe looks each hash up once however many
 sets there are. Hashes of any other length sit in a plain set (`_other`).
 
-A merge is O(n) (0.45 s at 10^7 hashes). Where `on_merge_due` is set, the set calls it
-instead of merging: the owner then runs the merge on another thread (`start_merge`, then
+A merge is O(n) (0.45 s at 10^7 hashes). Where `defer_merges` is set, a merge due waits
+for the owner (`merge_due`), who runs it on another thread (`start_merge`, then
 `MergeJob.run` without the lock, then `finish_merge`). Meanwhile the deltas being merged are
 frozen (`_frozen_added`, `_frozen_removed`) and new changes go to fresh ones, so probes and
 changes go on against the old columns and the frozen deltas, and once the new columns are in
@@ -26,7 +26,7 @@ caller holds a lock (a `MergeJob.run` needs none).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import compress, islice, repeat
 from typing import NamedTuple
 
@@ -88,7 +88,10 @@ class CompactHashSet:
         self._merge_share, self._merge_min = merge_share, merge_min
         self._other_seen = 0  # the plain set's size when its widths were last counted
         self.num_merges = 0
-        self.on_merge_due: Callable[[], None] | None = None  # None: merge at once
+        # True: a merge due waits for the owner (`merge_due`, `start_merge`); a flag, not a hook
+        # calling the owner, which would make a cycle (owner, set, hook) that keeps a replaced
+        # set's columns in memory until a full garbage collection
+        self.defer_merges = False
 
     # -- building -----------------------------------------------------------------------
     @classmethod
@@ -246,7 +249,7 @@ class CompactHashSet:
         fresh = CompactHashSet.from_keys(list(self), merge_share=self._merge_share, merge_min=self._merge_min,
                                          width=width)
         kept = {"num_merges": self.num_merges + 1, "_other_seen": self._other_seen,
-                "_generation": self._generation, "on_merge_due": self.on_merge_due}
+                "_generation": self._generation, "defer_merges": self.defer_merges}
         self.__dict__.update(fresh.__dict__)
         self.__dict__.update(kept)
 
@@ -274,15 +277,16 @@ class CompactHashSet:
         self.difference_update((h,))
 
     # -- merges -------------------------------------------------------------------------
+    @property
+    def merge_due(self) -> bool:
+        """Whether the changes have outgrown `max(merge_min, merge_share * len)` and no merge
+        is under way; counted in `_view`, which also holds changes that undid themselves (so
+        churn merges too)."""
+        return not self._merging and len(self._view) > max(self._merge_min, self._merge_share * self._base.n)
+
     def _maybe_merge(self) -> None:
-        """Merge (or have `on_merge_due` merge) once the changes pass the threshold, counted
-        in `_view` (which also holds changes that undid themselves, so churn merges too)."""
-        if self._merging or len(self._view) <= max(self._merge_min, self._merge_share * self._base.n):
-            return
-        if self.on_merge_due is None:
+        if not self.defer_merges and self.merge_due:
             self.merge()
-        else:
-            self.on_merge_due()
 
     def start_merge(self) -> MergeJob | None:
         """Freeze the delta sets for a merge (new changes go to fresh ones) and return the

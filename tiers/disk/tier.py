@@ -346,6 +346,7 @@ class LMDBTier(Tier):
             self._closed = True
             if os.getpid() == self._pid:
                 self._writer.close()
+                self._mirror.close()
                 release_env(self._path)
             self._files.close()
 
