@@ -71,7 +71,7 @@ def _round(tier: LMDBTier, writer: subprocess.Popen[str], prompt: list[BlockHash
     with mirror._lock:
         hashes = mirror.hashes
         hashes.merge()  # each round starts from merged columns
-        hashes.on_merge_due = None if in_place else (lambda: mirror._start_merge(hashes))
+        hashes.defer_merges = not in_place  # (deferred: the mirror merges on a thread)
         merges = hashes.num_merges
     assert writer.stdin is not None and writer.stdout is not None
     writer.stdin.write(f"{args.batches} {args.batch}\n")
