@@ -121,16 +121,23 @@ class WriteBatch:
             self.needs_repair = True
             return e
         txn.delete(be_key(e.tick), db=ix.order)
+        self._forget(e)
+        return e
+
+    def _forget(self, e: Entry) -> None:
+        """A sound entry was deleted with its order record: its slot becomes free when the
+        transaction ends, its bytes leave the account."""
         self._freed.append((e.slot_bytes, e.slot))
         self.used = max(0, self.used - block_cost(e.slot_bytes))
-        return e
 
     def evict(self, num_bytes: float) -> list[bytes]:
         """Remove least recently used entries (any namespace) until `num_bytes` are freed;
         return their keys. Order records that do not parse or name no entry of their tick are
-        damage: dropped."""
+        damage: dropped. A sound victim is deleted where the order's cursor finds it (the
+        entry already read, its order record under the cursor); a damaged one by `remove`."""
         txn, ix = self.txn, self.ix
         victims: list[bytes] = []
+        damaged: list[bytes] = []
         freed = 0
         if num_bytes <= 0:
             return victims
@@ -145,7 +152,7 @@ class WriteBatch:
             try:
                 e = unpack_entry(raw)
             except CorruptRecordError:  # a damaged entry goes too, freeing nothing known
-                victims.append(key)
+                damaged.append(key)
                 found = cursor.next()
                 continue
             if e.tick != tick:
@@ -154,11 +161,14 @@ class WriteBatch:
                 continue
             freed += block_cost(e.slot_bytes)
             victims.append(key)
-            found = cursor.next()
-        victims = list(dict.fromkeys(victims))  # a damaged entry may be named twice
-        for key in victims:
+            txn.delete(key, db=ix.index)
+            self.removed.append(key)
+            self._forget(e)
+            found = delete(cursor)
+        damaged = list(dict.fromkeys(damaged))  # a damaged entry may be named twice
+        for key in damaged:
             self.remove(key)
-        return victims
+        return victims + damaged
 
     def allocate(self, slot_bytes: int, count: int) -> list[int]:
         """`count` slots of one size: free ones first (lowest first), then new ones at the
