@@ -32,14 +32,19 @@ _OPS = st.lists(st.tuples(st.sampled_from(["add", "discard", "update", "differen
 
 
 def _same(got: CompactHashSet, want: set[bytes], probe: Sequence[bytes] = ()) -> None:
-    """`got` holds `want`: its length, its iteration, and its probes of every held hash and
-    of `probe`."""
+    """`got` holds `want`: its length, its iteration, its probes of every held hash and of
+    `probe`, and its dict of changed hashes' memberships."""
     assert len(got) == len(want)
     listed = list(got)
     assert len(listed) == len(want) and set(listed) == want
     every = sorted(want) + list(probe)
     assert got.held(every).tolist() == [h in want for h in every]
     assert all((h in got) == (h in want) for h in every)
+    # the dict a probe reads first names every hash of the delta sets, and each it names
+    # (also those no probe above asks about) with its true membership
+    view = got._view
+    assert all(held == (h in want) for h, held in view.items())
+    assert all(h in view for s in (got._added, got._removed, got._frozen_added, got._frozen_removed) for h in s)
 
 
 class _Jobs:
