@@ -27,29 +27,36 @@ _HASHES = st.one_of(
 )
 _OPS = st.lists(st.tuples(st.sampled_from(["add", "discard", "update", "difference_update", "contains", "held",
                                            "count_prefix", "merge", "rebuild", "iter", "start", "finish",
-                                           "abandon"]),
+                                           "abandon", "stale"]),
                           st.lists(_HASHES, max_size=12), st.integers(0, 14)), max_size=60)
 
 
 def _same(got: CompactHashSet, want: set[bytes], probe: Sequence[bytes] = ()) -> None:
-    """`got` holds `want`: its length, its iteration, and its probes of every held hash and
-    of `probe`."""
+    """`got` holds `want`: its length, its iteration, its probes of every held hash and of
+    `probe`, and its dict of changed hashes' memberships."""
     assert len(got) == len(want)
     listed = list(got)
     assert len(listed) == len(want) and set(listed) == want
     every = sorted(want) + list(probe)
     assert got.held(every).tolist() == [h in want for h in every]
     assert all((h in got) == (h in want) for h in every)
+    # the dict a probe reads first names every hash of the delta sets, and each it names
+    # (also those no probe above asks about) with its true membership
+    view = got._view
+    assert all(held == (h in want) for h, held in view.items())
+    assert all(h in view for s in (got._added, got._removed, got._frozen_added, got._frozen_removed) for h in s)
 
 
 class _Jobs:
     """Merges started and not yet ended, as the disk tier's copy runs them: each job's columns
     are built at once (its thread then waits for the lock) or when it ends, and must come out
-    the same (nothing the job reads changes meanwhile)."""
+    the same (nothing the job reads changes meanwhile). Jobs that ended or were superseded
+    are kept: one ended again ("stale", a thread late by any number of merges) changes nothing."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
         self.pending: list[tuple[MergeJob, columns.SortedColumns | None]] = []  # (a job, its columns if built)
+        self.ended: list[MergeJob] = []
 
     def do(self, target: CompactHashSet, op: str) -> None:
         """`op` on `target`: "start" a merge, "finish" or "abandon" a pending one, or "merge" in
@@ -60,9 +67,15 @@ class _Jobs:
         elif op == "merge":
             target.merge()
             assert not any(target.finish_merge(j, j.run()) for j, _ in self.pending)  # superseded
+            self.ended += [j for j, _ in self.pending]
             self.pending.clear()
+        elif op == "stale" and self.ended:
+            job = self.rng.choice(self.ended)
+            assert not target.finish_merge(job, job.run())
+            target.abandon_merge(job)
         elif op in ("finish", "abandon") and self.pending:
             job, built = self.pending.pop(self.rng.randrange(len(self.pending)))
+            self.ended.append(job)
             late = job.run()
             assert built is None or late.same_rows(built)
             if op == "finish":
@@ -116,13 +129,14 @@ def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[by
             while n + expect < len(run) and run[n + expect] in want:
                 expect += 1
             assert got.count_prefix(run, n) == expect
-        elif op in ("merge", "start", "finish", "abandon"):
+        elif op in ("merge", "start", "finish", "abandon", "stale"):
             jobs.do(got, op)
         elif op == "rebuild":
             rebuilt = CompactHashSet.from_keys(sorted(tag + h for h in want), skip=len(tag))
             assert rebuilt.same_as(got) and got.same_as(rebuilt)
             got = rebuilt
             jobs.pending.clear()
+            jobs.ended.clear()  # (jobs of the set replaced)
             got.defer_merges = deferred
         if deferred and got.merge_due:
             jobs.do(got, "start")
@@ -135,7 +149,8 @@ def test_matches_a_python_set(initial: list[bytes], ops: list[tuple[str, list[by
 # removal undone, an addition removed again); two widths whose counts cross (a rewidening
 # supersedes the job), sharing leading words (the probe's tie path); lengths no column holds.
 _FEW = [bytes([i % 2]) * 8 + bytes([i]) * 8 for i in range(5)] + [bytes([i]) * 24 + b"w" * 8 for i in range(5)] + [b"s"]
-_FEW_OPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "start", "finish", "abandon", "merge"]),
+_FEW_OPS = st.lists(st.tuples(st.sampled_from(["update", "difference_update", "start", "finish", "abandon", "merge",
+                                                            "stale"]),
                               st.lists(st.sampled_from(_FEW), max_size=4)), min_size=10, max_size=80)
 
 
