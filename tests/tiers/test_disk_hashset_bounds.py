@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.tiers.test_disk_mirror_processes import SHAPE, _open
 from tiers.disk.hashset import CompactHashSet, MergeJob
 from tiers.disk.tier import LMDBTier
 from tiers.keys import BlockHash, BlockKey
@@ -95,16 +96,16 @@ def test_over_real_lmdb_churn_leaves_the_copys_changes_bounded(tmp_path: Path) -
     each write transaction, merges start on a thread): the copy's memory of changes stays
     within its merge threshold (4,096 changes at this size) plus a transaction's once the
     merges it started have ended."""
-    shape, batch = (2, 4), 64
-    tier = LMDBTier(str(tmp_path), 64 << 20, shape, torch.float16, sync=False, verify_tokens=False)
+    batch = 64
+    tier = _open(tmp_path)
     rng = random.Random(17)
     try:
         kept = [BlockHash(rng.randbytes(16)) for _ in range(50)]
-        tier.put([BlockKey(h) for h in kept], [torch.zeros(shape, dtype=torch.float16)] * len(kept))
+        tier.put([BlockKey(h) for h in kept], [torch.zeros(SHAPE, dtype=torch.float16)] * len(kept))
         peak = 0
         for _ in range(100):  # 12,800 changes: three times the threshold
             fresh = [BlockHash(rng.randbytes(16)) for _ in range(batch)]
-            tier.put([BlockKey(h) for h in fresh], [torch.zeros(shape, dtype=torch.float16)] * batch)
+            tier.put([BlockKey(h) for h in fresh], [torch.zeros(SHAPE, dtype=torch.float16)] * batch)
             assert tier.match_prefix(fresh) == batch
             peak = max(peak, _settled(tier))
             tier.discard(fresh)

@@ -18,11 +18,11 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from tests.tiers.test_disk_mirror_processes import SHAPE, _open
 from tiers.disk import columns
 from tiers.disk.tier import LMDBTier
 from tiers.keys import BlockHash, BlockKey
 
-SHAPE = (2, 4)
 MERGE = "kvstrata-disk-merge"  # the merge threads' name
 
 
@@ -46,10 +46,6 @@ def held_back(monkeypatch: pytest.MonkeyPatch) -> Iterator[HeldBack]:
     monkeypatch.setattr(columns.SortedColumns, "merged", wait_then_merge)
     yield held
     held.release.set()
-
-
-def _open(path: Path) -> LMDBTier:
-    return LMDBTier(str(path), 64 << 20, SHAPE, torch.float16, sync=False, verify_tokens=False)
 
 
 def _put(tier: LMDBTier, rng: random.Random, n: int) -> list[BlockHash]:

@@ -141,21 +141,19 @@ class CompactHashSet:
         `_frozen_removed` plus `_frozen_added` (what `_added`/`_removed` are relative to)."""
         assert self._width is not None
         found = self._base.find(cols_of(hashes, self._width))[1]
-        return self._layered(hashes, found, frozen_only=True)
-
-    def _layered(self, hashes: Sequence[bytes], found: Mask, *, frozen_only: bool = False) -> Mask:
-        """`found` (each of `hashes` in the columns) with the frozen sets applied over it, or
-        (not `frozen_only`) every change since the columns were built: `_view`."""
-        if not frozen_only:
-            if not self._view:
-                return found
-            known = np.fromiter(map(self._view.get, hashes, repeat(2)), np.int8, len(hashes))
-            return np.where(known == 2, found, known == 1)
         for members, held in ((self._frozen_removed, False), (self._frozen_added, True)):
             if members:
                 mask = np.fromiter(map(members.__contains__, hashes), np.bool_, len(hashes))
                 found = found | mask if held else found & ~mask
         return found
+
+    def _changed(self, hashes: Sequence[bytes], found: Mask) -> Mask:
+        """`found` (each of `hashes` in the columns) with every change since the columns were
+        built applied over it (`_view`)."""
+        if not self._view:
+            return found
+        known = np.fromiter(map(self._view.get, hashes, repeat(2)), np.int8, len(hashes))
+        return np.where(known == 2, found, known == 1)
 
     def held(self, hashes: Sequence[bytes]) -> Mask:
         """Whether each of `hashes` is in the set, vectorized."""
@@ -166,7 +164,7 @@ class CompactHashSet:
         if len(joined) != n * (self._width or 0) or max(map(len, hashes)) != self._width:  # (mixed: rare)
             return np.fromiter(map(self.__contains__, hashes), np.bool_, n)
         found = self._base.find(split(np.frombuffer(joined, np.uint8).reshape(n, len(joined) // n)))[1]
-        return self._layered(hashes, found)
+        return self._changed(hashes, found)
 
     def count_prefix(self, hashes: Sequence[bytes], start: int = 0) -> int:
         """How many consecutive `hashes[start:]` are in the set: the first 16 probed, then the
