@@ -259,6 +259,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.flush()  # queued saves land before the stores close
         if self._store_keys:
+            self._count_policy()  # (vLLM may not have asked for stats since the last decision)
             self._stats.write()
             for config in self._store_keys:
                 release_store(config)
@@ -336,14 +337,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This role's counter increases since the last call (None if none): vLLM adds the
         worker's and the scheduler's and records them (`build_prom_metrics`)."""
+        self._count_policy()
+        deltas = self._stats.take_deltas()
+        return KVStrataStats(data=deltas) if deltas else None
+
+    def _count_policy(self) -> None:
+        """Copy the scheduler's load-policy counters into this role's stats."""
         if self._scheduler is not None:
             policy = self._scheduler.store.load_policy
             self._stats.set("policy_skipped_blocks", policy.num_blocks_skipped)
             self._stats.set("policy_probes", policy.num_probes)
             if self._rates is not None:
                 self._stats.set("policy_rates_rejected", self._rates.rejected)
-        deltas = self._stats.take_deltas()
-        return KVStrataStats(data=deltas) if deltas else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
