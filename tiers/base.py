@@ -76,8 +76,15 @@ class Occupancy(NamedTuple):
     capacity_bytes: int
 
 
+def check_start(start: int) -> None:
+    """Refuse a negative prefix offset (it would count from the prompt's end)."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+
+
 def count_held(index: object, block_hashes: Sequence[BlockHash], start: int) -> int:
     """Consecutive `block_hashes[start:]` found in `index` (anything with `in`)."""
+    check_start(start)
     n, end = start, len(block_hashes)
     while n < end and block_hashes[n] in index:  # type: ignore[operator]  # a dict or set
         n += 1

@@ -161,6 +161,9 @@ def test_match_prefix_stops_at_first_miss(tier_factory: Callable[[int], Tier]) -
     assert tier.match_prefix(hashes) == 2
     assert tier.match_prefix([]) == 0
     assert tier.match_prefix(hashes[2:]) == 0
+    assert tier.match_prefix(hashes, 1) == 1 and tier.match_prefix(hashes, 4) == 0
+    with pytest.raises(ValueError, match="start must be >= 0, got -1"):
+        tier.match_prefix(hashes, -1)  # (it would count from the prompt's end)
 
 
 def test_get_stops_at_first_missing_block(tier_factory: Callable[[int], Tier]) -> None:

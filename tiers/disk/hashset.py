@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from tiers.base import check_start
 from tiers.disk.columns import Column, Mask, SortedColumns, cols_of, in_order, sorted_unique, split
 
 _CHUNK = 1 << 10  # keys joined at once by a build (its buffers stay below malloc's mmap threshold)
@@ -169,6 +170,7 @@ class CompactHashSet:
     def count_prefix(self, hashes: Sequence[bytes], start: int = 0) -> int:
         """How many consecutive `hashes[start:]` are in the set: the first 16 probed, then the
         rest at once, so a prompt missing early costs one small probe."""
+        check_start(start)
         i, end = start, len(hashes)
         for stop in (start + _FIRST_PROBE, end):
             if i >= end:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
+from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits, check_start
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import StoreClosedError
@@ -133,6 +133,7 @@ class MooncakeTier(ChecksRecords, Tier):
     # -- reads -----------------------------------------------------------------------------------
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
+        check_start(start)
         todo = list(block_hashes[start:])
         lease = self._conn.lease(self.reads, "lookup") if todo else None
         if lease is None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
+from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits, check_start
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import StoreClosedError
@@ -144,6 +144,7 @@ class RemoteTier(ChecksRecords, Tier):
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
+        check_start(start)
         todo = list(block_hashes[start:])
         generation = self._gen.now() if todo else None
         if generation is None:

@@ -34,7 +34,7 @@ from typing import TypeVar
 
 import torch
 
-from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits
+from tiers.base import Occupancy, SweepResult, Tier, TierCounters, TierTraits, check_start
 from tiers.changes import ChangeKind
 from tiers.codecs import CodecSpec
 from tiers.errors import StoreClosedError
@@ -173,6 +173,7 @@ class SharedFSTier(ChecksRecords, Tier):
 
     def match_prefix(self, block_hashes: Sequence[BlockHash], start: int = 0) -> int:
         self._check_open()
+        check_start(start)
         todo = list(block_hashes[start:])
         if not todo or not self._available():
             return 0
