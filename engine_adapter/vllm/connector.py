@@ -280,6 +280,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler.update_state_after_alloc(request, num_external_tokens, [list(g) for g in ids])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._count_policy()  # this step's decisions reach the stats file `build_plan` writes
         return TierConnectorMetadata(self.scheduler.build_plan(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

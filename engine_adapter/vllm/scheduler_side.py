@@ -203,9 +203,8 @@ class ConnectorScheduler:
         for new in scheduler_output.scheduled_new_reqs:  # scheduled: its background load is done
             self._loading.discard(new.req_id)
         for kind, blocks in self.store.prefetched_blocks.items():  # by source tier, so far
-            self.stats.counters[f"prefetch_tokens_{kind.value}"] = blocks * self.block_size
-        if plan.loads or plan.saves:
-            self.stats.write()
+            self.stats.set(f"prefetch_tokens_{kind.value}", blocks * self.block_size)
+        self.stats.write(if_changed=True)  # this step's lookups and decisions
         return plan
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -16,6 +16,7 @@ class ConnectorStats:
         self.role, self.path = role, path
         self.counters: dict[str, int] = {}
         self._reported: dict[str, int] = {}  # the counters as of the last `take_deltas`
+        self._written: dict[str, int] | None = None  # the counters as of the last `write`
         self._lock = threading.Lock()
 
     def count(self, name: str, n: int) -> None:
@@ -35,10 +36,16 @@ class ConnectorStats:
             self._reported.update((k, self.counters[k]) for k in deltas)
         return deltas
 
-    def write(self) -> None:
+    def write(self, *, if_changed: bool = False) -> None:
+        """Put the counters in this process's file (with `if_changed`, only if they changed
+        since the last write): the file is current without waiting for a shutdown that a
+        parent's kill may cut short."""
         if self.path is None:
             return
         with self._lock:
+            if if_changed and self.counters == self._written:
+                return
+            self._written = dict(self.counters)
             os.makedirs(self.path, exist_ok=True)
             target = os.path.join(self.path, f"{self.role}-{os.getpid()}.json")
             tmp = f"{target}.{threading.get_ident()}.tmp"

@@ -123,7 +123,9 @@ def run(spec: dict) -> dict:
         drafts = sum(int(getattr(m, "value", 0)) for m in llm.get_metrics()
                      if m.name == "vllm:spec_decode_num_draft_tokens")
     stats_path = (spec.get("connector") or {}).get("stats_path")
-    llm.llm_engine.engine_core.shutdown()  # workers in other processes flush their stores and stats now
+    # Workers in other processes flush their stores and stats now; vLLM kills an engine process
+    # still shutting down after 5 s (its default), which a loaded CI machine can take.
+    llm.llm_engine.engine_core.shutdown(timeout=60)
     del llm
     return {"pid": os.getpid(), "rounds": rounds, "stats": _stats(stats_path), "draft_tokens": drafts,
             "prefetches": prefetches, "after_round": hooks}
