@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from tests import ROOT
+from tiers.disk.mirror import untagged
 from tiers.disk.tier import LMDBTier
 from tiers.keys import BlockHash, BlockKey
 
@@ -113,3 +114,17 @@ def test_the_in_memory_index_follows_another_process_through_merges_and_never_in
         fresh.close()
         tier.close()
 
+
+
+def test_a_log_records_keys_are_cut_to_this_namespaces_hashes() -> None:
+    """`untagged` (the replay of a change-log record) keeps the hashes under this process's
+    namespace tag and only those, in order, on the array path (keys of one length) and the
+    per-key one (any other) alike."""
+    rng = random.Random(7)
+    mine, theirs = b"\x01" * 8, b"\x02" * 8
+    keys = [rng.choice((mine, theirs)) + rng.randbytes(16) for _ in range(300)]
+    expect = [k[8:] for k in keys if k[:8] == mine]
+    assert untagged(keys, mine) == expect and all(type(h) is bytes for h in untagged(keys, mine))
+    assert untagged(keys, b"\x03" * 8) == [] and untagged([], mine) == []
+    odd = [*keys, mine + rng.randbytes(32), theirs[:4]]  # (lengths differ: per key)
+    assert untagged(odd, mine) == [*expect, odd[-2][8:]]

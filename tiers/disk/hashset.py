@@ -205,10 +205,9 @@ class CompactHashSet:
         yield from self._other
 
     # -- changes ------------------------------------------------------------------------
-    def _split_widths(self, hashes: Iterable[bytes]) -> set[bytes]:
-        """Those of `hashes` of this set's width (adopted from the first valid one while the
+    def _split_widths(self, hs: set[bytes]) -> set[bytes]:
+        """Those of `hs` of this set's width (adopted from the first valid one while the
         columns are empty and no width is set)."""
-        hs = set(hashes)
         if self._width is None and not self._base.n:
             self._width = _common_width(hs)[0]
             if self._width is not None:  # (held until now as others: move those of the width)
@@ -216,14 +215,23 @@ class CompactHashSet:
                 self._other -= moved
                 self._added |= moved
                 self._view.update(dict.fromkeys(moved, True))
-        return {h for h in hs if len(h) == self._width}
+        return self._of_width(hs)
+
+    def _of_width(self, hs: set[bytes]) -> set[bytes]:
+        """Those of `hs` of this set's width: `hs` itself where all are (two C-level passes;
+        the lengths summing to the width's multiple and none longer means all equal)."""
+        w = self._width
+        if w is not None and hs and len(b"".join(hs)) == w * len(hs) and max(map(len, hs)) == w:
+            return hs
+        return {h for h in hs if len(h) == w}
 
     def update(self, hashes: Iterable[bytes]) -> None:
         """Add every one of `hashes`."""
         hs = set(hashes)
         mine = self._split_widths(hs)
-        self._other.update(hs - mine)
-        mine -= self._added
+        if mine is not hs:
+            self._other.update(hs - mine)
+        mine = mine - self._added  # (not -=: that walks all of `_added`; this walks `mine`)
         back = mine & self._removed
         self._removed -= back
         mine -= back
@@ -256,12 +264,13 @@ class CompactHashSet:
     def difference_update(self, hashes: Iterable[bytes]) -> None:
         """Remove every one of `hashes` held."""
         hs = set(hashes)
-        mine = {h for h in hs if len(h) == self._width}
-        self._other.difference_update(hs - mine)
+        mine = self._of_width(hs)
+        if mine is not hs:
+            self._other.difference_update(hs - mine)
         gone = mine & self._added
         self._added -= gone
         mine -= gone
-        mine -= self._removed
+        mine = mine - self._removed  # (as in `update`)
         self._view.update(dict.fromkeys(gone, False))
         if mine:
             todo = list(mine)

@@ -174,7 +174,7 @@ def parse_log(raw: bytes | memoryview) -> tuple[list[bytes], list[bytes]] | None
     except Exception:  # msgpack raises many types on garbage
         return None
     if not (isinstance(record, list) and len(record) == 2 and all(
-            isinstance(keys, list) and all(isinstance(k, bytes) for k in keys) for keys in record)):
+            isinstance(keys, list) and set(map(type, keys)) <= {bytes} for keys in record)):
         return None
     return record[0], record[1]
 

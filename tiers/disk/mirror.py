@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from itertools import compress
 
 import lmdb
+import numpy as np
 
 from tiers.disk.env import begin
 from tiers.disk.hashset import CompactHashSet, MergeJob
@@ -41,6 +42,20 @@ from tiers.shared.ratelimit import RateLimitedWarning
 logger = logging.getLogger(__name__)
 _MERGE_NICE = 10  # added to the merge thread's nice value
 _CLOSE_WAIT_S = 60.0  # the longest `close` waits for a merge (a thread stopped at interpreter exit never ends)
+
+
+def untagged(keys: list[bytes], tag: bytes) -> list[bytes]:
+    """The hashes of those index `keys` (a namespace's tag, then a hash) under `tag`: one
+    pass of array work where every key has one length (a log record's keys do)."""
+    n = len(tag)
+    size = len(keys[0]) if keys else 0
+    joined = b"".join(keys)
+    if size <= n or len(joined) != size * len(keys) or max(map(len, keys)) != size:
+        return [key[n:] for key in keys if key[:n] == tag]
+    rows = np.frombuffer(joined, np.uint8).reshape(len(keys), size)
+    ours = rows[(rows[:, :n] == np.frombuffer(tag, np.uint8)).all(axis=1), n:]
+    hashes: list[bytes] = np.ascontiguousarray(ours).view(f"V{size - n}").ravel().tolist()
+    return hashes
 
 
 class Mirror:
@@ -140,9 +155,8 @@ class Mirror:
         self.num_rebuilds += 1
 
     def _apply(self, removed: list[bytes], added: list[bytes]) -> None:
-        tag, n = self._tag, len(self._tag)
-        self.hashes.difference_update(key[n:] for key in removed if key[:n] == tag)
-        self.hashes.update(key[n:] for key in added if key[:n] == tag)
+        self.hashes.difference_update(untagged(removed, self._tag))
+        self.hashes.update(untagged(added, self._tag))
         if self.hashes.merge_due:
             self._start_merge()
 
