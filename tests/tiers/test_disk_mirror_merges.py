@@ -117,17 +117,19 @@ def test_merges_run_one_at_a_time_and_close_waits_for_the_last(tmp_path: Path, h
         again.close()
 
 
+@pytest.mark.parametrize("error", [RuntimeError("can't start new thread"), MemoryError()])
 def test_where_no_thread_can_be_started_the_copy_merges_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+                                                                 caplog: pytest.LogCaptureFixture,
+                                                                 error: Exception) -> None:
     """`Thread.start` raises RuntimeError where no thread can be had (a limit on threads; at
-    interpreter shutdown from Python 3.12). It escaped the write that had committed, and the
-    copy stayed frozen for a merge that never ran: its delta sets grew without bound. Now
-    the copy merges in place from then on, counted and warned about."""
+    interpreter shutdown from Python 3.12), or MemoryError. It escaped the write that had
+    committed, and the copy stayed frozen for a merge that never ran: its delta sets grew
+    without bound. Now the copy merges in place from then on, counted and warned about."""
     start = threading.Thread.start
 
     def refuse(self: threading.Thread) -> None:
         if self.name == MERGE:
-            raise RuntimeError("can't start new thread")
+            raise error
         start(self)
 
     monkeypatch.setattr(threading.Thread, "start", refuse)
@@ -138,7 +140,7 @@ def test_where_no_thread_can_be_started_the_copy_merges_in_place(tmp_path: Path,
             first = _put(tier, rng, 5000)  # past the merge threshold: no thread to merge on
         hashes = tier._mirror.hashes  # type: ignore[attr-defined]
         assert tier._mirror.num_merge_failures == 1 and hashes.num_merges == 1  # type: ignore[attr-defined]
-        assert "merges during lookups from now on" in caplog.text
+        assert "merges during lookups until it is rebuilt" in caplog.text
         second = _put(tier, rng, 5000)
         tier.discard(first[:100])
         assert hashes.num_merges == 2 and tier._mirror.num_merge_failures == 1  # type: ignore[attr-defined]

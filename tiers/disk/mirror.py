@@ -92,7 +92,7 @@ class Mirror:
         merger = threading.Thread(target=self._merge, args=(hashes, job), name="kvstrata-disk-merge", daemon=True)
         try:
             merger.start()
-        except RuntimeError as exc:  # "can't start new thread": a limit on threads, or interpreter shutdown
+        except Exception as exc:  # RuntimeError "can't start new thread" (a limit, interpreter shutdown), MemoryError
             self._merge_in_place(hashes, job, exc)
             hashes.merge()
             return
@@ -115,12 +115,13 @@ class Mirror:
 
     def _merge_in_place(self, hashes: CompactHashSet, job: MergeJob, exc: BaseException) -> None:
         """(The lock held.) `job` failed or found no thread: its changes return to `hashes`'
-        delta sets, and `hashes` merges during lookups from now on; counted and warned about."""
+        delta sets, and `hashes` merges during lookups from now on (a rebuilt copy tries threads
+        again); counted and warned about."""
         hashes.abandon_merge(job)
         hashes.defer_merges = False
         self.num_merge_failures += 1
         self._warn(f"disk tier: merging the in-memory index on a thread failed ({exc!r}); it merges during "
-                   "lookups from now on")
+                   "lookups until it is rebuilt")
 
     def close(self) -> None:
         """Wait (up to a minute: 0.45 s at 10^7 blocks) for a merge under way to end: its
