@@ -170,3 +170,15 @@ def test_a_copy_a_rebuild_replaces_is_freed_at_once(tmp_path: Path) -> None:
         assert last() is None
     finally:
         gc.enable()
+
+
+def test_a_copy_being_closed_starts_no_merge_thread(tmp_path: Path) -> None:
+    """A lookup already under way when `close` began could start a merge thread after
+    `close` had joined the last one; a closed copy starts none (its changes stay pending)."""
+    rng = random.Random(9)
+    tier = _open(tmp_path)
+    mirror = tier._mirror  # type: ignore[attr-defined]
+    tier.close()
+    tag = mirror._tag
+    mirror._apply([], [tag + rng.randbytes(16) for _ in range(5000)])  # past the merge threshold
+    assert mirror.hashes.merge_due and _merge_threads() == 0 and mirror.num_merge_failures == 0

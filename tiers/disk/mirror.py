@@ -70,6 +70,7 @@ class Mirror:
         self.num_replayed = 0
         self.num_merge_failures = 0
         self._merger: threading.Thread | None = None  # the thread of the last merge started
+        self._closed = False  # no merge thread starts once `close` began
         self._warn = RateLimitedWarning(logger)
         self.hashes = self._deferring(CompactHashSet())
 
@@ -83,7 +84,7 @@ class Mirror:
         """(The lock held.) Freeze the copy's changes and merge them into its columns on a
         thread of its own; one at a time (while an earlier one, superseded, still runs, the
         merge waits for the next change). Where no thread can be started, merge here."""
-        if self._merger is not None and self._merger.is_alive():
+        if self._closed or (self._merger is not None and self._merger.is_alive()):
             return
         hashes = self.hashes
         job = hashes.start_merge()
@@ -126,8 +127,11 @@ class Mirror:
     def close(self) -> None:
         """Wait (up to a minute: 0.45 s at 10^7 blocks) for a merge under way to end: its
         thread holds the old columns and the new."""
-        if self._merger is not None:
-            self._merger.join(timeout=_CLOSE_WAIT_S)
+        with self._lock:  # (a lookup under way may not start a thread after the join)
+            self._closed = True
+            merger = self._merger
+        if merger is not None:
+            merger.join(timeout=_CLOSE_WAIT_S)
 
     def refresh(self) -> None:
         """Catch up with every transaction committed before this call."""
