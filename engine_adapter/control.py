@@ -7,7 +7,7 @@ the listener keys it as the engine keys such a request (the salt enters the firs
 store's namespace the rest) and calls `KVCacheStore.prefetch` in the background, answering
 202 at once with what it queued, or, with `wait_s` (at most `MAX_WAIT_S`), 200 with the
 prefetch's result if it ends by then. What cannot be keyed from the body alone is refused: a
-LoRA adapter (`lora_name`: its path and id enter the keys, not its name), multimodal inputs
+LoRA adapter (`lora_name`: its files' content enters the keys, not its name), multimodal inputs
 (any other field). Nothing here is trusted: loopback unless told otherwise, and then only
 with a bearer token (compared in constant time); bodies capped at `MAX_BODY_BYTES`; requests
 rate-limited (`RATE_PER_S`, bursts of `BURST`: 429); a bad body is a 400 naming the field,
@@ -69,7 +69,7 @@ def parse_prefetch(body: object) -> PrefetchAsk:
         raise BadField(unknown[0], f"unknown fields {unknown[:10]}: nothing else can be keyed safely; "
                                    f"known: {list(FIELDS)}")
     if body.get("lora_name") is not None:
-        raise BadField("lora_name", "a LoRA adapter cannot be keyed from its name alone (its path and id enter "
+        raise BadField("lora_name", "a LoRA adapter cannot be keyed from its name alone (its files' content enters "
                                     "the keys): not prefetched")
     tokens = body.get("prompt_token_ids")
     if not isinstance(tokens, list) or not tokens:

@@ -107,7 +107,7 @@ class Router:
         wait_s = prefetch_wait(body)
         query = parse_query(body)
         if query.lora is not None:
-            raise BadRequest("lora_id: a LoRA request cannot be prefetched (its adapter's path and id enter the keys)")
+            raise BadRequest("lora_id: a LoRA request cannot be prefetched (its adapter's files enter the keys)")
         best = self.chooser.answer(query)["best"]
         url = self.controls.get(best) if best is not None else None
         if url is None:

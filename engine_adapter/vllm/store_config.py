@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from fractions import Fraction
@@ -34,20 +35,49 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+logger = logging.getLogger(__name__)
+
 # Keys of a HF config that describe where or by what it was saved, not the model.
 _CONFIG_NOISE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
 
 
+# vLLM load formats that read the weights from the checkpoint files `weights_identity` digests.
+# Any other (`dummy`: random weights; `tensorizer`, `ipc_cache`, plugins: bytes from elsewhere)
+# cannot be told apart by content: its namespace is the engine instance's own.
+CONTENT_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "instanttensor",
+                                  "mistral", "sharded_state", "bitsandbytes", "gguf", "runai_streamer",
+                                  "runai_streamer_sharded"})
+
+
+def _weights(vllm_config: VllmConfig) -> list[object]:
+    """The weights' identity: the checkpoint's content digests under a load format that reads
+    them (with the format: `pt` and `safetensors` may read different files of one directory),
+    else this engine instance's id (shared by its scheduler and workers, by no other engine)."""
+    model, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
+    load_format = str(getattr(load, "load_format", "auto")).lower()
+    if load_format in CONTENT_LOAD_FORMATS:
+        return [load_format, weights_identity(model.model, model.revision)]
+    instance = getattr(vllm_config, "instance_id", "")
+    if not instance:
+        raise ConfigError(f"load format {load_format!r} does not read the checkpoint kvstrata can identify, and "
+                          "vLLM's config has no instance id to key this engine's own KV by")
+    logger.warning("kvstrata: load format %r does not read the checkpoint's files, so its weights cannot be "
+                   "identified by content: this engine's KV is keyed by its instance (%s) and shared with no "
+                   "other engine or restart", load_format, instance)
+    return [load_format, "instance", instance]
+
+
 def model_identity(vllm_config: VllmConfig) -> dict[str, object]:
     """Everything of vLLM's config that changes the KV a model computes, host-independent:
-    the weights' content digests, the effective HF config (after `hf_overrides`: RoPE,
-    layers, ...), model dtype, quantization, KV cache dtype and scaling."""
+    the weights (`_weights`: their content digests, and the load format), the effective HF
+    config (after `hf_overrides`: RoPE, layers, ...), model dtype, quantization, KV cache dtype
+    and scaling."""
     model, cache = vllm_config.model_config, vllm_config.cache_config
     hf_config = model.hf_config.to_dict() if hasattr(model.hf_config, "to_dict") else dict(vars(model.hf_config))
     for key in _CONFIG_NOISE:
         hf_config.pop(key, None)
     return {
-        "weights": weights_identity(model.model, model.revision),
+        "weights": _weights(vllm_config),
         "hf_config": hf_config,
         "model_dtype": str(model.dtype),
         "quantization": model.quantization,

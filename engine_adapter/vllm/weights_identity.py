@@ -76,12 +76,31 @@ def checkpoint_identity(directory: str | os.PathLike[str]) -> list[list[str]]:
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ConfigError(f"checkpoint {str(root)!r} holds no weight file ({', '.join(WEIGHT_SUFFIXES)})")
     with _LOCK:
-        cache = _load_cache()
-        before = dict(cache)
-        out = [[str(p.relative_to(root)), file_digest(p, cache)] for p in files]
-        if cache != before:
-            _save_cache(cache)
+        if not _MEMORY:  # (this process's digests, over the file other processes share)
+            _MEMORY.update(_load_cache())
+        before = len(_MEMORY)
+        out = [[str(p.relative_to(root)), file_digest(p, _MEMORY)] for p in files]
+        if len(_MEMORY) != before:
+            _save_cache({**_load_cache(), **_MEMORY})
     return out
+
+
+_MEMORY: dict[str, str] = {}  # file digests by stat key, this process's (a key changes with every write)
+
+
+def adapter_identity(path: str) -> str | None:
+    """A LoRA adapter's content digest (xxh3-128 over its files' digests, as
+    `checkpoint_identity`): a local directory's, else a hub adapter's cached snapshot's; None
+    if neither holds a weight file. Costs a directory walk and a stat per file once digested
+    (per request: a rewritten adapter, same name and path, gets a new identity at once)."""
+    root = path if os.path.isdir(path) else hub_snapshot(path, None)
+    if root is None:
+        return None
+    try:
+        files = checkpoint_identity(root)
+    except (ConfigError, OSError):  # no weight file, or unreadable: not identified
+        return None
+    return xxhash.xxh3_128_hexdigest(json.dumps(files).encode())
 
 
 def hub_snapshot(model: str, revision: str | None) -> str | None:

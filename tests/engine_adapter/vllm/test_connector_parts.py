@@ -14,6 +14,7 @@ import torch
 from engine_adapter.vllm.keys import RequestKeys, request_keys
 from engine_adapter.vllm.paged_blocks import PagedKVBlocks, opaque_layout
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
+from engine_adapter.vllm.store_config import model_identity
 from engine_adapter.vllm.transfer_plan import TransferPlanner
 from engine_adapter.vllm.weights_identity import weights_identity
 from kvstore import ConfigError, ExtraKeys, KVCacheStore, MultiModalInput, StoreConfig
@@ -141,18 +142,81 @@ def _request(**fields: object) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-def test_request_keys_follow_vllms_extra_keys() -> None:
+def _adapter(path: Path, weights: bytes) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def test_request_keys_follow_vllms_extra_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     assert request_keys(_request(), 4) == RequestKeys(None)
     salted = request_keys(_request(cache_salt="tenant-A"), 4)
     assert salted.cacheable and salted.extra_keys == ExtraKeys(cache_salt="tenant-A")
-    lora = SimpleNamespace(lora_name="ad", lora_path="/a", lora_int_id=3)
+    lora = SimpleNamespace(lora_name="ad", lora_path=_adapter(tmp_path / "a", b"A" * 64), lora_int_id=3)
     keys = request_keys(_request(lora_request=lora), 4).extra_keys
-    assert keys is not None and "ad" in str(keys.lora_id) and "/a" in str(keys.lora_id)
-    other = SimpleNamespace(lora_name="ad", lora_path="/b", lora_int_id=3)  # same name, new path
-    assert request_keys(_request(lora_request=other), 4).extra_keys != keys
+    assert keys is not None and keys.lora_id is not None
+    other = SimpleNamespace(lora_name="ad", lora_path=_adapter(tmp_path / "b", b"B" * 64), lora_int_id=3)
+    assert request_keys(_request(lora_request=other), 4).extra_keys != keys  # same name and id, other bytes
     image = SimpleNamespace(identifier="img-1", mm_position=SimpleNamespace(offset=4, length=8))
     mm = request_keys(_request(mm_features=[image]), 4).extra_keys
     assert mm is not None and mm.mm_inputs == (MultiModalInput("img-1", 4, 8),)
+
+
+def test_a_lora_adapter_is_keyed_by_its_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter retrained into the same directory (same name, path and int id, the old
+    mtime put back) is another adapter: kvstrata's tiers outlive the engine that loaded the
+    old one. The same bytes under another name, path and id (another host) share keys; an
+    adapter whose files cannot be read is not keyed (a miss, never a guess)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _adapter(tmp_path / "adapter", b"v1" * 512)
+    lora = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1)
+    first = request_keys(_request(lora_request=lora), 4).extra_keys
+    weights = tmp_path / "adapter" / "adapter_model.safetensors"
+    st = weights.stat()
+    weights.write_bytes(b"v2" * 512)  # retrained in place: same size, old mtime
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = request_keys(_request(lora_request=lora), 4).extra_keys
+    assert first is not None and second is not None and second != first
+    copy = SimpleNamespace(lora_name="theirs", lora_path=str(shutil.copytree(path, tmp_path / "elsewhere")),
+                           lora_int_id=7)
+    assert request_keys(_request(lora_request=copy), 4).extra_keys == second
+    flag = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1, is_3d_lora_weight=True)
+    assert request_keys(_request(lora_request=flag), 4).extra_keys != second  # its weights read otherwise
+    for missing in (str(tmp_path / "no-such-adapter"), str(tmp_path / "cache")):  # absent; no weight file
+        gone = SimpleNamespace(lora_name="gone", lora_path=missing, lora_int_id=2)
+        refused = request_keys(_request(lora_request=gone), 4)
+        assert not refused.cacheable and "cannot be read" in str(refused.refusal)
+
+
+def _vllm_config(model: str, load_format: str, instance_id: str) -> SimpleNamespace:
+    """The parts of a `VllmConfig` `model_identity` reads."""
+    hf_config = SimpleNamespace(to_dict=lambda: {"hidden_size": 8, "_name_or_path": model})
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None, hf_config=hf_config, dtype="bfloat16",
+                                     quantization=None),
+        cache_config=SimpleNamespace(cache_dtype="auto", calculate_kv_scales=False),
+        load_config=SimpleNamespace(load_format=load_format), instance_id=instance_id)
+
+
+def test_weights_a_load_format_does_not_read_are_keyed_by_the_engine_instance(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_format="dummy"` (random weights, for benchmarks) shared the checkpoint's namespace:
+    a real engine on the same disk then served the random model's KV. Now a format that does
+    not read the checkpoint's files keys by vLLM's instance id (its scheduler and workers
+    share it; nothing else does), and one that reads them keys by content and format."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = _adapter(tmp_path / "ckpt", b"W" * 256)  # (a weight file and a config)
+    real = model_identity(_vllm_config(ckpt, "auto", "i1"))  # type: ignore[arg-type]
+    assert real == model_identity(_vllm_config(ckpt, "auto", "i2"))  # type: ignore[arg-type]  # any instance
+    assert real != model_identity(_vllm_config(ckpt, "pt", "i1"))  # type: ignore[arg-type]  # other files
+    dummy = model_identity(_vllm_config(ckpt, "dummy", "i1"))  # type: ignore[arg-type]
+    assert dummy != real and dummy == model_identity(_vllm_config(ckpt, "DUMMY", "i1"))  # type: ignore[arg-type]
+    assert dummy != model_identity(_vllm_config(ckpt, "dummy", "i2"))  # type: ignore[arg-type]  # another engine
+    assert model_identity(_vllm_config("org/not-cached", "dummy", "i1"))  # type: ignore[arg-type]  # no files needed
+    with pytest.raises(ConfigError, match="tensorizer"):
+        model_identity(_vllm_config(ckpt, "tensorizer", ""))  # type: ignore[arg-type]
 
 
 def test_request_keys_refuse_what_they_cannot_key() -> None:
