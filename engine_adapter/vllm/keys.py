@@ -33,30 +33,50 @@ class RequestKeys(NamedTuple):
         return self.refusal is None
 
 
-def lora_key(lora_request: Any, identify: Callable[[str], str | None] = adapter_identity) -> str | None:
-    """One string naming an adapter by what changes the KV: its files' content (`identify`:
-    an adapter retrained into the same directory, same name and id, is another adapter) and
-    its weights' layout flag; None if its content cannot be identified. Names, paths and int
-    ids are not in it: two engines loading the same bytes share keys."""
-    path = getattr(lora_request, "lora_path", None)
-    content = identify(path) if isinstance(path, str) and path else None
-    if content is None:
-        return None
-    return json.dumps(["lora", content, bool(getattr(lora_request, "is_3d_lora_weight", False))])
+class AdapterKeys:
+    """One engine's LoRA adapters by vLLM int id, each keyed by the content its files had
+    when this scheduler first saw it (`identify`): what the engine loaded. vLLM reloads an
+    adapter only for a new int id or `load_inplace` (or after evicting it), so once the files
+    differ from what was pinned (an adapter retrained in place under a running engine), the
+    engine may compute with either version: that id is refused until a `load_inplace`
+    request pins the new content. Names, paths and ids are not in the key: two engines
+    loading the same bytes share keys."""
+
+    def __init__(self, identify: Callable[[str], str | None] = adapter_identity) -> None:
+        self._identify = identify
+        self._pinned: dict[object, str] = {}  # int id -> content digest
+        self._diverged: set[object] = set()  # int ids whose files changed under the engine
+
+    def key(self, lora_request: Any) -> tuple[str | None, str]:
+        """(The adapter's key, or None), and why not."""
+        path = getattr(lora_request, "lora_path", None)
+        content = self._identify(path) if isinstance(path, str) and path else None
+        if content is None:
+            return None, "its files cannot be read to identify it (a local directory with adapter_config.json)"
+        lora_id = getattr(lora_request, "lora_int_id", None)
+        if lora_id not in self._pinned or getattr(lora_request, "load_inplace", False):
+            self._pinned[lora_id] = content  # (vLLM loads it now)
+            self._diverged.discard(lora_id)
+        elif content != self._pinned[lora_id]:
+            self._diverged.add(lora_id)
+        if lora_id in self._diverged:
+            return None, (f"its files changed after this engine loaded it as int id {lora_id}: not keyed until "
+                          "a request loads it again with load_inplace")
+        return json.dumps(["lora", self._pinned[lora_id], bool(getattr(lora_request, "is_3d_lora_weight", False))]), ""
 
 
 def request_keys(
     request: Any,
     block_size: int,
     vllm_extra_keys: Callable[[Any, int, int, int], tuple[tuple[Any, ...] | None, int]] | None = None,
-    identify: Callable[[str], str | None] = adapter_identity,
+    adapters: AdapterKeys | None = None,
 ) -> RequestKeys:
     """The `ExtraKeys` that make `request`'s blocks unique, or a refusal.
 
     `vllm_extra_keys` is vLLM's `generate_block_hash_extra_keys`; when given, every block's
     extra keys as vLLM computes them are checked to be of kinds this module maps, so a
-    feature added to vLLM's keys later is refused rather than silently ignored. `identify`
-    names a LoRA adapter's content (`lora_key`).
+    feature added to vLLM's keys later is refused rather than silently ignored. `adapters`
+    keys a LoRA adapter (the engine's scheduler keeps one; a fresh one otherwise).
     """
     if getattr(request, "prompt_embeds", None) is not None:
         return RequestKeys(None, "prompt_embeds requests are keyed by their embeddings, not token ids")
@@ -79,10 +99,10 @@ def request_keys(
                 kind = key[0] if isinstance(key, tuple) and key else key
                 if kind not in KNOWN_VLLM_KEY_KINDS:
                     return RequestKeys(None, f"vLLM keys this request's blocks by {kind!r}, unknown to kvstrata")
-    lora_id = lora_key(lora, identify) if lora is not None else None
+    lora_id, why = (adapters or AdapterKeys()).key(lora) if lora is not None else (None, "")
     if lora is not None and lora_id is None:
         return RequestKeys(None, f"LoRA adapter {getattr(lora, 'lora_name', None)!r} at "
-                                 f"{getattr(lora, 'lora_path', None)!r}: its files cannot be read to identify it")
+                                 f"{getattr(lora, 'lora_path', None)!r}: {why}")
     if salt is None and lora is None and not mm:
         return RequestKeys(None)
     return RequestKeys(ExtraKeys(cache_salt=salt, lora_id=lora_id, mm_inputs=tuple(mm)))

@@ -12,7 +12,7 @@ from engine_adapter.vllm.group_lookup import GroupLookup
 from engine_adapter.vllm.groups import GroupKind, GroupRule
 from engine_adapter.vllm.handoff import KEY, HandoffWaits, offer, promised
 from engine_adapter.vllm.hints import NONE, Hints, parse
-from engine_adapter.vllm.keys import request_keys
+from engine_adapter.vllm.keys import AdapterKeys, request_keys
 from engine_adapter.vllm.stats import ConnectorStats
 from engine_adapter.vllm.transfer_plan import BlockTransfer, StepPlan, TransferPlanner
 from kvstore import ExtraKeys, KVCacheStore
@@ -59,6 +59,7 @@ class ConnectorScheduler:
         self._delayed: list[str] = []  # finished while loading: freed once the worker says so
         self.block_size = block_size
         self.stats = stats
+        self._adapters = AdapterKeys()  # LoRA adapters as this engine loaded them
         self.planner = TransferPlanner(block_size, self.hit_tokens, self.lookup.rules)
         self._finished: list[str] = []  # told to the worker with the next plan
         # Tiers whose hits load from memory (synchronously, in the step): every other is slow.
@@ -91,7 +92,7 @@ class ConnectorScheduler:
         request that cannot be keyed safely is a miss and is never saved."""
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
-        keys = request_keys(request, self.block_size, generate_block_hash_extra_keys)
+        keys = request_keys(request, self.block_size, generate_block_hash_extra_keys, self._adapters)
         if not keys.cacheable:
             self.stats.count("unkeyable_requests", 1)
             logger.debug("kvstrata: request %s not cached: %s", request.request_id, keys.refusal)

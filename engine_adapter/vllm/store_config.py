@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 _CONFIG_NOISE = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation_autoset")
 
 
-# vLLM load formats that read the weights from the checkpoint files `weights_identity` digests.
-# Any other (`dummy`: random weights; `tensorizer`, `ipc_cache`, plugins: bytes from elsewhere)
-# cannot be told apart by content: its namespace is the engine instance's own.
-CONTENT_LOAD_FORMATS = frozenset({"auto", "pt", "safetensors", "npcache", "fastsafetensors", "instanttensor",
-                                  "mistral", "sharded_state", "bitsandbytes", "gguf", "runai_streamer",
-                                  "runai_streamer_sharded"})
+# vLLM (0.32) load formats that read the weights from the checkpoint files `weights_identity`
+# digests. Any other cannot be told apart by content, and its namespace is the engine
+# instance's own: `dummy` (random weights), `tensorizer`, `ipc_cache`, `modelexpress`, plugins
+# (bytes from elsewhere), `npcache` (reads `np/` arrays it built once and never refreshes).
+CONTENT_LOAD_FORMATS = frozenset({"auto", "hf", "pt", "safetensors", "fastsafetensors", "instanttensor", "mistral",
+                                  "sharded_state", "runai_streamer", "runai_streamer_sharded"})
 
 
 def _weights(vllm_config: VllmConfig) -> list[object]:

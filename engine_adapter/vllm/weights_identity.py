@@ -75,32 +75,57 @@ def checkpoint_identity(directory: str | os.PathLike[str]) -> list[list[str]]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES + CONFIG_SUFFIXES))
     if not any(p.name.endswith(WEIGHT_SUFFIXES) for p in files):
         raise ConfigError(f"checkpoint {str(root)!r} holds no weight file ({', '.join(WEIGHT_SUFFIXES)})")
-    with _LOCK:
-        if not _MEMORY:  # (this process's digests, over the file other processes share)
-            _MEMORY.update(_load_cache())
-        before = len(_MEMORY)
-        out = [[str(p.relative_to(root)), file_digest(p, _MEMORY)] for p in files]
-        if len(_MEMORY) != before:
-            _save_cache({**_load_cache(), **_MEMORY})
-    return out
+    return _digests([(str(p.relative_to(root)), p) for p in files])
 
 
 _MEMORY: dict[str, str] = {}  # file digests by stat key, this process's (a key changes with every write)
 
 
+def _digests(named: list[tuple[str, str | os.PathLike[str]]]) -> list[list[str]]:
+    """`[[name, digest], ...]` of the files `(name, path)`: from this process's cache (loaded
+    once from the file all processes share), the new ones hashed and written back."""
+    with _LOCK:
+        if not _MEMORY:
+            _MEMORY.update(_load_cache())
+        before = len(_MEMORY)
+        out = [[name, file_digest(path, _MEMORY)] for name, path in named]
+        if len(_MEMORY) != before:
+            _save_cache({**_load_cache(), **_MEMORY})
+    return out
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+
+
+def adapter_dir(path: str) -> str | None:
+    """The local directory vLLM loads a LoRA adapter from (`vllm.lora.utils`'s resolution: an
+    absolute path, `~` expanded, or a relative one that exists); None for a hub or ModelScope
+    id, which vLLM downloads at the latest revision (not identifiable here before it does)."""
+    if path.startswith("~"):
+        path = os.path.expanduser(path)
+    if not os.path.isabs(path):
+        if not os.path.exists(path):
+            return None
+        path = os.path.abspath(path)
+    return path if os.path.isdir(path) else None
+
+
 def adapter_identity(path: str) -> str | None:
-    """A LoRA adapter's content digest (xxh3-128 over its files' digests, as
-    `checkpoint_identity`): a local directory's, else a hub adapter's cached snapshot's; None
-    if neither holds a weight file. Costs a directory walk and a stat per file once digested
-    (per request: a rewritten adapter, same name and path, gets a new identity at once)."""
-    root = path if os.path.isdir(path) else hub_snapshot(path, None)
+    """A LoRA adapter's content digest: xxh3-128 over the digests of the files vLLM reads
+    (`ADAPTER_FILES` at the top of its directory: a trainer's other files and checkpoint
+    folders beside them are not read, so not hashed); None if it is not a local directory or
+    lacks its config or weights. A stat per file once digested (cached by stat key)."""
+    root = adapter_dir(path)
     if root is None:
         return None
-    try:
-        files = checkpoint_identity(root)
-    except (ConfigError, OSError):  # no weight file, or unreadable: not identified
+    files = [name for name in ADAPTER_FILES if os.path.isfile(os.path.join(root, name))]
+    if ADAPTER_FILES[0] not in files or len(files) < 2:
         return None
-    return xxhash.xxh3_128_hexdigest(json.dumps(files).encode())
+    try:
+        digests = _digests([(name, os.path.join(root, name)) for name in files])
+    except OSError:  # removed or unreadable meanwhile: not identified
+        return None
+    return xxhash.xxh3_128_hexdigest(json.dumps(digests).encode())
 
 
 def hub_snapshot(model: str, revision: str | None) -> str | None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine_adapter.vllm.keys import RequestKeys, request_keys
+from engine_adapter.vllm.keys import AdapterKeys, RequestKeys, request_keys
 from engine_adapter.vllm.paged_blocks import PagedKVBlocks, opaque_layout
 from engine_adapter.vllm.shared_store import acquire_store, find_store, release_store
 from engine_adapter.vllm.store_config import model_identity
@@ -168,26 +168,57 @@ def test_a_lora_adapter_is_keyed_by_its_content(tmp_path: Path, monkeypatch: pyt
     """An adapter retrained into the same directory (same name, path and int id, the old
     mtime put back) is another adapter: kvstrata's tiers outlive the engine that loaded the
     old one. The same bytes under another name, path and id (another host) share keys; an
-    adapter whose files cannot be read is not keyed (a miss, never a guess)."""
+    adapter whose files cannot be read, or that vLLM would download (a hub id), is not keyed
+    (a miss, never a guess). Only the files vLLM reads count (a trainer's others do not)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = _adapter(tmp_path / "adapter", b"v1" * 512)
     lora = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1)
     first = request_keys(_request(lora_request=lora), 4).extra_keys
+    (tmp_path / "adapter" / "checkpoint-100").mkdir()
+    (tmp_path / "adapter" / "checkpoint-100" / "optimizer.pt").write_bytes(b"o" * 64)  # not read by vLLM
+    assert request_keys(_request(lora_request=lora), 4).extra_keys == first
     weights = tmp_path / "adapter" / "adapter_model.safetensors"
     st = weights.stat()
     weights.write_bytes(b"v2" * 512)  # retrained in place: same size, old mtime
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
-    second = request_keys(_request(lora_request=lora), 4).extra_keys
+    second = request_keys(_request(lora_request=lora), 4).extra_keys  # (a fresh engine: nothing pinned)
     assert first is not None and second is not None and second != first
     copy = SimpleNamespace(lora_name="theirs", lora_path=str(shutil.copytree(path, tmp_path / "elsewhere")),
                            lora_int_id=7)
     assert request_keys(_request(lora_request=copy), 4).extra_keys == second
     flag = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1, is_3d_lora_weight=True)
     assert request_keys(_request(lora_request=flag), 4).extra_keys != second  # its weights read otherwise
-    for missing in (str(tmp_path / "no-such-adapter"), str(tmp_path / "cache")):  # absent; no weight file
+    monkeypatch.chdir(tmp_path)
+    assert request_keys(_request(lora_request=SimpleNamespace(lora_name="rel", lora_path="elsewhere",
+                                                              lora_int_id=8)), 4).extra_keys == second
+    for missing in (str(tmp_path / "no-such-adapter"), str(tmp_path / "cache"), "some-org/some-adapter"):
         gone = SimpleNamespace(lora_name="gone", lora_path=missing, lora_int_id=2)
         refused = request_keys(_request(lora_request=gone), 4)
         assert not refused.cacheable and "cannot be read" in str(refused.refusal)
+
+
+def test_an_adapter_rewritten_under_a_running_engine_is_refused_until_reloaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM keeps the adapter it loaded for an int id (reloading it only with `load_inplace`,
+    or after evicting it): once the files change under a running engine, the engine may
+    compute with either version, so that id is refused (it was keyed by the new content
+    while computing with the old). A `load_inplace` request pins the new content."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _adapter(tmp_path / "adapter", b"v1" * 512)
+    adapters = AdapterKeys()
+    lora = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1)
+    first = request_keys(_request(lora_request=lora), 4, adapters=adapters).extra_keys
+    assert first is not None
+    _adapter(tmp_path / "adapter", b"v2" * 512)  # retrained in place while the engine runs
+    refused = request_keys(_request(lora_request=lora), 4, adapters=adapters)
+    assert not refused.cacheable and "load_inplace" in str(refused.refusal)
+    _adapter(tmp_path / "adapter", b"v1" * 512)  # back: the engine may have reloaded v2 meanwhile
+    assert not request_keys(_request(lora_request=lora), 4, adapters=adapters).cacheable
+    _adapter(tmp_path / "adapter", b"v2" * 512)
+    reload = SimpleNamespace(lora_name="mine", lora_path=path, lora_int_id=1, load_inplace=True)
+    pinned = request_keys(_request(lora_request=reload), 4, adapters=adapters).extra_keys
+    assert pinned is not None and pinned != first
+    assert request_keys(_request(lora_request=lora), 4, adapters=adapters).extra_keys == pinned
 
 
 def _vllm_config(model: str, load_format: str, instance_id: str) -> SimpleNamespace:
@@ -215,6 +246,7 @@ def test_weights_a_load_format_does_not_read_are_keyed_by_the_engine_instance(
     assert dummy != real and dummy == model_identity(_vllm_config(ckpt, "DUMMY", "i1"))  # type: ignore[arg-type]
     assert dummy != model_identity(_vllm_config(ckpt, "dummy", "i2"))  # type: ignore[arg-type]  # another engine
     assert model_identity(_vllm_config("org/not-cached", "dummy", "i1"))  # type: ignore[arg-type]  # no files needed
+    assert model_identity(_vllm_config(ckpt, "npcache", "i1"))["weights"][1] == "instance"  # type: ignore[arg-type,index]
     with pytest.raises(ConfigError, match="tensorizer"):
         model_identity(_vllm_config(ckpt, "tensorizer", ""))  # type: ignore[arg-type]
 

@@ -65,3 +65,28 @@ def test_a_lora_adapter_retrained_in_place_is_another_adapter(model: str, tmp_pa
     assert mine["num_cached_tokens"] == 0 and stat_sum(new["stats"], "load_tokens_disk") == 0, new["stats"]
     assert theirs["num_cached_tokens"] == hit and theirs["output"] == mine["output"]
     assert mine["output"] != old["rounds"][0][0]["output"]  # (the adapters do differ)
+
+
+def test_an_adapter_retrained_under_a_running_engine_is_not_cached(model: str, tmp_path: Path) -> None:
+    """vLLM keeps the adapter it loaded for an int id, so an engine whose adapter directory is
+    rewritten meanwhile computes with the old one. Keyed by the files' new content, that KV
+    was then loaded by a fresh engine on the new adapter (wrong bytes). Now such requests are
+    not keyed (counted unkeyable) until a `load_inplace` request reloads the adapter, and the
+    fresh engine computes its own."""
+    adapter = tmp_path / "adapter"
+    build_tiny_lora(adapter, seed=1)
+    x, y = prompt(73, 300), prompt(74, 300)
+    config = connector_config(tmp_path)
+    running = run_scenario({"model": model, "prompts": [{"ids": x, "lora": "mine"}, {"ids": y, "lora": "mine"}],
+                            "loras": {"mine": str(adapter)}, "rounds": [[0], [1]], "reset_between": True,
+                            "connector": config, "max_tokens": 8,
+                            "after_round": {"0": "lora_hooks:retrain_in_place"}})
+    assert running["after_round"]["0"] == "retrained"
+    assert stat_sum(running["stats"], "unkeyable_requests") >= 1, running["stats"]
+    fresh = run_scenario({"model": model, "prompts": [{"ids": y, "lora": "mine"},
+                                                      {"ids": y, "lora": "mine", "cache_salt": "computed"}],
+                          "loras": {"mine": str(adapter)}, "rounds": [[0], [1]], "reset_between": True,
+                          "connector": config, "max_tokens": 8})
+    first, computed = (r[0] for r in fresh["rounds"])
+    assert first["num_cached_tokens"] == 0 and stat_sum(fresh["stats"], "load_tokens_disk") == 0, fresh["stats"]
+    assert first["output"] == computed["output"]
